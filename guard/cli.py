@@ -6,18 +6,66 @@ Every option has an environment variable ``GHOST_GUARD_<OPTION>`` (shown in
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from guard import __version__
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "GHOST_GUARD", "show_default": True})
+def option(flag: str, **kwargs):
+    """A long kebab-case option with its ``GHOST_GUARD_<FLAG>`` environment variable, shown in --help."""
+    envvar = "GHOST_GUARD_" + flag.lstrip("-").split("/")[0].upper().replace("-", "_")
+    kwargs.setdefault("show_envvar", True)
+    return click.option(flag, envvar=envvar, **kwargs)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(__version__, prog_name="ghost-guard")
 def main() -> None:
     """kube-ghost-guard: keeps kube-scheduler from looping forever on ghost Pods."""
 
 
 # --- serve (guard/server.py) -------------------------------------------------
+
+
+@main.command()
+@option("--bind", default="0.0.0.0:8443", metavar="HOST:PORT", help="Address to listen on.")
+@option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+        help="Cluster credentials. Default: in-cluster service account, then $KUBECONFIG / ~/.kube/config.")
+@option("--tls-cert", type=click.Path(dir_okay=False), default=None, help="Serving certificate (PEM). HTTPS is the default.")
+@option("--tls-key", type=click.Path(dir_okay=False), default=None, help="Serving private key (PEM).")
+@option("--client-ca", type=click.Path(dir_okay=False), default=None,
+        help="Require client certificates signed by this CA (mTLS), e.g. kube-scheduler's.")
+@option("--insecure-http", is_flag=True, default=False,
+        help="Serve plain HTTP. Only for a loopback sidecar next to kube-scheduler (bind 127.0.0.1).")
+@option("--workers", type=int, default=1,
+        help="gunicorn worker processes. Each has its own verdict cache; one worker with threads is recommended.")
+@option("--threads", type=int, default=16, help="Threads per worker (gthread); also the apiserver connection pool size.")
+@option("--get-timeout", type=float, default=1.0,
+        help="Seconds allowed for one quorum GET; must stay below kube-scheduler's httpTimeout (5s).")
+@option("--ghost-ttl", type=float, default=3600.0, help="Seconds a ghost verdict is remembered (by pod UID).")
+@option("--ghost-cache-size", type=int, default=100_000, help="Most ghost verdicts remembered.")
+@option("--alive-ttl", type=float, default=0.5,
+        help="Seconds a quorum read is reused (bursts); below the scheduler's 1s initial backoff.")
+@option("--read-cache-size", type=int, default=10_000, help="Most quorum reads remembered at once.")
+@option("--fail-closed", is_flag=True, default=False,
+        help="Reject a pod when the guard cannot decide (apiserver trouble). Default: fail open (pass it, counted).")
+@option("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="Largest request body accepted (413 above).")
+@option("--access-log/--no-access-log", default=True, help="One JSON line per request on stderr.")
+@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Log level.")
+def serve(**kwargs) -> None:
+    """Serve the extender (/filter, /preempt), probes and metrics under gunicorn."""
+    from guard.server import StartupError, preflight, serve as run
+    from guard.settings import Settings, SettingsError
+
+    try:
+        settings = Settings(**kwargs).validate()
+        preflight(settings)
+    except (SettingsError, StartupError) as e:
+        click.echo(f"ghost-guard serve: {e}", err=True)
+        sys.exit(2)
+    sys.exit(run(settings))
 
 
 # --- certs (guard/certs.py) --------------------------------------------------

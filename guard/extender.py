@@ -1,0 +1,197 @@
+"""The kube-scheduler extender wire protocol (k8s.io/kube-scheduler/extender/v1).
+
+Pure: bytes in, bytes out, no I/O. The Go structs carry no JSON tags, so the
+keys are the Go field names; the embedded Pod and Nodes have no
+``apiVersion``/``kind``. A filter reply must use the request's own mode
+(``NodeNames`` when the scheduler sent names, ``Nodes`` when it sent a
+NodeList): a reply in the wrong field means zero feasible nodes for *every* pod.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, TypedDict
+
+import orjson
+
+from guard.verdict import PodRef
+
+Mode = Literal["names", "nodes"]
+
+
+class ExtenderFilterResult(TypedDict):
+    Nodes: dict[str, Any] | None
+    NodeNames: list[str] | None
+    FailedNodes: dict[str, str]
+    FailedAndUnresolvableNodes: dict[str, str]
+    Error: str
+
+
+class ExtenderPreemptionResult(TypedDict):
+    NodeNameToMetaVictims: dict[str, Any]
+
+
+class ProtocolError(ValueError):
+    """The request is not a well-formed extender request; the reason says why."""
+
+
+@dataclass(slots=True)
+class FilterArgs:
+    pod: PodRef
+    mode: Mode
+    node_names: list[Any] | None  # as sent (names mode)
+    nodes: dict[str, Any] | None  # the NodeList as sent (nodes mode)
+
+
+@dataclass(slots=True)
+class PreemptArgs:
+    pod: PodRef
+    meta_victims: dict[str, Any]  # node -> {"Pods": [{"UID": ...}], "NumPDBViolations": n}
+
+
+def _load_object(body: bytes) -> dict[str, Any]:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"request body is not valid JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise ProtocolError(f"request body must be a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def pod_ref(pod: Any, field: str = "Pod") -> PodRef:
+    """The namespace/name/uid of an embedded v1.Pod (no apiVersion/kind required)."""
+    if not isinstance(pod, dict):
+        raise ProtocolError(f"missing {field}: expected a v1.Pod object, got {_short(pod)}")
+    meta = pod.get("metadata")
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"{field}.metadata is missing or not an object")
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"{field}.metadata.name is missing or not a non-empty string")
+    namespace = meta.get("namespace", "default")
+    if not isinstance(namespace, str) or not namespace:
+        raise ProtocolError(f"{field}.metadata.namespace is not a non-empty string")
+    uid = meta.get("uid", "")
+    if uid is None:
+        uid = ""
+    if not isinstance(uid, str):
+        raise ProtocolError(f"{field}.metadata.uid is not a string")
+    if len(name) > 253 or len(namespace) > 253 or len(uid) > 128:
+        raise ProtocolError(f"{field}.metadata name/namespace/uid too long for a Kubernetes object")
+    return PodRef(namespace=namespace, name=name, uid=uid)
+
+
+def parse_filter(body: bytes) -> FilterArgs:
+    """Parse ``ExtenderArgs``: ``{"Pod", "Nodes", "NodeNames"}``, exactly one of the last two set."""
+    doc = _load_object(body)
+    pod = pod_ref(doc.get("Pod"))
+    names = doc.get("NodeNames")
+    nodes = doc.get("Nodes")
+    if names is not None and nodes is not None:
+        raise ProtocolError("both Nodes and NodeNames are set; the scheduler sends exactly one")
+    if names is not None:
+        if not isinstance(names, list):
+            raise ProtocolError("NodeNames must be a list of node names")
+        return FilterArgs(pod, "names", names, None)
+    if nodes is not None:
+        if not isinstance(nodes, dict) or not isinstance(nodes.get("items", []), list):
+            raise ProtocolError("Nodes must be a v1.NodeList object with an items list")
+        return FilterArgs(pod, "nodes", None, nodes)
+    raise ProtocolError("neither Nodes nor NodeNames is set; the scheduler sends exactly one")
+
+
+def node_names(args: FilterArgs) -> list[str]:
+    """Every node name in the request, validated (only needed when rejecting)."""
+    if args.mode == "names":
+        names = args.node_names or []
+        for n in names:
+            if not isinstance(n, str):
+                raise ProtocolError(f"NodeNames must hold strings, got {_short(n)}")
+        return names
+    out = []
+    for item in (args.nodes or {}).get("items") or []:
+        meta = item.get("metadata") if isinstance(item, dict) else None
+        name = meta.get("name") if isinstance(meta, dict) else None
+        if not isinstance(name, str):
+            raise ProtocolError("every Nodes.items[] entry needs metadata.name")
+        out.append(name)
+    return out
+
+
+def filter_pass(args: FilterArgs) -> bytes:
+    """Every node passes, in the request's own mode."""
+    if args.mode == "names":
+        result = {"Nodes": None, "NodeNames": args.node_names, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""}
+    else:
+        result = {"Nodes": args.nodes, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""}
+    return orjson.dumps(result)
+
+
+def filter_reject(args: FilterArgs, reason: str) -> bytes:
+    """Every node fails as *unresolvable* (preemption skips them), in the request's own mode."""
+    failed = dict.fromkeys(node_names(args), reason)
+    if args.mode == "names":
+        result = {"Nodes": None, "NodeNames": [], "FailedNodes": {}, "FailedAndUnresolvableNodes": failed, "Error": ""}
+    else:
+        nodes = {k: v for k, v in (args.nodes or {}).items() if k != "items"}
+        nodes["items"] = []
+        result = {"Nodes": nodes, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": failed, "Error": ""}
+    return orjson.dumps(result)
+
+
+def _pdb(value: Any, node: str) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"NumPDBViolations of node {node!r} must be an integer")
+    return value
+
+
+def parse_preempt(body: bytes) -> PreemptArgs:
+    """Parse ``ExtenderPreemptionArgs``; full victims are reduced to meta victims (UIDs)."""
+    doc = _load_object(body)
+    pod = pod_ref(doc.get("Pod"))
+    full = doc.get("NodeNameToVictims")
+    meta = doc.get("NodeNameToMetaVictims")
+    if full is not None and meta is not None:
+        raise ProtocolError("both NodeNameToVictims and NodeNameToMetaVictims are set; the scheduler sends one")
+    out: dict[str, Any] = {}
+    source, field = (meta, "NodeNameToMetaVictims") if meta is not None else (full, "NodeNameToVictims")
+    if source is None:
+        return PreemptArgs(pod, out)
+    if not isinstance(source, dict):
+        raise ProtocolError(f"{field} must be an object of node name -> victims")
+    for node, victims in source.items():
+        if not isinstance(victims, dict):
+            raise ProtocolError(f"{field}[{node!r}] must be an object with Pods and NumPDBViolations")
+        pods = victims.get("Pods") or []
+        if not isinstance(pods, list):
+            raise ProtocolError(f"{field}[{node!r}].Pods must be a list")
+        uids = []
+        for p in pods:
+            if meta is not None:
+                uid = p.get("UID") if isinstance(p, dict) else None
+            else:
+                m = p.get("metadata") if isinstance(p, dict) else None
+                uid = m.get("uid") if isinstance(m, dict) else None
+            if not isinstance(uid, str):
+                raise ProtocolError(f"{field}[{node!r}].Pods[] entry has no UID")
+            uids.append({"UID": uid})
+        out[node] = {"Pods": uids, "NumPDBViolations": _pdb(victims.get("NumPDBViolations"), node)}
+    return PreemptArgs(pod, out)
+
+
+def preempt_allow(args: PreemptArgs) -> bytes:
+    """Every candidate unchanged, as meta victims."""
+    return orjson.dumps({"NodeNameToMetaVictims": args.meta_victims})
+
+
+def preempt_veto() -> bytes:
+    """No node may lose a pod for this one."""
+    return b'{"NodeNameToMetaVictims":{}}'

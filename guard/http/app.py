@@ -1,0 +1,101 @@
+"""The Flask application factory: settings -> clients -> routes, JSON errors, access log."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from flask import Flask, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from guard import metrics
+from guard.check import Checker
+from guard.extender import ProtocolError
+from guard.kube import Kube, load_configuration
+from guard.settings import Settings
+
+access_log = logging.getLogger("guard.access")
+
+ENDPOINTS = frozenset({"/filter", "/preempt", "/validate/binding", "/healthz", "/readyz", "/metrics"})
+
+
+@dataclass
+class Guard:
+    """What the routes share in one worker process."""
+
+    settings: Settings
+    kube: Kube
+    checker: Checker
+    # Extra readiness checks (None when fine, else a reason), e.g. the audit store.
+    readiness_checks: list = field(default_factory=list)
+
+
+def json_response(payload: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status=status, mimetype="application/json")
+
+
+def json_error(status: int, reason: str) -> Response:
+    return json_response({"error": reason}, status)
+
+
+def guard_of(app: Flask) -> Guard:
+    return app.extensions["ghost_guard"]
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    """Build the app. Under gunicorn this runs in each worker *after* the fork."""
+    settings = settings or Settings()
+    app = Flask("guard")
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout, pool_size=settings.threads)
+    app.extensions["ghost_guard"] = Guard(settings, kube, Checker(settings, kube.quorum_get))
+
+    from guard.http import filter as filter_routes
+    from guard.http import probes
+
+    app.register_blueprint(filter_routes.bp)
+    app.register_blueprint(probes.bp)
+
+    @app.errorhandler(ProtocolError)
+    def protocol_error(e: ProtocolError) -> Response:
+        return json_error(400, str(e))
+
+    @app.errorhandler(HTTPException)
+    def http_error(e: HTTPException) -> Response:
+        resp = json_error(e.code or 500, e.description or e.name)
+        for key, value in e.get_headers():  # keeps Allow on a 405
+            if key.lower() != "content-type":
+                resp.headers[key] = value
+        return resp
+
+    @app.errorhandler(Exception)
+    def internal_error(e: Exception) -> Response:
+        app.logger.exception("unhandled error on %s %s", request.method, request.path)
+        return json_error(500, "internal error; see the guard's log")
+
+    @app.before_request
+    def start_timer() -> None:
+        g.start = time.perf_counter()
+
+    @app.after_request
+    def record(resp: Response) -> Response:
+        elapsed = time.perf_counter() - g.get("start", time.perf_counter())
+        endpoint = request.path if request.path in ENDPOINTS else "other"
+        metrics.REQUESTS.labels(endpoint, str(resp.status_code)).inc()
+        metrics.REQUEST_DURATION.labels(endpoint).observe(elapsed)
+        if settings.access_log and endpoint not in ("/healthz", "/metrics"):
+            entry = {"method": request.method, "path": request.path[:200], "status": resp.status_code,
+                     "duration_ms": round(elapsed * 1000, 3), "remote": request.remote_addr}
+            pod = g.get("pod")
+            if pod is not None:
+                entry["pod"] = str(pod)
+                entry["uid"] = pod.uid
+            verdict = g.get("verdict")
+            if verdict is not None:
+                entry["verdict"] = verdict
+            access_log.info(orjson.dumps(entry).decode())
+        return resp
+
+    return app

@@ -1,0 +1,160 @@
+"""gunicorn embedding: gthread workers, TLS/mTLS, Prometheus multiprocess, JSON logs.
+
+The app is loaded in each worker after the fork (no ``preload_app``), so every
+worker builds its own apiserver client (kubernetes-client/python#1000).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import ssl
+import sys
+import tempfile
+
+import orjson
+from gunicorn.app.base import BaseApplication
+
+from guard.settings import Settings
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line. Access-log records are already JSON objects and are merged."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name}
+        msg = record.getMessage()
+        if record.name == "guard.access" and msg.startswith("{"):
+            entry.update(orjson.loads(msg))
+        else:
+            entry["msg"] = msg
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry).decode()
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def prepare_multiprocess_dir() -> str:
+    """Point prometheus-client at a fresh per-instance directory (wiped at start)."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if path:
+        os.makedirs(path, exist_ok=True)
+        for entry in os.listdir(path):
+            if entry.endswith(".db"):
+                os.unlink(os.path.join(path, entry))
+    else:
+        path = tempfile.mkdtemp(prefix="ghost-guard-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    return path
+
+
+def tls_context_factory(settings: Settings):
+    """gunicorn's ``ssl_context`` hook; gthread calls it for every new connection.
+
+    The reloading holder re-reads the files when they change on disk (cert-manager
+    renewals), so new connections get the new certificate without a restart and
+    in-flight ones keep theirs.
+    """
+    from guard.certs import ReloadingTLS
+
+    holder = ReloadingTLS(settings.tls_cert, settings.tls_key, settings.client_ca)
+
+    def ssl_context(conf, default_ssl_context_factory) -> ssl.SSLContext:
+        return holder.context()
+
+    return ssl_context
+
+
+class GuardServer(BaseApplication):
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        super().__init__()
+
+    def load_config(self) -> None:
+        s = self.settings
+        options = {
+            "bind": [s.bind],
+            "workers": s.workers,
+            "threads": s.threads,
+            "worker_class": "gthread",
+            "timeout": 30,
+            "graceful_timeout": 10,
+            "keepalive": 30,
+            "accesslog": None,
+            "errorlog": "-",
+            "loglevel": s.log_level,
+            "preload_app": False,
+            "proc_name": "ghost-guard",
+            "child_exit": _child_exit,
+            "post_worker_init": lambda worker: configure_logging(s.log_level),
+        }
+        if "control_socket_disable" in self.cfg.settings:  # gunicorn >= 25: one fixed per-user path otherwise
+            options["control_socket_disable"] = True
+        if s.tls_cert:
+            options.update(certfile=s.tls_cert, keyfile=s.tls_key, ssl_context=tls_context_factory(s))
+            if s.client_ca:
+                options.update(ca_certs=s.client_ca, cert_reqs=ssl.CERT_REQUIRED)
+        for key, value in options.items():
+            self.cfg.set(key, value)
+
+    def load(self):
+        from guard.http.app import create_app
+
+        return create_app(self.settings)
+
+
+def _child_exit(server, worker) -> None:
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def preflight(settings: Settings) -> None:
+    """Fail fast, before any worker starts: credentials and certificates must load.
+
+    Raises ``StartupError`` with one line naming what to fix.
+    """
+    from guard.kube import KubeConfigError, load_configuration
+
+    try:
+        load_configuration(settings.kubeconfig)
+    except KubeConfigError as e:
+        raise StartupError(str(e)) from e
+    if settings.tls_cert:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+            if settings.client_ca:
+                ctx.load_verify_locations(settings.client_ca)
+        except (OSError, ssl.SSLError) as e:
+            raise StartupError(f"cannot load TLS files ({settings.tls_cert}, {settings.tls_key}"
+                               f"{', ' + settings.client_ca if settings.client_ca else ''}): {e}") from e
+
+
+class StartupError(RuntimeError):
+    """The guard cannot start with these settings; the message says why."""
+
+
+def serve(settings: Settings) -> int:
+    """Run until SIGTERM/SIGINT. Settings must be validated and preflighted."""
+    configure_logging(settings.log_level)
+    metrics_dir = prepare_multiprocess_dir()
+    owned_dir = metrics_dir.startswith(tempfile.gettempdir()) and "ghost-guard-metrics-" in metrics_dir
+    logging.getLogger("guard.server").info(
+        "serving on %s (%s), %d worker(s) x %d threads, quorum GET timeout %gs, fail-%s",
+        settings.bind, "http" if settings.insecure_http else ("https+mtls" if settings.client_ca else "https"),
+        settings.workers, settings.threads, settings.get_timeout, "closed" if settings.fail_closed else "open")
+    try:
+        GuardServer(settings).run()
+    finally:
+        if owned_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 0

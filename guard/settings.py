@@ -1,0 +1,87 @@
+"""Settings: one frozen dataclass with the defaults and their validation.
+
+Pure. ``ghost-guard serve`` fills it from flags and ``GHOST_GUARD_*``
+environment variables; ``validate()`` rejects bad combinations before any
+server starts, with one line that says what to change.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+# kube-scheduler's default extender httpTimeout; every request must answer well below it.
+SCHEDULER_HTTP_TIMEOUT = 5.0
+
+
+class SettingsError(ValueError):
+    """A setting (or a combination) is invalid. The message names the flag."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    bind: str = "0.0.0.0:8443"
+    kubeconfig: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    client_ca: str | None = None
+    insecure_http: bool = False
+    workers: int = 1
+    threads: int = 16
+    get_timeout: float = 1.0
+    ghost_ttl: float = 3600.0
+    ghost_cache_size: int = 100_000
+    alive_ttl: float = 0.5
+    read_cache_size: int = 10_000
+    fail_closed: bool = False
+    max_body_bytes: int = 32 * 1024 * 1024
+    access_log: bool = True
+    log_level: str = "info"
+
+    def host_port(self) -> tuple[str, int]:
+        host, sep, port = self.bind.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise SettingsError(f"--bind must be HOST:PORT, got {self.bind!r}")
+        host = host.strip("[]")
+        p = int(port)
+        if not 0 < p < 65536:
+            raise SettingsError(f"--bind port must be 1-65535, got {p}")
+        return host, p
+
+    def validate(self) -> "Settings":
+        host, _ = self.host_port()
+        if self.insecure_http:
+            if self.tls_cert or self.tls_key or self.client_ca:
+                raise SettingsError("--insecure-http cannot be combined with --tls-cert, --tls-key or --client-ca")
+            if not _is_loopback(host):
+                raise SettingsError(
+                    f"--insecure-http serves plain HTTP and is for a loopback sidecar only; bind 127.0.0.1 (got {host})")
+        else:
+            if not (self.tls_cert and self.tls_key):
+                raise SettingsError("HTTPS is the default: pass --tls-cert and --tls-key "
+                                    "(see `ghost-guard certs`), or --insecure-http for a loopback sidecar")
+        if not 0 < self.get_timeout < SCHEDULER_HTTP_TIMEOUT:
+            raise SettingsError(f"--get-timeout must be between 0 and the scheduler's httpTimeout "
+                                f"({SCHEDULER_HTTP_TIMEOUT:g}s), got {self.get_timeout:g}")
+        for flag, value in (("--workers", self.workers), ("--threads", self.threads),
+                            ("--ghost-cache-size", self.ghost_cache_size), ("--read-cache-size", self.read_cache_size),
+                            ("--max-body-bytes", self.max_body_bytes)):
+            if value < 1:
+                raise SettingsError(f"{flag} must be at least 1, got {value}")
+        if self.ghost_ttl <= 0:
+            raise SettingsError(f"--ghost-ttl must be positive, got {self.ghost_ttl:g}")
+        if not 0 < self.alive_ttl < 1.0:
+            raise SettingsError(f"--alive-ttl must be between 0 and 1s (the scheduler's initial backoff), "
+                                f"got {self.alive_ttl:g}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise SettingsError(f"--log-level must be debug, info, warning or error, got {self.log_level!r}")
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
