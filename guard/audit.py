@@ -33,14 +33,15 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
 from guard.attribution import ReplicaObservation
+from guard.verdict import Verdict
 
 log = logging.getLogger(__name__)
 
 DEFAULT_AUDIT_DB: Final = "/var/lib/ghost-guard/audit.db"
 """Where ``ghost-guard serve`` keeps the store and ``ghost-guard audit``/``report`` read it."""
 
-VERDICTS: Final = ("alive", "ghost-deleted", "ghost-replaced", "already-bound", "terminating", "unknown")
-"""Every verdict string (``guard/verdict.py``); the store accepts only these."""
+VERDICTS: Final = tuple(v.value for v in Verdict)
+"""Every verdict string (``guard.verdict.Verdict``); the store accepts only these."""
 
 APPLICATION_ID: Final = 0x47474144  # "GGAD": marks the file as a ghost-guard audit store
 SCHEMA_VERSION: Final = 1

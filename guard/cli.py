@@ -107,5 +107,99 @@ def certs(out: str, namespace: str, service: str, dns: tuple[str, ...], ips: tup
 
 # --- audit, report, diagnose (guard/audit.py, guard/attribution.py) ----------
 
+# guard.verdict is pure and tiny (and on the serving path anyway): the --verdict
+# choices come from it. The store itself (sqlite3) is imported inside the commands.
+from guard.verdict import Verdict as _Verdict  # noqa: E402
+
+_AUDIT_DB_DEFAULT_SHOWN = "/var/lib/ghost-guard/audit.db"  # guard.audit.DEFAULT_AUDIT_DB (a unit test keeps them equal)
+
+
+def _audit_db_option(func):
+    # Shared with `serve` through the environment: one GHOST_GUARD_AUDIT_DB for the writer and the readers.
+    return click.option("--db", "--audit-db", "db", default=None, envvar="GHOST_GUARD_AUDIT_DB", show_envvar=True,
+                        type=click.Path(), show_default=_AUDIT_DB_DEFAULT_SHOWN, metavar="PATH",
+                        help="The audit store (SQLite file) written by `ghost-guard serve`.")(func)
+
+
+def _open_audit_store(command: str, db: str | None):
+    """The store at ``db`` (or the default) for reading; exit 2 with one line if it is missing or unusable."""
+    import os
+
+    from guard.audit import DEFAULT_AUDIT_DB, AuditPathError, AuditStore
+
+    path = db or DEFAULT_AUDIT_DB
+    if not os.path.lexists(path):
+        click.echo(f"ghost-guard {command}: no audit store at {path} (set --db or GHOST_GUARD_AUDIT_DB; "
+                   "`ghost-guard serve` creates it when it starts)", err=True)
+        sys.exit(2)
+    try:
+        return AuditStore(path)
+    except AuditPathError as e:
+        click.echo(f"ghost-guard {command}: {e}", err=True)
+        sys.exit(2)
+
+
+def _audit_records(command: str, store, *, namespace, verdict, replica, since, limit):
+    import time
+
+    from guard.audit import AuditError
+    from guard.report import parse_since
+
+    try:
+        since_at = parse_since(since, now=time.time()) if since is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--since") from e
+    try:
+        return store.records(namespace=namespace, verdict=verdict, replica=replica, since=since_at, limit=limit)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    except AuditError as e:
+        click.echo(f"ghost-guard {command}: {e}", err=True)
+        sys.exit(1)
+
+
+# Filters deliberately have no environment variable: a GHOST_GUARD_NAMESPACE set
+# for the guard's own deployment must never silently filter an operator's query.
+@main.command("audit")
+@_audit_db_option
+@click.option("--namespace", default=None, help="Only ghosts in this namespace.")
+@click.option("--verdict", default=None, type=click.Choice([v.value for v in _Verdict]), help="Only this verdict.")
+@click.option("--replica", default=None, metavar="REPLICA",
+              help="Only ghosts this apiserver replica was seen serving (as listed by `report`, e.g. https://10.0.0.2:6443).")
+@click.option("--since", default=None, metavar="WHEN",
+              help="Only ghosts seen since then: a duration back from now (30m, 1h, 2d, 1w) or an ISO-8601 time (UTC if no offset).")
+@click.option("--limit", default=None, type=click.IntRange(min=1), help="At most this many records (most recently seen first).")
+@click.option("--output", "-o", default="table", type=click.Choice(["table", "json", "jsonl"]), help="Output format.")
+def audit(db: str | None, namespace: str | None, verdict: str | None, replica: str | None, since: str | None,
+          limit: int | None, output: str) -> None:
+    """List blocked ghost pods from the audit store, most recently seen first."""
+    from guard.report import render_records
+
+    store = _open_audit_store("audit", db)
+    try:
+        records = _audit_records("audit", store, namespace=namespace, verdict=verdict, replica=replica, since=since, limit=limit)
+    finally:
+        store.close()
+    click.echo(render_records(records, output), nl=False)
+
+
+@main.command("report")
+@_audit_db_option
+@click.option("--namespace", default=None, help="Only ghosts in this namespace.")
+@click.option("--since", default=None, metavar="WHEN",
+              help="Only ghosts seen since then: a duration back from now (30m, 1h, 2d, 1w) or an ISO-8601 time (UTC if no offset).")
+@click.option("--output", "-o", default="table", type=click.Choice(["table", "json"]), help="Output format.")
+def report(db: str | None, namespace: str | None, since: str | None, output: str) -> None:
+    """Per apiserver replica, the ghosts its watch cache serves and since when, then the remediation in order."""
+    from guard.report import render_report
+
+    store = _open_audit_store("report", db)
+    try:
+        records = _audit_records("report", store, namespace=namespace, verdict=None, replica=None, since=since, limit=None)
+    finally:
+        store.close()
+    click.echo(render_report(records, output), nl=False)
+
+
 
 # --- lab, demo (guard/lab/): imported lazily, never on the serving path ------
