@@ -1,0 +1,34 @@
+import pytest
+
+from guard.settings import Settings, SettingsError
+
+
+@pytest.mark.parametrize("kw,reason", [
+    pytest.param({}, "HTTPS is the default: pass --tls-cert and --tls-key", id="no-tls"),
+    pytest.param({"insecure_http": True, "bind": "0.0.0.0:8443"}, "--insecure-http serves plain HTTP and is for a "
+                 "loopback sidecar only; bind 127.0.0.1 (got 0.0.0.0)", id="insecure-public"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:1", "tls_cert": "c"},
+                 "--insecure-http cannot be combined", id="insecure-and-tls"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1"}, "--bind must be HOST:PORT", id="no-port"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:70000"}, "--bind port must be 1-65535", id="port-range"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "get_timeout": 5},
+                 "--get-timeout must be between 0 and the scheduler's httpTimeout (5s), got 5", id="get-timeout"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "alive_ttl": 1.5},
+                 "--alive-ttl must be between 0 and 1s", id="alive-ttl"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "threads": 0}, "--threads must be at least 1",
+                 id="threads"),
+])
+def test_invalid_settings_name_the_flag(kw, reason):
+    with pytest.raises(SettingsError) as e:
+        Settings(**kw).validate()
+    assert str(e.value).startswith(reason)
+
+
+@pytest.mark.parametrize("kw", [
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:8080"}, id="loopback-http"),
+    pytest.param({"insecure_http": True, "bind": "[::1]:8080"}, id="loopback-v6"),
+    pytest.param({"insecure_http": True, "bind": "localhost:8080"}, id="localhost"),
+    pytest.param({"tls_cert": "c.pem", "tls_key": "k.pem"}, id="https-default-bind"),
+])
+def test_valid_settings(kw):
+    assert Settings(**kw).validate() is not None
