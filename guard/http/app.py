@@ -52,10 +52,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout, pool_size=settings.threads)
     app.extensions["ghost_guard"] = Guard(settings, kube, Checker(settings, kube.quorum_get))
 
+    from guard.http import binding, probes
     from guard.http import filter as filter_routes
-    from guard.http import probes
 
     app.register_blueprint(filter_routes.bp)
+    app.register_blueprint(binding.bp)
     app.register_blueprint(probes.bp)
 
     @app.errorhandler(ProtocolError)

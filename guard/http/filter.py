@@ -16,7 +16,7 @@ from guard.http.app import guard_of, json_error
 bp = Blueprint("extender", __name__)
 
 
-def _body() -> bytes | Response:
+def read_json_body() -> bytes | Response:
     if request.mimetype != "application/json":
         return json_error(415, f"Content-Type must be application/json, got {request.mimetype or 'none'!r}")
     return request.get_data(cache=False)
@@ -24,7 +24,7 @@ def _body() -> bytes | Response:
 
 @bp.post("/filter")
 def filter_nodes() -> Response:
-    body = _body()
+    body = read_json_body()
     if isinstance(body, Response):
         return body
     args = extender.parse_filter(body)
@@ -41,7 +41,7 @@ def filter_nodes() -> Response:
 
 @bp.post("/preempt")
 def preempt() -> Response:
-    body = _body()
+    body = read_json_body()
     if isinstance(body, Response):
         return body
     args = extender.parse_preempt(body)

@@ -1,0 +1,61 @@
+"""``AdmissionReview`` (admission.k8s.io/v1) for ``pods/binding`` CREATE. Pure.
+
+Admission runs before the binding storage's existence check, so a validating
+webhook sees the ghost's bind. The scheduler sets the Binding's
+``metadata.uid`` to the pod's UID, so replaced pods are caught too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from guard.extender import ProtocolError, pod_ref
+from guard.verdict import PodRef
+
+API_VERSION = "admission.k8s.io/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class BindingReview:
+    uid: str  # the AdmissionReview request UID, echoed in the response
+    pod: PodRef | None  # None: not a pods/binding CREATE, allow without a check
+
+
+def parse_review(body: bytes) -> BindingReview:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"request body is not valid JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise ProtocolError("request body must be an AdmissionReview object")
+    if doc.get("apiVersion") != API_VERSION or doc.get("kind") != "AdmissionReview":
+        raise ProtocolError(f"expected apiVersion {API_VERSION} kind AdmissionReview, got "
+                            f"{str(doc.get('apiVersion'))[:60]} {str(doc.get('kind'))[:60]}")
+    req = doc.get("request")
+    if not isinstance(req, dict):
+        raise ProtocolError("AdmissionReview.request is missing or not an object")
+    uid = req.get("uid")
+    if not isinstance(uid, str) or not uid or len(uid) > 128:
+        raise ProtocolError("AdmissionReview.request.uid is missing or not a string")
+    resource = req.get("resource") if isinstance(req.get("resource"), dict) else {}
+    if (resource.get("resource") != "pods" or req.get("subResource") != "binding"
+            or req.get("operation") != "CREATE" or resource.get("group", "") != ""):
+        return BindingReview(uid, None)
+    obj: Any = req.get("object")
+    if not isinstance(obj, dict):
+        raise ProtocolError("AdmissionReview.request.object (the Binding) is missing")
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    binding = {"metadata": {"name": meta.get("name") or req.get("name"),
+                            "namespace": meta.get("namespace") or req.get("namespace") or "default",
+                            "uid": meta.get("uid") or ""}}
+    return BindingReview(uid, pod_ref(binding, field="Binding"))
+
+
+def build_response(uid: str, *, allowed: bool, message: str = "") -> bytes:
+    response: dict[str, Any] = {"uid": uid, "allowed": allowed}
+    if not allowed:
+        response["status"] = {"code": 403, "reason": "Forbidden", "message": message}
+    return orjson.dumps({"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response})
