@@ -1,0 +1,5 @@
+"""``python -m guard`` is ``ghost-guard``."""
+
+from guard.cli import main
+
+main()
