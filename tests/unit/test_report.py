@@ -1,0 +1,354 @@
+"""guard/report.py: audit, report and diagnose output, table-driven where it is a table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from guard.attribution import ReplicaObservation
+from guard.audit import AuditRecord, ReplicaState
+from guard.report import (
+    format_time,
+    new_ghost_line,
+    parse_since,
+    render_diagnosis,
+    render_records,
+    render_report,
+)
+
+T0 = 1_780_000_000.0  # 2026-05-28T20:26:40Z
+A, B, C = "https://127.0.0.1:6443", "https://127.0.0.2:6443", "https://127.0.0.3:6443"
+
+
+def state(replica: str, serves: bool | None, *, at: float, rv: str | None = "100", error: str | None = None,
+          serving: float | None = None, healed_at: float | None = None) -> ReplicaState:
+    return ReplicaState(replica=replica, serves=serves, cache_resource_version=rv, error=error, last_checked=at,
+                        first_seen_serving=serving, healed_at=healed_at)
+
+
+WEB = AuditRecord(
+    uid="11111111-aaaa", namespace="default", name="web-1", verdict="ghost-deleted",
+    evidence={"quorum_status": 404, "reason": "NotFound"}, first_seen=T0, last_seen=T0 + 65, times_blocked=7,
+    replicas=(
+        state(A, False, at=T0 + 1, rv="120"),
+        state(B, True, at=T0 + 1, rv="100", serving=T0 + 1),
+        state(C, None, at=T0 + 1, rv=None, error="HTTP 429: Too Many Requests"),
+    ),
+)
+API = AuditRecord(
+    uid="22222222-bbbb", namespace="prod", name="api-0", verdict="ghost-replaced",
+    evidence={"quorum_status": 200, "uid": "33333333-cccc"}, first_seen=T0 + 10, last_seen=T0 + 10, times_blocked=1,
+    replicas=(
+        state(B, None, at=T0 + 30, rv=None, error="timeout: after 0.5s", serving=T0 + 12),
+        state(C, True, at=T0 + 30, rv="130", serving=T0 + 11),
+    ),
+)
+OLD = AuditRecord(
+    uid="44444444-dddd", namespace="prod", name="job-9", verdict="ghost-deleted",
+    evidence={"quorum_status": 404}, first_seen=T0 - 3600, last_seen=T0 - 3000, times_blocked=3,
+    replicas=(state(A, False, at=T0 - 3000, rv="90", serving=T0 - 3600, healed_at=T0 - 3000),),
+)
+
+
+# -- small pieces ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        pytest.param(None, "-", id="none"),
+        pytest.param(T0, "2026-05-28T20:26:40Z", id="utc-seconds"),
+        pytest.param(T0 + 0.999, "2026-05-28T20:26:40Z", id="fraction-truncated"),
+        pytest.param(0.0, "1970-01-01T00:00:00Z", id="epoch"),
+    ],
+)
+def test_format_time(value: float | None, expected: str) -> None:
+    assert format_time(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param("90s", T0 - 90, id="seconds"),
+        pytest.param("30m", T0 - 1800, id="minutes"),
+        pytest.param("1h", T0 - 3600, id="hours"),
+        pytest.param("2d", T0 - 2 * 86400, id="days"),
+        pytest.param("1w", T0 - 7 * 86400, id="weeks"),
+        pytest.param(" 1h ", T0 - 3600, id="padded"),
+        pytest.param("0s", T0, id="zero"),
+        pytest.param("2026-05-28T20:26:40Z", T0, id="iso-z"),
+        pytest.param("2026-05-28T20:26:40", T0, id="iso-naive-is-utc"),
+        pytest.param("2026-05-28T22:26:40+02:00", T0, id="iso-offset"),
+        pytest.param("2026-05-28", T0 - (20 * 3600 + 26 * 60 + 40), id="iso-date"),
+        pytest.param("999999999w", 0.0, id="before-epoch-clamped"),
+    ],
+)
+def test_parse_since(text: str, expected: float) -> None:
+    assert parse_since(text, now=T0) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param("yesterday", "--since 'yesterday' is neither a duration (like 30m, 1h, 2d) nor an ISO-8601 time (like 2026-06-02T10:00:00Z)", id="word"),
+        pytest.param("1y", "--since '1y' is neither a duration (like 30m, 1h, 2d) nor an ISO-8601 time (like 2026-06-02T10:00:00Z)", id="unknown-unit"),
+        pytest.param("-1h", "--since '-1h' is neither a duration (like 30m, 1h, 2d) nor an ISO-8601 time (like 2026-06-02T10:00:00Z)", id="negative"),
+        pytest.param("1.5h", "--since '1.5h' is neither a duration (like 30m, 1h, 2d) nor an ISO-8601 time (like 2026-06-02T10:00:00Z)", id="fraction"),
+        pytest.param("", "--since must be a duration like 30m, 1h, 2d or an ISO-8601 time", id="empty"),
+        pytest.param("'; DROP TABLE ghosts; --", "--since \"'; DROP TABLE ghosts; --\" is neither a duration (like 30m, 1h, 2d) nor an ISO-8601 time (like 2026-06-02T10:00:00Z)", id="sql"),
+    ],
+)
+def test_parse_since_rejects(text: str, message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_since(text, now=T0)
+    assert str(e.value) == message
+
+
+def test_new_ghost_line_is_one_json_object() -> None:
+    line = new_ghost_line(uid="u-1", namespace="default", name="web-1", verdict="ghost-deleted",
+                          evidence={"quorum_status": 404}, at=T0)
+    assert "\n" not in line
+    assert json.loads(line) == {
+        "event": "ghost-blocked", "namespace": "default", "name": "web-1", "uid": "u-1",
+        "verdict": "ghost-deleted", "evidence": {"quorum_status": 404}, "first_seen": "2026-05-28T20:26:40Z",
+    }
+
+
+@pytest.mark.parametrize("render", [render_records, render_report], ids=["audit", "report"])
+def test_unknown_output_is_refused(render) -> None:
+    with pytest.raises(ValueError) as e:
+        render([WEB], "yaml")
+    assert str(e.value).startswith("output must be one of table, json")
+
+
+# -- ghost-guard audit ---------------------------------------------------------------
+
+
+def test_audit_table_columns_are_aligned() -> None:
+    assert render_records([WEB, API], "table").splitlines() == [
+        "LAST SEEN             NAMESPACE  NAME   VERDICT         BLOCKED  FIRST SEEN            STALE REPLICAS                                 UID",
+        "2026-05-28T20:27:45Z  default    web-1  ghost-deleted   7        2026-05-28T20:26:40Z  https://127.0.0.2:6443                         11111111-aaaa",
+        "2026-05-28T20:26:50Z  prod       api-0  ghost-replaced  1        2026-05-28T20:26:50Z  https://127.0.0.2:6443,https://127.0.0.3:6443  22222222-bbbb",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        pytest.param("table", "no audit records match\n", id="table"),
+        pytest.param("json", "[]\n", id="json"),
+        pytest.param("jsonl", "", id="jsonl"),
+    ],
+)
+def test_audit_empty(output: str, expected: str) -> None:
+    assert render_records([], output) == expected
+
+
+def test_audit_json_record_shape() -> None:
+    (web,) = json.loads(render_records([WEB], "json"))
+    assert web == {
+        "namespace": "default",
+        "name": "web-1",
+        "uid": "11111111-aaaa",
+        "verdict": "ghost-deleted",
+        "evidence": {"quorum_status": 404, "reason": "NotFound"},
+        "first_seen": "2026-05-28T20:26:40Z",
+        "last_seen": "2026-05-28T20:27:45Z",
+        "times_blocked": 7,
+        "stale_replicas": [B],
+        "replicas": [
+            {"replica": A, "state": "consistent", "serves": False, "cache_resource_version": "120", "error": None,
+             "last_checked": "2026-05-28T20:26:41Z", "first_seen_serving": None, "healed_at": None},
+            {"replica": B, "state": "stale", "serves": True, "cache_resource_version": "100", "error": None,
+             "last_checked": "2026-05-28T20:26:41Z", "first_seen_serving": "2026-05-28T20:26:41Z", "healed_at": None},
+            {"replica": C, "state": "not-ready", "serves": None, "cache_resource_version": None,
+             "error": "HTTP 429: Too Many Requests", "last_checked": "2026-05-28T20:26:41Z",
+             "first_seen_serving": None, "healed_at": None},
+        ],
+    }
+
+
+def test_audit_jsonl_is_one_record_per_line() -> None:
+    lines = render_records([WEB, API, OLD], "jsonl").splitlines()
+    assert [json.loads(line)["uid"] for line in lines] == ["11111111-aaaa", "22222222-bbbb", "44444444-dddd"]
+    assert json.loads(lines[1])["stale_replicas"] == [B, C]  # B timed out: not seen healed, still stale
+
+
+def test_table_cells_cannot_break_lines_or_inject_escapes() -> None:
+    evil = AuditRecord(uid="u\x1b[31m", namespace="ns", name="a\nb", verdict="unknown", evidence={},
+                       first_seen=T0, last_seen=T0, times_blocked=1, replicas=())
+    out = render_records([evil], "table")
+    assert "\x1b" not in out
+    assert out.splitlines()[1] == "2026-05-28T20:26:40Z  ns         a b   unknown  1        2026-05-28T20:26:40Z  -               u [31m"
+
+
+# -- ghost-guard report ----------------------------------------------------------------
+
+
+def test_report_table_per_replica_then_remediation() -> None:
+    assert render_report([WEB, API, OLD], "table").splitlines() == [
+        f"Replica {B} serves 2 ghost pods since 2026-05-28T20:26:41Z",
+        "  POD            UID            SERVING SINCE         LAST CHECKED          LAST PROBE   CACHE RV",
+        "  default/web-1  11111111-aaaa  2026-05-28T20:26:41Z  2026-05-28T20:26:41Z  stale        100",
+        "  prod/api-0     22222222-bbbb  2026-05-28T20:26:52Z  2026-05-28T20:27:10Z  unreachable  -",
+        "",
+        f"Replica {C} serves 1 ghost pod since 2026-05-28T20:26:51Z",
+        "  POD         UID            SERVING SINCE         LAST CHECKED          LAST PROBE  CACHE RV",
+        "  prod/api-0  22222222-bbbb  2026-05-28T20:26:51Z  2026-05-28T20:27:10Z  stale       130",
+        "",
+        "Healed replicas (served a ghost, no longer do):",
+        "  REPLICA                 HEALED AT",
+        f"  {A}  2026-05-28T19:36:40Z",
+        "",
+        "Blocked ghosts no replica is known to serve now:",
+        "  POD         UID            VERDICT        LAST SEEN             HEALED REPLICAS",
+        f"  prod/job-9  44444444-dddd  ghost-deleted  2026-05-28T19:36:40Z  {A}",
+        "",
+        "Remediation, in order:",
+        f"  1. Restart the apiserver replicas {B}, {C}, one at a time: a restarted replica rebuilds its watch cache from etcd.",
+        "  2. Confirm no cache serves the ghost any more: ghost-guard diagnose default/web-1; ghost-guard diagnose prod/api-0 (expect 'verdict: consistent').",
+        "  3. Restart kube-scheduler so its informer re-lists: it keeps the ghost otherwise, even after the replica is fixed (kubernetes#123072).",
+    ]
+
+
+def test_report_json_shape() -> None:
+    report = json.loads(render_report([WEB], "json"))
+    assert report == {
+        "stale_replicas": [
+            {"replica": B, "since": "2026-05-28T20:26:41Z", "ghosts": [
+                {"namespace": "default", "name": "web-1", "uid": "11111111-aaaa", "verdict": "ghost-deleted",
+                 "serving_since": "2026-05-28T20:26:41Z", "last_checked": "2026-05-28T20:26:41Z",
+                 "last_result": "stale", "cache_resource_version": "100"},
+            ]},
+        ],
+        "healed_replicas": [],
+        "unattributed_ghosts": [],
+        "remediation": [
+            f"Restart the apiserver replica {B}: a restarted replica rebuilds its watch cache from etcd.",
+            "Confirm no cache serves the ghost any more: ghost-guard diagnose default/web-1 (expect 'verdict: consistent').",
+            "Restart kube-scheduler so its informer re-lists: it keeps the ghost otherwise, even after the replica is fixed (kubernetes#123072).",
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    ("records", "expected"),
+    [
+        pytest.param([], ["No apiserver replica is known to serve a ghost.", "Nothing to do."], id="empty-store"),
+        pytest.param([OLD], [
+            "No apiserver replica is known to serve a ghost.",
+            "Healed replicas (served a ghost, no longer do):",
+            "  REPLICA                 HEALED AT",
+            f"  {A}  2026-05-28T19:36:40Z",
+            "",
+            "Blocked ghosts no replica is known to serve now:",
+            "  POD         UID            VERDICT        LAST SEEN             HEALED REPLICAS",
+            f"  prod/job-9  44444444-dddd  ghost-deleted  2026-05-28T19:36:40Z  {A}",
+            "",
+            "Remediation, in order:",
+            "  1. No replica is known to serve these ghosts now. Find one: ghost-guard diagnose prod/job-9. If a replica serves a ghost, restart it (its watch cache is rebuilt from etcd).",
+            "  2. If the scheduler still tries to bind them, restart kube-scheduler so its informer re-lists (kubernetes#123072).",
+        ], id="all-healed"),
+    ],
+)
+def test_report_without_stale_replicas(records: list[AuditRecord], expected: list[str]) -> None:
+    assert render_report(records, "table").splitlines() == expected
+
+
+def test_report_refuses_jsonl() -> None:
+    with pytest.raises(ValueError) as e:
+        render_report([], "jsonl")
+    assert str(e.value) == "output must be one of table, json; not 'jsonl'"
+
+
+# -- ghost-guard diagnose ------------------------------------------------------------------
+
+
+def probe(replica: str, serves: bool | None, rv: str | None = None, error: str | None = None) -> ReplicaObservation:
+    return ReplicaObservation(replica=replica, serves_ghost=serves, cache_resource_version=rv, error=error, checked_at=T0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        pytest.param(
+            {"quorum_status": 404, "quorum_detail": "NotFound",
+             "observations": [probe(A, False, "120"), probe(B, False, "120"), probe(C, False, "121")]},
+            [
+                "Pod default/web-1",
+                "SOURCE       SERVED-BY                  RESULT",
+                "quorum GET   etcd (no resourceVersion)  404 NotFound",
+                f"watch cache  {A}     does not serve it (list resourceVersion 120)",
+                f"watch cache  {B}     does not serve it (list resourceVersion 120)",
+                f"watch cache  {C}     does not serve it (list resourceVersion 121)",
+                "verdict: consistent",
+            ],
+            id="consistent",
+        ),
+        pytest.param(
+            {"quorum_status": 404, "quorum_detail": "NotFound", "etcd_detail": "absent",
+             "observations": [probe(C, True, "100"), probe(A, False, "120"), probe(B, True, "99")]},
+            [
+                "Pod default/web-1",
+                "SOURCE       SERVED-BY                     RESULT",
+                "quorum GET   etcd (no resourceVersion)     404 NotFound",
+                "etcd         /registry/pods/default/web-1  absent",
+                f"watch cache  {A}        does not serve it (list resourceVersion 120)",
+                f"watch cache  {B}        serves the ghost (list resourceVersion 99)",
+                f"watch cache  {C}        serves the ghost (list resourceVersion 100)",
+                f"verdict: stale replicas {B}, {C}",
+            ],
+            id="two-stale-with-etcd",
+        ),
+        pytest.param(
+            {"quorum_status": None, "quorum_detail": "timeout after 1.0s",
+             "observations": [probe(A, None, error="HTTP 429: Too Many Requests"), probe(B, None, error="timeout: after 0.5s"),
+                              probe(C, None, error="HTTP 500")]},
+            [
+                "Pod default/web-1",
+                "SOURCE       SERVED-BY                  RESULT",
+                "quorum GET   etcd (no resourceVersion)  no answer: timeout after 1.0s",
+                f"watch cache  {A}     cache not ready: HTTP 429: Too Many Requests",
+                f"watch cache  {B}     unreachable: timeout: after 0.5s",
+                f"watch cache  {C}     error: HTTP 500",
+                "verdict: consistent",
+                f"unchecked: {A} (not-ready), {B} (unreachable), {C} (error)",
+            ],
+            id="nothing-answered",
+        ),
+        pytest.param(
+            {"quorum_status": 404, "quorum_detail": "NotFound",
+             "observations": [probe(A, None, error="\x1b[2J evil\nsecond line")]},
+            [
+                "Pod default/web-1",
+                "SOURCE       SERVED-BY                  RESULT",
+                "quorum GET   etcd (no resourceVersion)  404 NotFound",
+                f"watch cache  {A}     error: [2J evil second line",
+                "verdict: consistent",
+                f"unchecked: {A} (error)",
+            ],
+            id="garbage-error-flattened",
+        ),
+    ],
+)
+def test_render_diagnosis_table(kwargs: dict, expected: list[str]) -> None:
+    assert render_diagnosis(namespace="default", name="web-1", **kwargs).splitlines() == expected
+
+
+def test_render_diagnosis_json() -> None:
+    out = json.loads(render_diagnosis(
+        namespace="default", name="web-1", quorum_status=404, quorum_detail="NotFound", etcd_detail=None,
+        observations=[probe(A, False, "120"), probe(B, True, "99"), probe(C, None, error="HTTP 429")], output="json"))
+    assert out == {
+        "pod": "default/web-1",
+        "rows": [
+            {"source": "quorum GET", "served_by": "etcd (no resourceVersion)", "result": "404 NotFound"},
+            {"source": "watch cache", "served_by": A, "result": "does not serve it (list resourceVersion 120)"},
+            {"source": "watch cache", "served_by": B, "result": "serves the ghost (list resourceVersion 99)"},
+            {"source": "watch cache", "served_by": C, "result": "cache not ready: HTTP 429"},
+        ],
+        "verdict": f"stale replicas {B}",
+        "stale_replicas": [B],
+        "unchecked": [{"replica": C, "state": "not-ready"}],
+    }
