@@ -1,0 +1,459 @@
+"""Kubernetes API shapes the lab's replicas serve: resources, Status errors, selectors, patches.
+
+Pure helpers (no sockets, no etcd). Citations point at the Kubernetes source each
+piece mirrors; docs/LAB.md lists them.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+Obj = dict[str, Any]
+
+
+# --- resources ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resource:
+    group: str  # "" for core
+    version: str
+    plural: str
+    kind: str
+    namespaced: bool
+    etcd_prefix: str  # "/registry/pods/" (then NS/NAME or NAME)
+    field_labels: tuple[str, ...] = ("metadata.name", "metadata.namespace")
+    list_kind: str = ""
+    verbs: tuple[str, ...] = ("create", "delete", "get", "list", "patch", "update", "watch")
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    @property
+    def qualified(self) -> str:
+        """``pods``, ``leases.coordination.k8s.io``: how errors name the resource."""
+        return f"{self.plural}.{self.group}" if self.group else self.plural
+
+    def key(self, namespace: str | None, name: str) -> str:
+        return f"{self.etcd_prefix}{namespace}/{name}" if self.namespaced else f"{self.etcd_prefix}{name}"
+
+    def prefix(self, namespace: str | None) -> str:
+        return f"{self.etcd_prefix}{namespace}/" if self.namespaced and namespace else self.etcd_prefix
+
+
+# Storage prefixes as in pkg/registry/*/storage and the etcd layout of kube-apiserver
+# (nodes are stored as "minions", endpoints under services/endpoints).
+RESOURCES: tuple[Resource, ...] = (
+    Resource("", "v1", "pods", "Pod", True, "/registry/pods/",
+             ("metadata.name", "metadata.namespace", "spec.nodeName", "spec.restartPolicy", "spec.schedulerName",
+              "spec.serviceAccountName", "spec.hostNetwork", "status.phase", "status.podIP", "status.nominatedNodeName")),
+    Resource("", "v1", "nodes", "Node", False, "/registry/minions/", ("metadata.name", "spec.unschedulable")),
+    Resource("", "v1", "namespaces", "Namespace", False, "/registry/namespaces/", ("metadata.name", "status.phase")),
+    Resource("", "v1", "events", "Event", True, "/registry/events/",
+             ("metadata.name", "metadata.namespace", "involvedObject.kind", "involvedObject.namespace",
+              "involvedObject.name", "involvedObject.uid", "involvedObject.apiVersion", "involvedObject.resourceVersion",
+              "involvedObject.fieldPath", "reason", "reportingComponent", "source", "type")),
+    Resource("", "v1", "endpoints", "Endpoints", True, "/registry/services/endpoints/"),
+    Resource("", "v1", "services", "Service", True, "/registry/services/specs/"),
+    Resource("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", True, "/registry/endpointslices/"),
+    Resource("coordination.k8s.io", "v1", "leases", "Lease", True, "/registry/leases/"),
+    # events.k8s.io/v1 shares core events' storage (pkg/registry/core/event): converted on the way in and out.
+    Resource("events.k8s.io", "v1", "events", "Event", True, "/registry/events/",
+             ("metadata.name", "metadata.namespace", "regarding.kind", "regarding.namespace", "regarding.name",
+              "regarding.uid", "reason", "reportingController", "type")),
+)
+
+
+def resource_for(group: str, version: str, plural: str) -> Resource | None:
+    for r in RESOURCES:
+        if (r.group, r.version, r.plural) == (group, version, plural):
+            return r
+    return None
+
+
+def resource_for_key(key: str) -> Resource | None:
+    """The storage resource (core flavour) a key belongs to."""
+    for r in RESOURCES:
+        if key.startswith(r.etcd_prefix) and r.group != "events.k8s.io":
+            return r
+    return None
+
+
+def split_key(r: Resource, key: str) -> tuple[str, str]:
+    """(namespace, name) of a storage key ("" namespace for cluster-scoped)."""
+    rest = key[len(r.etcd_prefix):]
+    if r.namespaced:
+        ns, _, name = rest.partition("/")
+        return ns, name
+    return "", rest
+
+
+# --- Status errors (k8s.io/apimachinery/pkg/api/errors/errors.go) -------------
+
+
+class ApiError(Exception):
+    """An error the replica answers as a ``Status`` object."""
+
+    def __init__(self, code: int, reason: str, message: str, details: Obj | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.details = details
+        self.headers = headers or {}
+
+    def status(self) -> Obj:
+        s: Obj = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                  "message": self.message, "reason": self.reason}
+        if self.details is not None:
+            s["details"] = self.details
+        s["code"] = self.code
+        return s
+
+
+def _details(name: str, r: Resource | str) -> Obj:
+    if isinstance(r, Resource):
+        d: Obj = {"name": name}
+        if r.group:
+            d["group"] = r.group
+        d["kind"] = r.plural
+        return d
+    return {"name": name, "kind": r}
+
+
+def not_found(r: Resource, name: str) -> ApiError:
+    return ApiError(404, "NotFound", f'{r.qualified} "{name}" not found', _details(name, r))
+
+
+def already_exists(r: Resource, name: str) -> ApiError:
+    return ApiError(409, "AlreadyExists", f'{r.qualified} "{name}" already exists', _details(name, r))
+
+
+def conflict(qualified: str, name: str, why: str, kind: str | None = None) -> ApiError:
+    """NewConflict: ``Operation cannot be fulfilled on QUALIFIED "NAME": WHY``."""
+    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {qualified} "{name}": {why}',
+                    {"name": name, "kind": kind or qualified})
+
+
+def uid_precondition_failed(r: Resource, key: str, name: str, want: str, have: str) -> ApiError:
+    """A UID precondition mismatch as etcd3 storage reports it (storage.NewInvalidObjError, InterpretUpdateError)."""
+    why = (f"StorageError: invalid object, Code: 4, Key: {key}, ResourceVersion: 0, "
+           f"AdditionalErrorMsg: Precondition failed: UID in precondition: {want}, UID in object meta: {have}")
+    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {r.qualified} "{name}": {why}', _details(name, r))
+
+
+def modified_conflict(r: Resource, name: str) -> ApiError:
+    return ApiError(409, "Conflict",
+                    f'Operation cannot be fulfilled on {r.qualified} "{name}": the object has been modified; '
+                    "please apply your changes to the latest version and try again", _details(name, r))
+
+
+def bad_request(message: str) -> ApiError:
+    return ApiError(400, "BadRequest", message)
+
+
+def invalid(r: Resource, name: str, field: str, detail: str, kind_value: str = "Required value") -> ApiError:
+    return ApiError(422, "Invalid", f'{r.kind} "{name}" is invalid: {field}: {kind_value}: {detail}',
+                    {"name": name, "group": r.group, "kind": r.kind,
+                     "causes": [{"reason": "FieldValueRequired" if kind_value == "Required value" else "FieldValueInvalid",
+                                 "message": f"{kind_value}: {detail}", "field": field}]})
+
+
+def too_many_requests(message: str = "Too many requests, please try again later.") -> ApiError:
+    return ApiError(429, "TooManyRequests", message, {"retryAfterSeconds": 1}, {"Retry-After": "1"})
+
+
+def internal_error(message: str) -> ApiError:
+    return ApiError(500, "InternalError", f"Internal error occurred: {message}",
+                    {"causes": [{"message": message}]})
+
+
+def gone(message: str) -> ApiError:
+    return ApiError(410, "Expired", message)
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "Unauthorized", "Unauthorized")
+
+
+def method_not_allowed(method: str) -> ApiError:
+    return ApiError(405, "MethodNotAllowed", f"the server does not allow this method on the requested resource ({method})", {})
+
+
+def path_not_found() -> ApiError:
+    return ApiError(404, "NotFound", "the server could not find the requested resource", {})
+
+
+# --- selectors ------------------------------------------------------------------
+
+
+def field_value(obj: Obj, path: str) -> str:
+    cur: Any = obj
+    for part in path.split("."):
+        if not isinstance(cur, dict):
+            return ""
+        cur = cur.get(part)
+    if cur is None:
+        return ""
+    if isinstance(cur, bool):
+        return "true" if cur else "false"
+    return str(cur)
+
+
+@dataclass(frozen=True)
+class FieldRequirement:
+    field: str
+    op: str  # "=" or "!="
+    value: str
+
+    def matches(self, obj: Obj) -> bool:
+        v = field_value(obj, self.field)
+        return (v == self.value) if self.op == "=" else (v != self.value)
+
+
+def parse_field_selector(s: str | None, r: Resource) -> list[FieldRequirement]:
+    """fields.ParseSelector: ``a=b,c!=d`` (``==`` too); labels a resource doesn't index are a 400."""
+    reqs: list[FieldRequirement] = []
+    for term in filter(None, (t.strip() for t in (s or "").split(","))):
+        m = re.fullmatch(r"([^!=]+)(==|!=|=)(.*)", term)
+        if not m:
+            raise bad_request(f'unable to parse requirement: invalid selector: \'{s}\'; can\'t understand \'{term}\'')
+        field, op, value = m.group(1).strip(), m.group(2), m.group(3).strip()
+        if field not in r.field_labels:
+            raise bad_request(f'field label not supported: {field}')
+        reqs.append(FieldRequirement(field, "!=" if op == "!=" else "=", value))
+    return reqs
+
+
+@dataclass(frozen=True)
+class LabelRequirement:
+    key: str
+    op: str  # "=", "!=", "in", "notin", "exists", "!"
+    values: tuple[str, ...] = ()
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        has = self.key in labels
+        v = labels.get(self.key)
+        if self.op == "=":
+            return has and v == self.values[0]
+        if self.op == "!=":
+            return not has or v != self.values[0]
+        if self.op == "in":
+            return has and v in self.values
+        if self.op == "notin":
+            return not has or v not in self.values
+        if self.op == "exists":
+            return has
+        return not has
+
+
+_LABEL_KEY = r"[A-Za-z0-9][-A-Za-z0-9_./]*"
+
+
+def _split_top(s: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in s:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [t.strip() for t in out if t.strip()]
+
+
+def parse_label_selector(s: str | None) -> list[LabelRequirement]:
+    """labels.Parse: equality (``=``, ``==``, ``!=``), set (``in``, ``notin``) and existence (``k``, ``!k``)."""
+    reqs: list[LabelRequirement] = []
+    for term in _split_top(s or ""):
+        if m := re.fullmatch(rf"({_LABEL_KEY})\s+(in|notin)\s+\(([^)]*)\)", term):
+            vals = tuple(v.strip() for v in m.group(3).split(",") if v.strip())
+            reqs.append(LabelRequirement(m.group(1), m.group(2), vals))
+        elif m := re.fullmatch(rf"({_LABEL_KEY})\s*(==|!=|=)\s*([-A-Za-z0-9_.]*)", term):
+            reqs.append(LabelRequirement(m.group(1), "!=" if m.group(2) == "!=" else "=", (m.group(3),)))
+        elif m := re.fullmatch(rf"!\s*({_LABEL_KEY})", term):
+            reqs.append(LabelRequirement(m.group(1), "!"))
+        elif re.fullmatch(_LABEL_KEY, term):
+            reqs.append(LabelRequirement(term, "exists"))
+        else:
+            raise bad_request(f"unable to parse requirement: invalid label selector: {term!r}")
+    return reqs
+
+
+@dataclass(frozen=True)
+class Selector:
+    namespace: str | None
+    fields: tuple[FieldRequirement, ...] = ()
+    labels: tuple[LabelRequirement, ...] = ()
+
+    def matches(self, obj: Obj) -> bool:
+        meta = obj.get("metadata") or {}
+        if self.namespace and meta.get("namespace") != self.namespace:
+            return False
+        lbls = meta.get("labels") or {}
+        return all(f.matches(obj) for f in self.fields) and all(lr.matches(lbls) for lr in self.labels)
+
+
+# --- patches ----------------------------------------------------------------------
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+# Lists merged by key in a strategic merge patch (patchMergeKey tags in k8s.io/api/core/v1/types.go).
+_MERGE_KEYS = {
+    "status.conditions": "type",
+    "spec.containers": "name",
+    "spec.initContainers": "name",
+    "spec.tolerations": None,
+    "metadata.ownerReferences": "uid",
+    "metadata.finalizers": "",  # a set of strings
+    "status.containerStatuses": "name",
+}
+
+
+def strategic_merge_patch(target: Any, patch: Any, path: str = "") -> Any:
+    """A strategic merge patch for the lists the lab's objects use (merge keys above), else merge-patch rules."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if k.startswith("$"):
+            continue
+        sub = f"{path}.{k}" if path else k
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, list) and sub in _MERGE_KEYS and _MERGE_KEYS[sub] is not None and isinstance(out.get(k), list):
+            key = _MERGE_KEYS[sub]
+            merged = copy.deepcopy(out[k])
+            for item in v:
+                if key == "":
+                    if item not in merged:
+                        merged.append(item)
+                    continue
+                if not isinstance(item, dict):
+                    raise bad_request(f"{sub}: list items must be objects")
+                if item.get("$patch") == "delete":
+                    merged = [m for m in merged if not (isinstance(m, dict) and m.get(key) == item.get(key))]
+                    continue
+                for i, m in enumerate(merged):
+                    if isinstance(m, dict) and m.get(key) == item.get(key):
+                        merged[i] = strategic_merge_patch(m, item, sub)
+                        break
+                else:
+                    merged.append(copy.deepcopy(item))
+            out[k] = merged
+        else:
+            out[k] = strategic_merge_patch(out.get(k), v, sub)
+    return out
+
+
+def _pointer(path: str) -> list[str]:
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise bad_request(f"json patch: invalid path {path!r}")
+    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
+
+
+def json_patch(target: Obj, ops: Any) -> Obj:
+    """RFC 6902 JSON patch (add, remove, replace, test, copy, move)."""
+    if not isinstance(ops, list):
+        raise bad_request("json: cannot unmarshal object into Go value of type []handlers.jsonPatchOp")
+    doc = copy.deepcopy(target)
+
+    def parent(parts: list[str]) -> tuple[Any, str]:
+        cur: Any = doc
+        for p in parts[:-1]:
+            cur = cur[int(p)] if isinstance(cur, list) else cur[p]
+        return cur, parts[-1]
+
+    def get(parts: list[str]) -> Any:
+        cur: Any = doc
+        for p in parts:
+            cur = cur[int(p)] if isinstance(cur, list) else cur[p]
+        return cur
+
+    for op in ops:
+        try:
+            kind, parts = op["op"], _pointer(op["path"])
+            if kind == "test":
+                if get(parts) != op.get("value"):
+                    raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our request: testing value {op['path']} failed")
+                continue
+            if kind in ("add", "replace", "copy", "move"):
+                value = copy.deepcopy(op.get("value")) if kind in ("add", "replace") else copy.deepcopy(get(_pointer(op["from"])))
+                if kind == "move":
+                    fp, fk = parent(_pointer(op["from"]))
+                    del fp[int(fk) if isinstance(fp, list) else fk]
+                container, last = parent(parts)
+                if isinstance(container, list):
+                    if last == "-":
+                        container.append(value)
+                    elif kind == "replace":
+                        container[int(last)] = value
+                    else:
+                        container.insert(int(last), value)
+                else:
+                    if kind == "replace" and last not in container:
+                        raise KeyError(last)
+                    container[last] = value
+            elif kind == "remove":
+                container, last = parent(parts)
+                del container[int(last) if isinstance(container, list) else last]
+            else:
+                raise bad_request(f"json patch: unknown op {kind!r}")
+        except ApiError:
+            raise
+        except (KeyError, IndexError, ValueError, TypeError) as e:
+            raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our request: {op!r}: {e}") from e
+    return doc
+
+
+def apply_patch(content_type: str, target: Obj, body: bytes) -> Obj:
+    ct = content_type.split(";")[0].strip().lower()
+    try:
+        patch = json.loads(body or b"null")
+    except ValueError as e:
+        raise bad_request(f"error decoding patch: {e}") from e
+    if ct == "application/json-patch+json":
+        return json_patch(target, patch)
+    if not isinstance(patch, dict):
+        raise bad_request("patch body must be a JSON object")
+    if ct == "application/merge-patch+json":
+        return merge_patch(target, patch)
+    if ct == "application/strategic-merge-patch+json":
+        return strategic_merge_patch(target, patch)
+    raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: "
+                   "application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json")
+
+
+# --- time ------------------------------------------------------------------------
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def now_micro() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

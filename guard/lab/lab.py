@@ -1,0 +1,201 @@
+"""``Lab``: real etcd plus N apiserver replicas (127.0.0.1..N, one port), a CA, a token, kubeconfigs."""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import weakref
+from typing import Any
+
+from guard.lab.api import resource_for
+from guard.lab.etcd import Etcd, free_port
+from guard.lab.pki import CA
+from guard.lab.registry import Registry
+from guard.lab.replica import Replica
+
+_live: weakref.WeakSet[Lab] = weakref.WeakSet()
+
+
+class Lab:
+    """Start with ``with Lab(replicas=3) as lab:`` (or ``start()``/``close()``). See docs/LAB.md."""
+
+    def __init__(self, replicas: int = 3, *, port: int | None = None, out_dir: str | None = None,
+                 token: str | None = None, bookmark_interval: float = 1.0, history_size: int = 10000,
+                 consistent_read_timeout: float = 3.0) -> None:
+        if not 1 <= replicas <= 200:
+            raise ValueError("replicas must be between 1 and 200")
+        self.n = replicas
+        self._want_port = port
+        self._own_dir = out_dir is None
+        self.out_dir = out_dir or tempfile.mkdtemp(prefix="ghost-lab-")
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.token = token or secrets.token_urlsafe(24)
+        self._opts = {"bookmark_interval": bookmark_interval, "history_size": history_size,
+                      "consistent_read_timeout": consistent_read_timeout}
+        self.ca = CA()
+        self.ca_path = os.path.join(self.out_dir, "ca.crt")
+        with open(self.ca_path, "wb") as f:
+            f.write(self.ca.cert_pem)
+        self.etcd = Etcd(data_dir=os.path.join(self.out_dir, "etcd"))
+        self.replicas: list[Replica] = []
+        self.port = 0
+        self._clients: dict[int, Any] = {}
+        self._started = False
+        _live.add(self)
+
+    # --- lifecycle --------------------------------------------------------------
+
+    def start(self) -> Lab:
+        try:
+            os.makedirs(self.etcd.data_dir, exist_ok=True)
+            self.etcd.start()
+            self._bootstrap()
+            self._bind_replicas()
+            for r in self.replicas:
+                r.start()
+            for i in range(self.n):
+                self._write_kubeconfig(i)
+            self._started = True
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _bootstrap(self) -> None:
+        reg = Registry(self.etcd.client)
+        ns = resource_for("", "v1", "namespaces")
+        svc = resource_for("", "v1", "services")
+        assert ns is not None and svc is not None
+        for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
+            reg.ensure(ns, None, {"metadata": {"name": name}, "spec": {"finalizers": ["kubernetes"]},
+                                  "status": {"phase": "Active"}})
+        reg.ensure(svc, "default", {"metadata": {"name": "kubernetes", "labels": {"component": "apiserver", "provider": "kubernetes"}},
+                                    "spec": {"clusterIP": "10.96.0.1", "clusterIPs": ["10.96.0.1"], "type": "ClusterIP",
+                                             "sessionAffinity": "None",
+                                             "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": 6443}]}})
+
+    def _bind_replicas(self) -> None:
+        for attempt in range(20):
+            port = self._want_port or free_port()
+            reps = []
+            try:
+                for i in range(self.n):
+                    ip = f"127.0.0.{i + 1}"
+                    rep = Replica(i, ip, port, self.etcd.url, self.token, self.ca.serving(ip), **self._opts)  # type: ignore[arg-type]
+                    reps.append(rep)
+                    rep.bind()
+            except OSError:
+                for rep in reps:
+                    rep.close()
+                if self._want_port or attempt == 19:
+                    raise
+                continue
+            self.port = port
+            self.replicas = reps
+            return
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._clients.clear()
+        for r in self.replicas:
+            try:
+                r.close()
+            except Exception:  # noqa: BLE001 - cleanup continues
+                pass
+        self.etcd.close()
+        if self._own_dir:
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+        self._started = False
+
+    def __enter__(self) -> Lab:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- access -------------------------------------------------------------------
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+    def kubeconfig(self, i: int) -> str:
+        """Path of a kubeconfig aimed at replica ``i`` (server URL, CA data, bearer token)."""
+        return os.path.join(self.out_dir, f"kubeconfig-{i}")
+
+    def _write_kubeconfig(self, i: int) -> None:
+        r = self.replicas[i]
+        name = f"ghost-lab-{i}"
+        cfg = {
+            "apiVersion": "v1", "kind": "Config", "current-context": name, "preferences": {},
+            "clusters": [{"name": name, "cluster": {"server": r.url,
+                                                    "certificate-authority-data": base64.b64encode(self.ca.cert_pem).decode()}}],
+            "users": [{"name": name, "user": {"token": self.token}}],
+            "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
+        }
+        path = self.kubeconfig(i)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(cfg, f, indent=2)
+
+    def api_client(self, i: int) -> Any:
+        """A ``kubernetes.client.ApiClient`` for replica ``i``, loaded from its kubeconfig (cached per replica)."""
+        if i not in self._clients:
+            from kubernetes import config
+
+            self._clients[i] = config.new_client_from_config(config_file=self.kubeconfig(i))
+        return self._clients[i]
+
+    def core_v1(self, i: int) -> Any:
+        from kubernetes import client
+
+        return client.CoreV1Api(self.api_client(i))
+
+    def discovery_v1(self, i: int) -> Any:
+        from kubernetes import client
+
+        return client.DiscoveryV1Api(self.api_client(i))
+
+    def coordination_v1(self, i: int) -> Any:
+        from kubernetes import client
+
+        return client.CoordinationV1Api(self.api_client(i))
+
+    def events_v1(self, i: int) -> Any:
+        from kubernetes import client
+
+        return client.EventsV1Api(self.api_client(i))
+
+    # --- helpers for tests and the demo ---------------------------------------------------
+
+    def revision(self) -> int:
+        """etcd's current revision."""
+        return self.etcd.client.revision()
+
+    def wait_synced(self, timeout: float = 5.0, replicas: list[int] | None = None) -> bool:
+        """Wait until the chosen (default: all running) replicas' caches reach etcd's current revision."""
+        target = self.revision()
+        deadline = time.monotonic() + timeout
+        for i in replicas if replicas is not None else range(self.n):
+            r = self.replicas[i]
+            if not r.running or r.cache is None:
+                continue
+            if not r.cache.wait_for(target, max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+
+@atexit.register
+def _close_all() -> None:
+    for lab in list(_live):
+        lab.close()

@@ -1,0 +1,384 @@
+"""What a replica writes to etcd: create, update, patch, delete, bind (the generic registry store).
+
+Mirrors k8s.io/apiserver/pkg/registry/generic/registry/store.go (GuaranteedUpdate:
+read, change, compare-and-swap on mod_revision, retry) and
+pkg/registry/core/pod/storage/storage.go (BindingREST). Reads without a
+resourceVersion (``get_quorum``) go to etcd like the real GET.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import datetime
+import hashlib
+import json
+import random
+import uuid
+from typing import Any
+
+from guard.lab.api import (
+    Obj, Resource, already_exists, apply_patch, bad_request, conflict, invalid, modified_conflict, not_found,
+    now_micro, now_rfc3339, resource_for, uid_precondition_failed,
+)
+from guard.lab.cache import decode
+from guard.lab.store import KV, EtcdClient
+
+MAX_RETRIES = 16
+PODS = resource_for("", "v1", "pods")
+assert PODS is not None
+
+
+def encode(obj: Obj) -> bytes:
+    out = copy.deepcopy(obj)
+    out.get("metadata", {}).pop("resourceVersion", None)
+    return json.dumps(out, separators=(",", ":"), sort_keys=True).encode()
+
+
+def storage_form(r: Resource, obj: Obj) -> Obj:
+    """events.k8s.io/v1 Events are stored as core v1 Events (pkg/apis/events conversion)."""
+    if r.group != "events.k8s.io":
+        return obj
+    out = {k: v for k, v in obj.items() if k not in ("regarding", "note", "reportingController", "deprecatedSource",
+                                                      "deprecatedFirstTimestamp", "deprecatedLastTimestamp", "deprecatedCount")}
+    out["apiVersion"], out["kind"] = "v1", "Event"
+    for new, old in (("regarding", "involvedObject"), ("note", "message"), ("reportingController", "reportingComponent"),
+                     ("deprecatedSource", "source"), ("deprecatedFirstTimestamp", "firstTimestamp"),
+                     ("deprecatedLastTimestamp", "lastTimestamp"), ("deprecatedCount", "count")):
+        if new in obj:
+            out[old] = obj[new]
+    return out
+
+
+def output_form(r: Resource, obj: Obj) -> Obj:
+    """The object as resource ``r`` shows it (core Events converted for events.k8s.io/v1)."""
+    if r.group != "events.k8s.io":
+        return obj
+    out = {k: v for k, v in obj.items() if k not in ("involvedObject", "message", "reportingComponent", "source",
+                                                      "firstTimestamp", "lastTimestamp", "count")}
+    out["apiVersion"], out["kind"] = "events.k8s.io/v1", "Event"
+    for new, old in (("regarding", "involvedObject"), ("note", "message"), ("reportingController", "reportingComponent"),
+                     ("deprecatedSource", "source"), ("deprecatedFirstTimestamp", "firstTimestamp"),
+                     ("deprecatedLastTimestamp", "lastTimestamp"), ("deprecatedCount", "count")):
+        if old in obj:
+            out[new] = obj[old]
+    return out
+
+
+def output_field(r: Resource, field: str) -> str:
+    """Map an events.k8s.io field label onto the stored (core) field."""
+    if r.group != "events.k8s.io":
+        return field
+    if field.startswith("regarding."):
+        return "involvedObject." + field[len("regarding."):]
+    return {"reportingController": "reportingComponent"}.get(field, field)
+
+
+def _meta(obj: Obj) -> Obj:
+    m = obj.get("metadata")
+    if not isinstance(m, dict):
+        m = obj["metadata"] = {}
+    return m
+
+
+def _suffix() -> str:
+    return "".join(random.choices("bcdfghjklmnpqrstvwxz2456789", k=5))
+
+
+def _pod_defaults(pod: Obj) -> None:
+    spec = pod.setdefault("spec", {})
+    spec.setdefault("schedulerName", "default-scheduler")
+    spec.setdefault("restartPolicy", "Always")
+    spec.setdefault("terminationGracePeriodSeconds", 30)
+    spec.setdefault("dnsPolicy", "ClusterFirst")
+    spec.setdefault("priority", 0)
+    spec.setdefault("enableServiceLinks", True)
+    status = pod.setdefault("status", {})
+    status.setdefault("phase", "Pending")
+    status.setdefault("qosClass", "BestEffort")
+
+
+class Registry:
+    def __init__(self, client: EtcdClient) -> None:
+        self.etcd = client
+
+    # --- reads ---------------------------------------------------------------
+
+    def _read(self, r: Resource, key: str, name: str) -> tuple[Obj, KV]:
+        kv, _ = self.etcd.get(key)
+        if kv is None:
+            raise not_found(r, name)
+        return decode(kv.value, kv.mod_revision), kv
+
+    def get_quorum(self, r: Resource, namespace: str | None, name: str) -> Obj:
+        """GET without resourceVersion: a linearizable read from etcd."""
+        return self._read(r, r.key(namespace, name), name)[0]
+
+    def list_quorum(self, r: Resource, namespace: str | None, revision: int = 0) -> tuple[list[Obj], int]:
+        kvs, rev = self.etcd.range_prefix(r.prefix(namespace), revision)
+        return [decode(kv.value, kv.mod_revision) for kv in kvs], (revision or rev)
+
+    # --- create --------------------------------------------------------------
+
+    def create(self, r: Resource, namespace: str | None, body: Any) -> Obj:
+        if not isinstance(body, dict):
+            raise bad_request("the body of the request must be a JSON object")
+        obj = storage_form(r, copy.deepcopy(body))
+        meta = _meta(obj)
+        if not meta.get("name"):
+            if meta.get("generateName"):
+                meta["name"] = meta["generateName"] + _suffix()
+            else:
+                raise invalid(r, "", "metadata.name", "name or generateName is required")
+        name = meta["name"]
+        if r.namespaced:
+            if meta.get("namespace") and meta["namespace"] != namespace:
+                raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+            meta["namespace"] = namespace
+        else:
+            meta.pop("namespace", None)
+        storage_r = r if r.group != "events.k8s.io" else resource_for("", "v1", "events")
+        assert storage_r is not None
+        obj["apiVersion"], obj["kind"] = storage_r.api_version, storage_r.kind
+        meta.pop("resourceVersion", None)
+        meta.pop("deletionTimestamp", None)
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = now_rfc3339()
+        if r is PODS:
+            if not isinstance(obj.get("spec"), dict) or not obj["spec"].get("containers"):
+                raise invalid(r, name, "spec.containers", "")
+            _pod_defaults(obj)
+        created, rev, _ = self.etcd.create(r.key(namespace, name), encode(obj))
+        if not created:
+            raise already_exists(r, name)
+        meta["resourceVersion"] = str(rev)
+        return output_form(r, obj)
+
+    # --- update / patch --------------------------------------------------------
+
+    def _guaranteed_update(self, r: Resource, namespace: str | None, name: str, change: Any,
+                           uid: str | None = None, resource_version: str | None = None) -> Obj:
+        """GuaranteedUpdate: read from etcd, ``change(current) -> new``, compare-and-swap, retry on races."""
+        key = r.key(namespace, name)
+        for _ in range(MAX_RETRIES):
+            cur, kv = self._read(r, key, name)
+            cmeta = _meta(cur)
+            if uid and uid != cmeta.get("uid"):
+                raise uid_precondition_failed(r, key, name, uid, cmeta.get("uid", ""))
+            if resource_version and resource_version != cmeta.get("resourceVersion"):
+                raise modified_conflict(r, name)
+            new = change(copy.deepcopy(cur))
+            nmeta = _meta(new)
+            for k in ("uid", "creationTimestamp", "name", "namespace"):
+                if k in cmeta:
+                    nmeta[k] = cmeta[k]
+            if "deletionTimestamp" in cmeta:
+                nmeta["deletionTimestamp"] = cmeta["deletionTimestamp"]
+                if "deletionGracePeriodSeconds" in cmeta:
+                    nmeta["deletionGracePeriodSeconds"] = cmeta["deletionGracePeriodSeconds"]
+            if nmeta.get("deletionTimestamp") and not nmeta.get("finalizers"):
+                ok, rev, _ = self.etcd.delete(key, kv.mod_revision)  # last finalizer gone: the object goes
+            else:
+                ok, rev, _ = self.etcd.update(key, encode(new), kv.mod_revision)
+            if ok:
+                nmeta["resourceVersion"] = str(rev)
+                return new
+        raise conflict(r.qualified, name, "too many concurrent updates")
+
+    def update(self, r: Resource, namespace: str | None, name: str, body: Any, status_only: bool = False) -> Obj:
+        if not isinstance(body, dict):
+            raise bad_request("the body of the request must be a JSON object")
+        body = storage_form(r, copy.deepcopy(body))
+        bmeta = _meta(body)
+        if bmeta.get("name", name) != name:
+            raise bad_request("the name of the object does not match the name on the URL")
+        rv = bmeta.get("resourceVersion") or None
+
+        def change(cur: Obj) -> Obj:
+            if status_only:
+                cur["status"] = body.get("status", {})
+                return cur
+            body.setdefault("apiVersion", cur.get("apiVersion"))
+            body.setdefault("kind", cur.get("kind"))
+            if r is PODS:
+                body["spec"] = cur.get("spec")  # pod spec is (nearly) immutable; binding sets nodeName
+                body.setdefault("status", cur.get("status"))
+            return body
+
+        return output_form(r, self._guaranteed_update(r, namespace, name, change, resource_version=rv))
+
+    def patch(self, r: Resource, namespace: str | None, name: str, content_type: str, body: bytes,
+              status_only: bool = False) -> Obj:
+        def change(cur: Obj) -> Obj:
+            patched = apply_patch(content_type, output_form(r, cur), body)
+            patched = storage_form(r, patched)
+            if not isinstance(patched, dict):
+                raise bad_request("the patch produced no object")
+            prv = (patched.get("metadata") or {}).get("resourceVersion")
+            if prv and prv != cur["metadata"]["resourceVersion"]:
+                raise modified_conflict(r, name)
+            if status_only:
+                cur["status"] = patched.get("status", {})
+                return cur
+            return patched
+
+        return output_form(r, self._guaranteed_update(r, namespace, name, change))
+
+    # --- delete -------------------------------------------------------------------
+
+    def delete(self, r: Resource, namespace: str | None, name: str, grace: int | None,
+               uid: str | None = None, resource_version: str | None = None) -> tuple[Obj, bool]:
+        """Delete; returns (the object as last written, whether it is gone).
+
+        Pods delete in two writes unless ``gracePeriodSeconds=0``: first
+        ``deletionTimestamp`` is set (graceful deletion), then the lab plays the
+        kubelet at once and removes it. Objects with finalizers only get
+        ``deletionTimestamp``.
+        """
+        key = r.key(namespace, name)
+        for _ in range(MAX_RETRIES):
+            cur, kv = self._read(r, key, name)
+            meta = _meta(cur)
+            if uid and uid != meta.get("uid"):
+                raise uid_precondition_failed(r, key, name, uid, meta.get("uid", ""))
+            if resource_version and resource_version != meta.get("resourceVersion"):
+                raise modified_conflict(r, name)
+            graceful = r is PODS and grace != 0 and not meta.get("deletionTimestamp")
+            if meta.get("finalizers") or graceful:
+                if not meta.get("deletionTimestamp"):
+                    period = grace if grace is not None else int(cur.get("spec", {}).get("terminationGracePeriodSeconds", 30))
+                    when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=period)
+                    meta["deletionTimestamp"] = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+                    meta["deletionGracePeriodSeconds"] = period
+                    ok, rev, _ = self.etcd.update(key, encode(cur), kv.mod_revision)
+                    if not ok:
+                        continue
+                    meta["resourceVersion"] = str(rev)
+                    if meta.get("finalizers"):
+                        return output_form(r, cur), False
+                    ok, _, _ = self.etcd.delete(key, rev)  # the kubelet's final delete
+                    return output_form(r, cur), ok
+                if meta.get("finalizers"):
+                    return output_form(r, cur), False
+            ok, _, _ = self.etcd.delete(key, kv.mod_revision)
+            if ok:
+                return output_form(r, cur), True
+        raise conflict(r.qualified, name, "too many concurrent updates")
+
+    # --- binding (pkg/registry/core/pod/storage/storage.go BindingREST) -----------
+
+    def bind(self, namespace: str, name: str, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise bad_request("the body of the request must be a JSON object")
+        meta = body.get("metadata") or {}
+        if meta.get("name") and meta["name"] != name:
+            raise bad_request("name in URL does not match name in Binding object")
+        target = body.get("target") or {}
+        node = target.get("name")
+        if not node:
+            raise invalid(PODS, name, "target.name", "")
+        annotations = meta.get("annotations") or {}
+
+        def change(pod: Obj) -> Obj:
+            pmeta = _meta(pod)
+            if pmeta.get("deletionTimestamp"):
+                raise conflict("pods/binding", name, f"pod {name} is being deleted, cannot be assigned to a host")
+            if pod.get("spec", {}).get("nodeName"):
+                raise conflict("pods/binding", name, f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"')
+            pod.setdefault("spec", {})["nodeName"] = node
+            if annotations:
+                pmeta.setdefault("annotations", {}).update(annotations)
+            conds = pod.setdefault("status", {}).setdefault("conditions", [])
+            cond = {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": now_rfc3339()}
+            for i, c in enumerate(conds):
+                if c.get("type") == "PodScheduled":
+                    conds[i] = cond
+                    break
+            else:
+                conds.append(cond)
+            return pod
+
+        self._guaranteed_update(PODS, namespace, name, change, uid=meta.get("uid") or None,
+                                resource_version=meta.get("resourceVersion") or None)
+
+    # --- the apiserver's own objects -------------------------------------------------
+
+    def ensure(self, r: Resource, namespace: str | None, obj: Obj) -> None:
+        """Create ``obj`` if absent (bootstrap objects)."""
+        try:
+            self.create(r, namespace, obj)
+        except Exception as e:  # noqa: BLE001 - AlreadyExists is fine
+            if getattr(e, "reason", "") != "AlreadyExists":
+                raise
+
+    def reconcile_endpoints(self, ip: str, port: int, present: bool) -> None:
+        """Add or remove one apiserver IP in ``default/kubernetes`` Endpoints and EndpointSlice
+        (pkg/controlplane/reconcilers/lease.go: each apiserver adds itself, removes itself on shutdown)."""
+        ports = [{"name": "https", "port": port, "protocol": "TCP"}]
+        ep_r, es_r = resource_for("", "v1", "endpoints"), resource_for("discovery.k8s.io", "v1", "endpointslices")
+        assert ep_r is not None and es_r is not None
+
+        def ips_of_ep(o: Obj) -> list[str]:
+            return [a["ip"] for s in o.get("subsets") or [] for a in s.get("addresses") or []]
+
+        def set_ep(o: Obj, ips: list[str]) -> None:
+            o["subsets"] = [{"addresses": [{"ip": i} for i in ips], "ports": ports}] if ips else []
+
+        def ips_of_es(o: Obj) -> list[str]:
+            return [a for e in o.get("endpoints") or [] for a in e.get("addresses") or []]
+
+        def set_es(o: Obj, ips: list[str]) -> None:
+            o["endpoints"] = [{"addresses": [i], "conditions": {"ready": True}} for i in ips]
+            o["ports"] = ports
+            o["addressType"] = "IPv4"
+
+        for r, blank, get_ips, set_ips in (
+            (ep_r, {"metadata": {"name": "kubernetes", "namespace": "default",
+                                 "labels": {"endpointslice.kubernetes.io/skip-mirror": "true"}}}, ips_of_ep, set_ep),
+            (es_r, {"metadata": {"name": "kubernetes", "namespace": "default",
+                                 "labels": {"kubernetes.io/service-name": "kubernetes"}},
+                    "addressType": "IPv4", "endpoints": [], "ports": ports}, ips_of_es, set_es),
+        ):
+            for _ in range(MAX_RETRIES):
+                key = r.key("default", "kubernetes")
+                kv, _ = self.etcd.get(key)
+                obj = decode(kv.value, kv.mod_revision) if kv else copy.deepcopy(blank)
+                ips = set(get_ips(obj))
+                want = (ips | {ip}) if present else (ips - {ip})
+                if kv is not None and want == ips and (not present or r is not es_r or obj.get("ports") == ports):
+                    break
+                ordered = sorted(want, key=lambda s: tuple(int(p) for p in s.split(".")))
+                set_ips(obj, ordered)
+                if kv is None:
+                    obj["apiVersion"], obj["kind"] = r.api_version, r.kind
+                    obj["metadata"]["uid"] = str(uuid.uuid4())
+                    obj["metadata"]["creationTimestamp"] = now_rfc3339()
+                    ok, _, _ = self.etcd.create(key, encode(obj))
+                else:
+                    ok, _, _ = self.etcd.update(key, encode(obj), kv.mod_revision)
+                if ok:
+                    break
+
+    def write_identity_lease(self, hostname: str) -> Obj:
+        """The apiserver identity lease (pkg/controlplane/apiserver/server.go, controller/apiserverleasegc)."""
+        digest = hashlib.sha256(hostname.encode()).digest()[:16]
+        lease_name = "apiserver-" + base64.b32encode(digest).decode().rstrip("=").lower()
+        r = resource_for("coordination.k8s.io", "v1", "leases")
+        assert r is not None
+        holder = f"{lease_name}_{uuid.uuid4()}"
+        spec = {"holderIdentity": holder, "leaseDurationSeconds": 3600, "renewTime": now_micro()}
+        labels = {"apiserver.kubernetes.io/identity": "kube-apiserver", "kubernetes.io/hostname": hostname}
+        try:
+            return self.create(r, "kube-system", {"metadata": {"name": lease_name, "labels": labels}, "spec": spec})
+        except Exception as e:  # noqa: BLE001
+            if getattr(e, "reason", "") != "AlreadyExists":
+                raise
+
+        def change(cur: Obj) -> Obj:
+            cur["spec"] = spec
+            _meta(cur)["labels"] = labels
+            return cur
+
+        return self._guaranteed_update(r, "kube-system", lease_name, change)
+
+

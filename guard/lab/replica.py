@@ -1,0 +1,658 @@
+"""One apiserver replica: an HTTPS server on its own loopback IP with its own watch cache.
+
+Reads follow k8s.io/apiserver/pkg/storage/cacher (delegator.go): GET without
+resourceVersion goes to etcd, ``resourceVersion=0`` reads the cache, a LIST
+without resourceVersion is a consistent read from the cache (wait until the
+cache reaches etcd's current revision). Writes go to etcd (registry.py).
+Requests pass through the replica's faults first, and every request is logged.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import socket
+import ssl
+import tempfile
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from guard.lab.api import (
+    RESOURCES, ApiError, FieldRequirement, Obj, Resource, Selector, bad_request, gone, internal_error,
+    method_not_allowed, not_found, parse_field_selector, parse_label_selector, path_not_found, resource_for,
+    too_many_requests, unauthorized,
+)
+from guard.lab.cache import WatchCache
+from guard.lab.faults import FaultError, Faults
+from guard.lab.pki import KeyPair
+from guard.lab.registry import Registry, output_field, output_form
+from guard.lab.store import EtcdClient, EtcdUnavailable
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 3 * 1024 * 1024  # the apiserver's request body limit
+KUBE_VERSION = {"major": "1", "minor": "34", "gitVersion": "v1.34.0-ghost-lab", "gitCommit": "0000000000000000000000000000000000000000",
+                "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.24.0", "compiler": "gc",
+                "platform": "linux/amd64"}
+ANONYMOUS_PATHS = ("/healthz", "/livez", "/readyz", "/version")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request as the replica saw it. ``source``: "etcd", "cache", "fault" or "" (no storage read)."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    status: int
+    time: float  # epoch seconds at arrival
+    duration: float
+    source: str = ""
+
+    @property
+    def quorum(self) -> bool:
+        """A read served by etcd (GET one object without resourceVersion, or a LIST that fell back to etcd)."""
+        return self.method == "GET" and self.source == "etcd"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "path": self.path, "query": self.query, "status": self.status,
+                "time": self.time, "duration": self.duration, "source": self.source, "quorum": self.quorum}
+
+
+class _Dropped(Exception):
+    """Close the connection without an answer (the hang fault ended)."""
+
+
+@dataclass
+class _Ctx:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: Any
+    handler: BaseHTTPRequestHandler
+    source: str = ""
+    status: int = 0
+    body_cache: bytes | None = field(default=None, repr=False)
+
+    def body(self) -> bytes:
+        if self.body_cache is None:
+            n = int(self.headers.get("Content-Length") or 0)
+            if n > MAX_BODY:
+                raise ApiError(413, "RequestEntityTooLarge", "the request is too large")
+            self.body_cache = self.handler.rfile.read(n) if n else b""
+        return self.body_cache
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body() or b"null")
+        except ValueError as e:
+            raise bad_request(f"the body of the request could not be decoded: {e}") from e
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, addr: tuple[str, int], replica: Replica, ssl_ctx: ssl.SSLContext) -> None:
+        self.replica = replica
+        self.ssl_ctx = ssl_ctx
+        self.conns: set[socket.socket] = set()
+        self.conns_lock = threading.Lock()
+        super().__init__(addr, _Handler)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self.conns_lock:
+            self.conns.add(request)
+        try:
+            request.settimeout(10)
+            tls = self.ssl_ctx.wrap_socket(request, server_side=True)
+            tls.settimeout(300)
+        except (OSError, ssl.SSLError):
+            self._forget(request)
+            self.shutdown_request(request)
+            return
+        try:
+            self.finish_request(tls, client_address)
+        except Exception:  # noqa: BLE001 - a broken connection must not kill the server
+            pass
+        finally:
+            self._forget(request)
+            try:
+                tls.close()
+            except OSError:
+                pass
+
+    def _forget(self, sock: socket.socket) -> None:
+        with self.conns_lock:
+            self.conns.discard(sock)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:  # quiet
+        pass
+
+    def drop_connections(self) -> None:
+        with self.conns_lock:
+            conns = list(self.conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+    def _dispatch(self) -> None:
+        self.server.replica._serve(self)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _dispatch
+
+
+def _query(qs: str) -> dict[str, str]:
+    return {k: v[0] for k, v in urllib.parse.parse_qs(qs, keep_blank_values=True).items()}
+
+
+def _bool(q: dict[str, str], key: str) -> bool:
+    return q.get(key, "").lower() in ("true", "1")
+
+
+def _int(q: dict[str, str], key: str) -> int | None:
+    v = q.get(key)
+    if v in (None, ""):
+        return None
+    try:
+        return int(v)
+    except ValueError as e:
+        raise bad_request(f"{key}: invalid value {v!r}: must be an integer") from e
+
+
+class Replica:
+    """One apiserver replica. Created and started by ``Lab``; ``stop()``/``start()``/``restart()`` for faults."""
+
+    def __init__(self, index: int, ip: str, port: int, etcd_url: str, token: str, serving: KeyPair, *,
+                 bookmark_interval: float = 1.0, history_size: int = 10000, consistent_read_timeout: float = 3.0,
+                 endpoints: bool = True) -> None:
+        self.index = index
+        self.ip = ip
+        self.port = port
+        self.url = f"https://{ip}:{port}"
+        self.hostname = f"lab-apiserver-{index}"
+        self.token = token
+        self.faults = Faults()
+        self.bookmark_interval = bookmark_interval
+        self.history_size = history_size
+        self.consistent_read_timeout = consistent_read_timeout
+        self._endpoints = endpoints
+        self._etcd = EtcdClient(etcd_url)
+        self.registry = Registry(self._etcd)
+        self.cache: WatchCache | None = None
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._log: collections.deque[RequestRecord] = collections.deque(maxlen=200_000)
+        self._log_lock = threading.Lock()
+        self._ssl = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        with tempfile.NamedTemporaryFile("wb", suffix=".pem") as f:
+            f.write(serving.cert_pem + serving.key_pem)
+            f.flush()
+            self._ssl.load_cert_chain(f.name)
+        self.identity_lease: Obj | None = None
+
+    def __repr__(self) -> str:
+        return f"Replica({self.index}, {self.url}, running={self.running})"
+
+    # --- lifecycle ----------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def bind(self) -> None:
+        """Bind the listening socket (raises OSError if the address is taken)."""
+        self._stopping = threading.Event()
+        self._server = _Server((self.ip, self.port), self, self._ssl)
+
+    def start(self) -> None:
+        """Start serving: cache built from etcd (initial LIST + WATCH), identity lease, endpoint entry."""
+        if self._server is None:
+            self.bind()
+        assert self._server is not None
+        self.cache = WatchCache(self._etcd, self.faults, self.history_size, name=str(self.index))
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name=f"replica-{self.index}", daemon=True)
+        self._thread.start()
+        self.cache.start()
+        if self._endpoints:
+            self.identity_lease = self.registry.write_identity_lease(self.hostname)
+            self.registry.reconcile_endpoints(self.ip, self.port, present=True)
+
+    def stop(self) -> None:
+        """Graceful shutdown: leave the endpoints, stop serving, drop the cache (like a replica going away)."""
+        if self._server is None:
+            return
+        if self._endpoints:
+            try:
+                self.registry.reconcile_endpoints(self.ip, self.port, present=False)
+            except EtcdUnavailable:
+                pass
+        self._stopping.set()
+        server, self._server = self._server, None
+        server.shutdown()
+        server.server_close()
+        server.drop_connections()
+        if self.cache is not None:
+            self.cache.stop()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def restart(self) -> None:
+        """Stop and start again: the new cache is rebuilt from etcd (a rolling restart heals a missed delete)."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        self._etcd.close()
+
+    # --- request log --------------------------------------------------------
+
+    def requests(self, method: str | None = None, path: str | None = None, quorum: bool | None = None,
+                 since: float | None = None) -> list[RequestRecord]:
+        """Logged requests, filtered: exact ``method``/``path``, ``quorum`` reads only (or not), arrived at/after ``since``."""
+        with self._log_lock:
+            recs = list(self._log)
+        return [r for r in recs
+                if (method is None or r.method == method) and (path is None or r.path == path)
+                and (quorum is None or r.quorum == quorum) and (since is None or r.time >= since)]
+
+    def clear_requests(self) -> None:
+        with self._log_lock:
+            self._log.clear()
+
+    @property
+    def cache_revision(self) -> int:
+        return self.cache.rv if self.cache else 0
+
+    # --- serving --------------------------------------------------------------
+
+    def _serve(self, h: _Handler) -> None:
+        parsed = urllib.parse.urlsplit(h.path)
+        ctx = _Ctx(h.command, parsed.path, _query(parsed.query), h.headers, h)
+        started, t0 = time.time(), time.monotonic()
+        try:
+            try:
+                self._authenticate(ctx)
+                if ctx.path.startswith("/lab/"):
+                    self._admin(ctx)
+                else:
+                    self._apply_faults(ctx)
+                    self._route(ctx)
+            except ApiError as e:
+                self._send(ctx, e.code, e.status(), e.headers)
+            except FaultError as e:
+                self._send(ctx, 400, bad_request(str(e)).status())
+            except EtcdUnavailable as e:
+                self._send(ctx, 500, internal_error(f"etcd unavailable: {e}").status())
+            except (_Dropped, ConnectionError, ssl.SSLError, TimeoutError):
+                raise
+            except Exception as e:  # noqa: BLE001 - never a bare traceback to the client
+                log.exception("replica %s: %s %s", self.index, ctx.method, ctx.path)
+                self._send(ctx, 500, internal_error(repr(e)).status())
+        except _Dropped:
+            h.close_connection = True
+            try:
+                h.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        except (ConnectionError, ssl.SSLError, TimeoutError, OSError):
+            h.close_connection = True
+        finally:
+            rec = RequestRecord(ctx.method, ctx.path, ctx.query, ctx.status, started, time.monotonic() - t0, ctx.source)
+            with self._log_lock:
+                self._log.append(rec)
+
+    def _authenticate(self, ctx: _Ctx) -> None:
+        auth = ctx.headers.get("Authorization")
+        if auth is None and ctx.path in ANONYMOUS_PATHS:
+            return  # system:public-info-viewer lets anonymous users read health and version
+        if auth != f"Bearer {self.token}":
+            raise unauthorized()
+
+    def _apply_faults(self, ctx: _Ctx) -> None:
+        rule = self.faults.match(ctx.method, ctx.path)
+        if rule is None:
+            return
+        if rule.action == "latency":
+            self._stopping.wait(rule.seconds or 0)
+        elif rule.action == "status":
+            ctx.source = "fault"
+            code = rule.status or 500
+            if code == 429:
+                raise too_many_requests()
+            if code >= 500:
+                raise ApiError(code, "InternalError" if code == 500 else "ServiceUnavailable",
+                               "Internal error occurred: lab fault" if code == 500 else "lab fault", {"causes": [{"message": "lab fault"}]})
+            raise ApiError(code, "BadRequest", "lab fault")
+        elif rule.action == "hang":
+            ctx.source = "fault"
+            self.faults.hang(rule, self._stopping)
+            raise _Dropped()
+
+    def _send(self, ctx: _Ctx, code: int, body: Any, headers: dict[str, str] | None = None,
+              content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+        h = ctx.handler
+        if ctx.method in ("POST", "PUT", "PATCH") and ctx.body_cache is None:
+            try:
+                ctx.body()  # drain the request body so the connection stays usable
+            except ApiError:
+                h.close_connection = True
+        h.send_response(code)
+        h.send_header("Content-Type", content_type)
+        h.send_header("Content-Length", str(len(data)))
+        h.send_header("Cache-Control", "no-cache, private")
+        for k, v in (headers or {}).items():
+            h.send_header(k, v)
+        h.end_headers()
+        h.wfile.write(data)
+        ctx.status = code
+
+    # --- routing ----------------------------------------------------------------
+
+    def _route(self, ctx: _Ctx) -> None:
+        p = ctx.path.rstrip("/") or "/"
+        if p in ("/healthz", "/livez", "/readyz"):
+            ready = self.cache is not None and self.cache.ready.is_set()
+            if p == "/readyz" and not ready:
+                self._send(ctx, 500, b"[-]watch-cache not ready\nreadyz check failed\n", content_type="text/plain; charset=utf-8")
+            else:
+                self._send(ctx, 200, b"ok", content_type="text/plain; charset=utf-8")
+            return
+        if p == "/version":
+            return self._send(ctx, 200, KUBE_VERSION)
+        if p == "/api":
+            return self._send(ctx, 200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
+                {"clientCIDR": "0.0.0.0/0", "serverAddress": f"{self.ip}:{self.port}"}]})
+        if p == "/apis":
+            return self._send(ctx, 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": [self._group(g) for g in self._groups()]})
+        segs = p.strip("/").split("/")
+        if segs[0] == "api" and len(segs) >= 2:
+            group, version, rest = "", segs[1], segs[2:]
+        elif segs[0] == "apis" and len(segs) == 2 and segs[1] in self._groups():
+            return self._send(ctx, 200, {"kind": "APIGroup", "apiVersion": "v1", **self._group(segs[1])})
+        elif segs[0] == "apis" and len(segs) >= 3:
+            group, version, rest = segs[1], segs[2], segs[3:]
+        else:
+            raise path_not_found()
+        if not rest:
+            return self._send(ctx, 200, self._resource_list(group, version))
+        namespace = None
+        if rest[0] == "namespaces" and len(rest) >= 3:
+            namespace, rest = rest[1], rest[2:]
+        if len(rest) > 3:
+            raise path_not_found()
+        r = resource_for(group, version, rest[0])
+        if r is None or (namespace is not None and not r.namespaced):
+            raise path_not_found()
+        name = rest[1] if len(rest) > 1 else None
+        sub = rest[2] if len(rest) > 2 else None
+        if sub not in (None, "status", "binding") or (sub == "binding" and r.plural != "pods") or (sub == "status" and r.plural not in ("pods", "nodes", "namespaces", "services")):
+            raise path_not_found()
+        m = ctx.method
+        if name is None:
+            if m == "GET":
+                if _bool(ctx.query, "watch"):
+                    return self._watch(ctx, r, namespace)
+                return self._list(ctx, r, namespace)
+            if m == "POST":
+                if r.namespaced and namespace is None:
+                    raise method_not_allowed(m)
+                return self._send(ctx, 201, self.registry.create(r, namespace, ctx.json()))
+            raise method_not_allowed(m)
+        if r.namespaced and namespace is None:
+            raise path_not_found()
+        if sub == "binding":
+            if m != "POST":
+                raise method_not_allowed(m)
+            self.registry.bind(namespace or "", name, ctx.json())
+            return self._send(ctx, 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201})
+        if m == "GET":
+            return self._get(ctx, r, namespace, name)
+        if m == "PUT":
+            return self._send(ctx, 200, self.registry.update(r, namespace, name, ctx.json(), status_only=sub == "status"))
+        if m == "PATCH":
+            return self._send(ctx, 200, self.registry.patch(r, namespace, name, ctx.headers.get("Content-Type") or "",
+                                                            ctx.body(), status_only=sub == "status"))
+        if m == "DELETE" and sub is None:
+            return self._delete(ctx, r, namespace, name)
+        raise method_not_allowed(m)
+
+    def _groups(self) -> list[str]:
+        return sorted({r.group for r in RESOURCES if r.group})
+
+    def _group(self, g: str) -> Obj:
+        v = {"groupVersion": f"{g}/v1", "version": "v1"}
+        return {"name": g, "versions": [v], "preferredVersion": v}
+
+    def _resource_list(self, group: str, version: str) -> Obj:
+        rs = [r for r in RESOURCES if (r.group, r.version) == (group, version)]
+        if not rs:
+            raise path_not_found()
+        out = []
+        for r in rs:
+            out.append({"name": r.plural, "singularName": r.kind.lower(), "namespaced": r.namespaced, "kind": r.kind, "verbs": list(r.verbs)})
+            if r.plural == "pods":
+                out.append({"name": "pods/binding", "singularName": "", "namespaced": True, "kind": "Binding", "verbs": ["create"]})
+            if r.plural in ("pods", "nodes", "namespaces", "services"):
+                out.append({"name": f"{r.plural}/status", "singularName": "", "namespaced": r.namespaced, "kind": r.kind,
+                            "verbs": ["get", "patch", "update"]})
+        gv = f"{group}/{version}" if group else version
+        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": out}
+
+    # --- reads --------------------------------------------------------------------------
+
+    def _ready_cache(self) -> WatchCache:
+        cache = self.cache
+        if cache is None or not cache.ready.is_set():
+            raise too_many_requests("storage is (re)initializing")
+        return cache
+
+    def _wait_fresh(self, cache: WatchCache, rv: int) -> None:
+        if not cache.wait_for(rv, self.consistent_read_timeout):
+            raise ApiError(504, "Timeout", f"Too large resource version: {rv}, current: {cache.rv}",
+                           {"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+                            "retryAfterSeconds": 1})
+
+    def _rv_param(self, ctx: _Ctx) -> str | None:
+        rv = ctx.query.get("resourceVersion")
+        if rv not in (None, "") and not rv.isdigit():
+            raise bad_request(f"invalid resource version {rv!r}")
+        return rv or None
+
+    def _get(self, ctx: _Ctx, r: Resource, namespace: str | None, name: str) -> None:
+        rv = self._rv_param(ctx)
+        if rv is None:
+            ctx.source = "etcd"
+            obj = self.registry.get_quorum(r, namespace, name)
+        else:
+            cache = self._ready_cache()
+            ctx.source = "cache"
+            if rv != "0":
+                self._wait_fresh(cache, int(rv))
+            obj, _ = cache.get(r.key(namespace, name))
+            if obj is None:
+                raise not_found(r, name)
+        self._send(ctx, 200, output_form(r, obj))
+
+    def _selector(self, ctx: _Ctx, r: Resource, namespace: str | None) -> Selector:
+        fields = parse_field_selector(ctx.query.get("fieldSelector"), r)
+        fields = [FieldRequirement(output_field(r, f.field), f.op, f.value) for f in fields]
+        labels = parse_label_selector(ctx.query.get("labelSelector"))
+        return Selector(namespace, tuple(fields), tuple(labels))
+
+    def _list(self, ctx: _Ctx, r: Resource, namespace: str | None) -> None:
+        sel = self._selector(ctx, r, namespace)
+        rv = self._rv_param(ctx)
+        match = ctx.query.get("resourceVersionMatch")
+        if match not in (None, "", "NotOlderThan", "Exact"):
+            raise bad_request(f'resourceVersionMatch: Unsupported value: "{match}"')
+        if match and rv is None:
+            raise bad_request("resourceVersionMatch is forbidden unless resourceVersion is provided")
+        if match == "Exact" and rv == "0":
+            raise bad_request('resourceVersionMatch "exact" is forbidden for resourceVersion "0"')
+        if match == "Exact":
+            ctx.source = "etcd"
+            try:
+                items, list_rv = self.registry.list_quorum(r, namespace, int(rv or 0))
+            except EtcdUnavailable as e:
+                if "compacted" in str(e):
+                    raise gone("The resourceVersion for the provided list is too old.") from e
+                raise
+            items = [o for o in items if sel.matches(o)]
+        else:
+            cache = self._ready_cache()
+            if rv is None:
+                target = self._etcd.revision()  # consistent read from cache (cacher.go ConsistentListFromCache)
+                if cache.wait_for(target, self.consistent_read_timeout):
+                    ctx.source = "cache"
+                    items, list_rv = cache.list(r.prefix(namespace), sel.matches)
+                else:  # fall back to etcd, as the cacher does when the cache can't catch up in time
+                    ctx.source = "etcd"
+                    items, list_rv = self.registry.list_quorum(r, namespace)
+                    items = [o for o in items if sel.matches(o)]
+            else:
+                ctx.source = "cache"
+                if rv != "0":
+                    self._wait_fresh(cache, int(rv))
+                items, list_rv = cache.list(r.prefix(namespace), sel.matches)
+        out_items = []
+        for o in items:
+            o = output_form(r, o)
+            o.pop("apiVersion", None)
+            o.pop("kind", None)
+            out_items.append(o)
+        self._send(ctx, 200, {"kind": f"{r.kind}List", "apiVersion": r.api_version,
+                              "metadata": {"resourceVersion": str(list_rv)}, "items": out_items})
+
+    def _watch(self, ctx: _Ctx, r: Resource, namespace: str | None) -> None:
+        cache = self._ready_cache()
+        ctx.source = "cache"
+        sel = self._selector(ctx, r, namespace)
+        rv = self._rv_param(ctx)
+        timeout = _int(ctx.query, "timeoutSeconds")
+        bookmarks = _bool(ctx.query, "allowWatchBookmarks")
+        initial_events = _bool(ctx.query, "sendInitialEvents")
+        if initial_events and ctx.query.get("resourceVersionMatch") != "NotOlderThan":
+            raise ApiError(422, "Invalid", "resourceVersionMatch: Forbidden: sendInitialEvents requires setting resourceVersionMatch to NotOlderThan")
+        h = ctx.handler
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.send_header("Cache-Control", "no-cache, private")
+        h.end_headers()
+        ctx.status = 200
+
+        def write(typ: str, obj: Obj) -> None:
+            line = json.dumps({"type": typ, "object": obj}, separators=(",", ":")).encode() + b"\n"
+            h.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            h.wfile.flush()
+
+        def end() -> None:
+            h.wfile.write(b"0\r\n\r\n")
+            h.wfile.flush()
+
+        def out(obj: Obj) -> Obj:
+            return output_form(r, obj)
+
+        try:
+            start_rv = None if (rv in (None, "0") or initial_events) else int(rv)
+            watcher, first = cache.watch(r.prefix(namespace), sel.matches, start_rv)
+        except ApiError as e:
+            write("ERROR", e.status())  # cacher.go newErrWatcher: a 200 stream carrying the error
+            end()
+            return
+        deadline = time.monotonic() + (timeout if timeout is not None else 1800)
+        last_bookmark = cache.rv
+        try:
+            for typ, obj in first:
+                write(typ, out(obj))
+            if initial_events:
+                write("BOOKMARK", {"kind": r.kind, "apiVersion": r.api_version, "metadata": {
+                    "resourceVersion": str(cache.rv), "annotations": {"k8s.io/initial-events-end": "true"}}})
+            while not self._stopping.is_set() and not watcher.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                item = watcher.get(min(left, self.bookmark_interval))
+                if item is not None:
+                    write(item[0], out(item[1]))
+                elif bookmarks and cache.rv > last_bookmark and not watcher.closed:
+                    last_bookmark = cache.rv
+                    write("BOOKMARK", {"kind": r.kind, "apiVersion": r.api_version,
+                                       "metadata": {"resourceVersion": str(last_bookmark)}})
+            if not self._stopping.is_set():
+                end()
+            else:
+                h.close_connection = True
+        finally:
+            cache.forget(watcher)
+
+    # --- deletes -----------------------------------------------------------------
+
+    def _delete(self, ctx: _Ctx, r: Resource, namespace: str | None, name: str) -> None:
+        opts = ctx.json() if ctx.body() else {}
+        if opts is None:
+            opts = {}
+        if not isinstance(opts, dict):
+            raise bad_request("DeleteOptions must be a JSON object")
+        grace = _int(ctx.query, "gracePeriodSeconds")
+        if grace is None and opts.get("gracePeriodSeconds") is not None:
+            grace = int(opts["gracePeriodSeconds"])
+        pre = opts.get("preconditions") or {}
+        obj, gone_now = self.registry.delete(r, namespace, name, grace, pre.get("uid"), pre.get("resourceVersion"))
+        if r.plural == "pods" or not gone_now:
+            return self._send(ctx, 200, obj)  # pods: ReturnDeletedObject
+        details: Obj = {"name": name, "kind": r.plural, "uid": obj.get("metadata", {}).get("uid", "")}
+        if r.group:
+            details["group"] = r.group
+        self._send(ctx, 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details})
+
+    # --- admin (/lab/...) ------------------------------------------------------------
+
+    def _admin(self, ctx: _Ctx) -> None:
+        p = ctx.path.rstrip("/")
+        if p == "/lab/faults":
+            if ctx.method == "GET":
+                return self._send(ctx, 200, self.faults.snapshot())
+            if ctx.method == "POST":
+                return self._send(ctx, 201, self.faults.apply_json(ctx.json()))
+            if ctx.method == "DELETE":
+                self.faults.clear()
+                return self._send(ctx, 200, self.faults.snapshot())
+            raise method_not_allowed(ctx.method)
+        if p.startswith("/lab/faults/") and ctx.method == "DELETE":
+            try:
+                rid = int(p.rsplit("/", 1)[1])
+            except ValueError as e:
+                raise bad_request("fault id must be an integer") from e
+            if not self.faults.remove(rid):
+                raise ApiError(404, "NotFound", f"fault {rid} not found", {"name": str(rid), "kind": "faults"})
+            return self._send(ctx, 200, self.faults.snapshot())
+        if p == "/lab/requests" and ctx.method == "GET":
+            return self._send(ctx, 200, {"requests": [r.to_dict() for r in self.requests()]})
+        if p == "/lab/cache" and ctx.method == "GET":
+            cache = self.cache
+            return self._send(ctx, 200, {"resourceVersion": str(cache.rv if cache else 0),
+                                         "ready": bool(cache and cache.ready.is_set()),
+                                         "objects": cache.size if cache else 0, "relists": cache.relists if cache else 0})
+        raise path_not_found()
