@@ -165,7 +165,7 @@ def _audit_records(command: str, store, *, namespace, verdict, replica, since, l
 @click.option("--namespace", default=None, help="Only ghosts in this namespace.")
 @click.option("--verdict", default=None, type=click.Choice([v.value for v in _Verdict]), help="Only this verdict.")
 @click.option("--replica", default=None, metavar="REPLICA",
-              help="Only ghosts this apiserver replica was seen serving (as listed by `report`, e.g. https://10.0.0.2:6443).")
+              help="Only ghosts this apiserver replica was ever seen serving, named as `report` lists it (e.g. 10.0.0.2:6443).")
 @click.option("--since", default=None, metavar="WHEN",
               help="Only ghosts seen since then: a duration back from now (30m, 1h, 2d, 1w) or an ISO-8601 time (UTC if no offset).")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="At most this many records (most recently seen first).")
