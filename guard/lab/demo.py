@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import IO, Any
 
 from kubernetes.client.exceptions import ApiException
@@ -274,65 +275,66 @@ def run_demo(out: IO[str] = sys.stdout, *, seconds: float = PHASE_SECONDS) -> in
     from guard.lab import Lab
 
     started = time.monotonic()
+    guards: list[GuardChild] = []
 
     def say(text: str) -> None:
         out.write(text + "\n")
         out.flush()
 
-    guard: GuardChild | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="ghost-guard-demo-") as tmp, Lab(replicas=3) as lab:
-            workdir = Path(tmp)
-            say("ghost-guard demo: a Pod deleted in etcd, still served by one apiserver replica's watch cache")
-            say(f"  lab: etcd + 3 apiserver replicas: {', '.join(r.url for r in lab.replicas)}")
-            api = lab.core_v1(0)
-            for name in ("node-a", "node-b"):
-                _discard(api.create_node(node_manifest(name), _preload_content=False, _request_timeout=5))
-            uid = create_ghost(lab, 1, pod_manifest("web-1"))
-            say(f"  default/web-1 (uid {uid}) deleted; replica 2 ({lab.replicas[1].url}) dropped the deletion:")
-            say("    quorum GET -> 404 NotFound;  replica 2's cache (resourceVersion=0) -> still Pending")
-
-            say(f"\n[1/2] kube-scheduler (simulated) reading replica 2, no extender, {seconds:.0f} s:")
-            with Scheduler(lab.kubeconfig(1), timings=DEMO_TIMINGS) as scheduler:
-                live_before = _phase(lab, scheduler, "web-2", out, seconds)
-                before = scheduler.stats().get("default/web-1", PodStats())
-
-            say("\n[2/2] ghost-guard serve (HTTPS, mTLS) registered as extender: filter + preempt verbs")
-            guard = start_guard_process(lab.kubeconfig(0), workdir)
-            say(f"      guard ready at {guard.url}; scheduler restarted on replica 2 (the ghost is listed again)")
-            with Scheduler(lab.kubeconfig(1), extenders=[guard.extender()], timings=DEMO_TIMINGS) as scheduler:
-                live_after = _phase(lab, scheduler, "web-3", out, seconds)
-                after = scheduler.stats().get("default/web-1", PodStats())
-
-            rows = [
-                ("ghost scheduling attempts", before.attempts, after.attempts),
-                ("ghost failed binds (404)", before.bind_failures.get(404, 0), after.bind_failures.get(404, 0)),
-                ("ghost status patches (404)", before.status_patch_failures.get(404, 0),
-                 after.status_patch_failures.get(404, 0)),
-                ("extender filter calls", "-", after.filter_calls),
-                ("live pod bound", f"web-2 -> {live_before.bound_node or 'NO'}",
-                 f"web-3 -> {live_after.bound_node or 'NO'}"),
-            ]
-            say("")
-            say(f"  {'':28}{'without guard':>18}{'with guard':>18}")
-            for label, left, right in rows:
-                say(f"  {label:28}{left!s:>18}{right!s:>18}")
-            broke = (before.bind_failures_total >= 2 and after.bind_failures_total <= 1
-                     and bool(live_before.bound_node) and bool(live_after.bound_node))
-            elapsed = time.monotonic() - started
-            if broke:
-                say(f"\nThe guard broke the loop: the ghost is rejected on every node, live pods still schedule "
-                    f"({elapsed:.0f} s).")
-                return 0
-            say(f"\nThe loop was NOT broken ({elapsed:.0f} s).")
-            if guard is not None:
-                say("guard log (tail):\n" + guard.logs()[-2000:])
-            return 1
+            try:
+                broke = _scenario(lab, Path(tmp), say, out, seconds, guards)
+                if not broke and guards:
+                    say("guard log (tail):\n" + guards[0].logs()[-2000:])
+            finally:
+                for guard in guards:
+                    guard.stop()
     except Exception as e:  # noqa: BLE001 - the demo reports, never tracebacks at the user
         say(f"\ndemo failed: {type(e).__name__}: {e}")
-        if guard is not None:
-            say("guard log (tail):\n" + guard.logs()[-2000:])
         return 2
-    finally:
-        if guard is not None:
-            guard.stop()
+    elapsed = time.monotonic() - started
+    if broke:
+        say(f"\nThe guard broke the loop: the ghost is rejected on every node, live pods still schedule ({elapsed:.0f} s).")
+        return 0
+    say(f"\nThe loop was NOT broken ({elapsed:.0f} s).")
+    return 1
+
+
+def _scenario(lab: Any, workdir: Path, say: Callable[[str], None], out: IO[str], seconds: float,
+              guards: list[GuardChild]) -> bool:
+    say("ghost-guard demo: a Pod deleted in etcd, still served by one apiserver replica's watch cache")
+    say(f"  lab: etcd + 3 apiserver replicas: {', '.join(r.url for r in lab.replicas)}")
+    api = lab.core_v1(0)
+    for name in ("node-a", "node-b"):
+        _discard(api.create_node(node_manifest(name), _preload_content=False, _request_timeout=5))
+    uid = create_ghost(lab, 1, pod_manifest("web-1"))
+    say(f"  default/web-1 (uid {uid}) deleted; replica 2 ({lab.replicas[1].url}) dropped the deletion:")
+    say("    quorum GET -> 404 NotFound;  replica 2's cache (resourceVersion=0) -> still Pending")
+
+    say(f"\n[1/2] kube-scheduler (simulated) reading replica 2, no extender, {seconds:.0f} s:")
+    with Scheduler(lab.kubeconfig(1), timings=DEMO_TIMINGS) as scheduler:
+        live_before = _phase(lab, scheduler, "web-2", out, seconds)
+        before = scheduler.stats().get("default/web-1", PodStats())
+
+    say("\n[2/2] ghost-guard serve (HTTPS, mTLS) registered as extender: filter + preempt verbs")
+    guard = start_guard_process(lab.kubeconfig(0), workdir)
+    guards.append(guard)
+    say(f"      guard ready at {guard.url}; scheduler restarted on replica 2 (the ghost is listed again)")
+    with Scheduler(lab.kubeconfig(1), extenders=[guard.extender()], timings=DEMO_TIMINGS) as scheduler:
+        live_after = _phase(lab, scheduler, "web-3", out, seconds)
+        after = scheduler.stats().get("default/web-1", PodStats())
+
+    rows = [
+        ("ghost scheduling attempts", before.attempts, after.attempts),
+        ("ghost failed binds (404)", before.bind_failures.get(404, 0), after.bind_failures.get(404, 0)),
+        ("ghost status patches (404)", before.status_patch_failures.get(404, 0), after.status_patch_failures.get(404, 0)),
+        ("extender filter calls", "-", after.filter_calls),
+        ("live pod bound", f"web-2 -> {live_before.bound_node or 'NO'}", f"web-3 -> {live_after.bound_node or 'NO'}"),
+    ]
+    say("")
+    say(f"  {'':28}{'without guard':>18}{'with guard':>18}")
+    for label, left, right in rows:
+        say(f"  {label:28}{left!s:>18}{right!s:>18}")
+    return (before.bind_failures_total >= 2 and after.bind_failures_total <= 1
+            and bool(live_before.bound_node) and bool(live_after.bound_node))
