@@ -46,6 +46,7 @@ VERDICTS: Final = tuple(v.value for v in Verdict)
 APPLICATION_ID: Final = 0x47474144  # "GGAD": marks the file as a ghost-guard audit store
 SCHEMA_VERSION: Final = 1
 BUSY_TIMEOUT_SECONDS: Final = 5.0
+CHECK_BUSY_TIMEOUT_SECONDS: Final = 1.0
 PRUNE_EVERY_WRITES: Final = 1000
 PRUNE_EVERY_SECONDS: Final = 60.0
 
@@ -375,8 +376,13 @@ class AuditStore:
             return "audit store is closed"
         try:
             conn = self._connection()
-            with _immediate(conn):
-                conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('checked_by_pid', ?)", (str(os.getpid()),))
+            # A probe must answer quickly: wait at most CHECK_BUSY_TIMEOUT_SECONDS for the write lock.
+            conn.execute(f"PRAGMA busy_timeout = {int(CHECK_BUSY_TIMEOUT_SECONDS * 1000)}")
+            try:
+                with _immediate(conn):
+                    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('checked_by_pid', ?)", (str(os.getpid()),))
+            finally:
+                conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_SECONDS * 1000)}")
         except (AuditError, sqlite3.Error, OSError) as e:
             return f"audit store {self.path} is not writable: {e}"
         return None

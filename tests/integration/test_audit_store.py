@@ -412,6 +412,34 @@ def test_check_and_close(db: str) -> None:
     assert str(e.value) == f"audit store {db} is closed"
 
 
+LOCK_HOLDER = textwrap.dedent(
+    """
+    import sqlite3, sys
+    conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    print("locked", flush=True)
+    sys.stdin.readline()
+    conn.execute("ROLLBACK")
+    """
+)
+
+
+def test_check_reports_a_store_another_process_keeps_locked(db: str) -> None:
+    store = AuditStore(db)
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, db], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n", holder.stderr.read()
+        assert store.check() == f"audit store {db} is not writable: database is locked"
+    finally:
+        holder.communicate("release\n", timeout=30)
+    assert holder.returncode == 0
+    assert store.check() is None
+    # The short wait applies to the check only: writes keep the full busy timeout.
+    assert store._connection().execute("PRAGMA busy_timeout").fetchone()[0] == 5000
+    store.close()
+
+
 def test_wal_and_full_sync_are_on(db: str) -> None:
     store = AuditStore(db)
     store.record_block(uid="u", namespace="ns", name="p", verdict="ghost-deleted", evidence={}, at=T0)
