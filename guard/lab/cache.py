@@ -277,6 +277,12 @@ class WatchCache:
         w.close()
 
     @property
+    def history_start(self) -> int:
+        """The oldest resourceVersion a watch can resume from (older: 410 Expired)."""
+        with self._cond:
+            return self._history_start
+
+    @property
     def size(self) -> int:
         with self._cond:
             return len(self._objects)

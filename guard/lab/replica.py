@@ -582,10 +582,12 @@ class Replica:
             end()
             return
         deadline = time.monotonic() + (timeout if timeout is not None else 1800)
-        last_bookmark = cache.rv
+        last_sent = start_rv if start_rv is not None else cache.rv  # the newest resourceVersion this watcher has seen
         try:
             for typ, obj in first:
                 write(typ, out(obj))
+                if start_rv is not None:
+                    last_sent = max(last_sent, int(obj["metadata"]["resourceVersion"]))
             if initial_events:
                 write("BOOKMARK", {"kind": r.kind, "apiVersion": r.api_version, "metadata": {
                     "resourceVersion": str(cache.rv), "annotations": {"k8s.io/initial-events-end": "true"}}})
@@ -596,10 +598,11 @@ class Replica:
                 item = watcher.get(min(left, self.bookmark_interval))
                 if item is not None:
                     write(item[0], out(item[1]))
-                elif bookmarks and cache.rv > last_bookmark and not watcher.closed:
-                    last_bookmark = cache.rv
+                    last_sent = max(last_sent, int(item[1]["metadata"]["resourceVersion"]))
+                elif bookmarks and cache.rv > last_sent and not watcher.closed:
+                    last_sent = cache.rv
                     write("BOOKMARK", {"kind": r.kind, "apiVersion": r.api_version,
-                                       "metadata": {"resourceVersion": str(last_bookmark)}})
+                                       "metadata": {"resourceVersion": str(last_sent)}})
             if not self._stopping.is_set():
                 end()
             else:

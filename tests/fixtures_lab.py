@@ -1,0 +1,136 @@
+"""pytest fixtures for the lab (real etcd + apiserver replicas); loaded by tests/conftest.py.
+
+- ``lab``: a fresh 3-replica lab per test (for tests that inject faults, stop
+  replicas or etcd).
+- ``shared_lab``: one 3-replica lab per session for tests that only read and
+  write objects; faults are cleared and stopped replicas restarted after each
+  test. Use ``lab_namespace`` to keep objects apart.
+- ``lab_factory``: ``lab_factory(replicas=1, **options)`` for other shapes.
+
+On failure, the etcd log tail is printed (uses ``rep_call``, set by the
+``pytest_runtest_makereport`` hook in tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from guard.lab import Lab
+
+
+__all__ = ["lab", "lab_factory", "lab_namespace", "shared_lab", "_shared_lab_session"]
+
+
+def _report(lab: Lab, request: pytest.FixtureRequest) -> None:
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        print(f"--- etcd log tail ({lab.etcd.log_path}) ---\n{lab.etcd.log_tail()}")
+
+
+@pytest.fixture
+def lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
+    with Lab(replicas=3) as lab:
+        yield lab
+        _report(lab, request)
+
+
+@pytest.fixture
+def lab_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., Lab]]:
+    labs: list[Lab] = []
+
+    def make(replicas: int = 3, **options: object) -> Lab:
+        lab = Lab(replicas=replicas, **options)  # type: ignore[arg-type]
+        labs.append(lab)
+        return lab.start()
+
+    yield make
+    for lab in labs:
+        _report(lab, request)
+        lab.close()
+
+
+@pytest.fixture(scope="session")
+def _shared_lab_session() -> Iterator[Lab]:
+    with Lab(replicas=3) as lab:
+        yield lab
+
+
+@pytest.fixture
+def shared_lab(_shared_lab_session: Lab, request: pytest.FixtureRequest) -> Iterator[Lab]:
+    lab = _shared_lab_session
+    yield lab
+    _report(lab, request)
+    if not lab.etcd.running:
+        lab.etcd.start()
+    for r in lab.replicas:
+        r.faults.clear()
+        if not r.running:
+            r.start()
+
+
+@pytest.fixture
+def lab_namespace(shared_lab: Lab) -> str:
+    """A fresh namespace in the shared lab."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    shared_lab.core_v1(0).create_namespace({"metadata": {"name": name}})
+    return name
+
+
+# --- helpers (import them: ``from fixtures_lab import pod_manifest, make_ghost``) ---------
+
+
+def pod_manifest(name: str, *, labels: dict[str, str] | None = None, node: str | None = None,
+                 finalizers: list[str] | None = None, cpu: str | None = None) -> dict:
+    container: dict = {"name": "app", "image": "registry.k8s.io/pause:3.9"}
+    if cpu:
+        container["resources"] = {"requests": {"cpu": cpu}}
+    pod: dict = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}},
+                 "spec": {"containers": [container]}}
+    if node:
+        pod["spec"]["nodeName"] = node
+    if finalizers:
+        pod["metadata"]["finalizers"] = finalizers
+    return pod
+
+
+def cached_names(lab: Lab, replica: int, namespace: str) -> list[str]:
+    """Pod names replica ``replica``'s watch cache serves (LIST resourceVersion=0)."""
+    items = lab.core_v1(replica).list_namespaced_pod(namespace, resource_version="0", _request_timeout=5).items
+    return sorted(p.metadata.name for p in items)
+
+
+def make_ghost(lab: Lab, namespace: str, name: str, *, stale: int = 1, writer: int = 0) -> str:
+    """Create ``namespace/name``, make replica ``stale`` drop its deletion, delete it. Returns the pod's UID."""
+    api = lab.core_v1(writer)
+    uid = api.create_namespaced_pod(namespace, pod_manifest(name), _request_timeout=5).metadata.uid
+    assert lab.wait_synced()
+    lab.replicas[stale].faults.drop_deletes(namespace=namespace, name=name)
+    api.delete_namespaced_pod(name, namespace, _request_timeout=5)
+    assert lab.wait_synced()
+    return uid
+
+
+def raw(lab: Lab, replica: int, method: str, path: str, *, body: object = None, token: str | None = "lab",
+        headers: dict[str, str] | None = None, timeout: float = 5.0):
+    """One HTTPS request to a replica without the kubernetes client: returns (status, parsed JSON or text)."""
+    import json
+
+    import urllib3
+
+    http = urllib3.PoolManager(ca_certs=lab.ca_path, cert_reqs="CERT_REQUIRED", retries=False)
+    hdrs = dict(headers or {})
+    if token is not None:
+        hdrs["Authorization"] = f"Bearer {lab.token if token == 'lab' else token}"
+    data = None
+    if body is not None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        hdrs.setdefault("Content-Type", "application/json")
+    r = http.request(method, lab.replicas[replica].url + path, body=data, headers=hdrs,
+                     timeout=urllib3.Timeout(total=timeout))
+    try:
+        return r.status, json.loads(r.data)
+    except ValueError:
+        return r.status, r.data.decode()

@@ -1,0 +1,95 @@
+"""WATCH from a replica's cache: events, resumption from a resourceVersion, 410 Expired, bookmarks."""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes import watch
+from kubernetes.client import ApiException
+
+from fixtures_lab import make_ghost, pod_manifest
+
+
+def events(lab, replica: int, ns: str, **kw) -> list[tuple[str, str, str | None]]:
+    """(type, name, deletionTimestamp set?) for each event until the server's timeoutSeconds."""
+    w = watch.Watch()
+    out = []
+    for ev in w.stream(lab.core_v1(replica).list_namespaced_pod, ns, timeout_seconds=1, _request_timeout=10, **kw):
+        obj = ev["raw_object"]
+        out.append((ev["type"], obj["metadata"].get("name"), "deleting" if obj["metadata"].get("deletionTimestamp") else None))
+    return out
+
+
+def test_watch_replays_from_a_resource_version(shared_lab, lab_namespace):
+    ns = lab_namespace
+    api = shared_lab.core_v1(0)
+    rv = api.create_namespaced_pod(ns, pod_manifest("a"), _request_timeout=5).metadata.resource_version
+    api.create_namespaced_pod(ns, pod_manifest("b"), _request_timeout=5)
+    api.patch_namespaced_pod_status("b", ns, {"status": {"nominatedNodeName": "node-a"}},
+                                    _content_type="application/merge-patch+json", _request_timeout=5)
+    api.delete_namespaced_pod("a", ns, _request_timeout=5)
+    assert shared_lab.wait_synced()
+    # a graceful pod delete is two writes: deletionTimestamp set, then the object removed
+    assert events(shared_lab, 1, ns, resource_version=rv) == [
+        ("ADDED", "b", None), ("MODIFIED", "b", None), ("MODIFIED", "a", "deleting"), ("DELETED", "a", "deleting")]
+
+
+def test_watch_without_resource_version_starts_with_the_current_state(shared_lab, lab_namespace):
+    api = shared_lab.core_v1(0)
+    api.create_namespaced_pod(lab_namespace, pod_manifest("a"), _request_timeout=5)
+    assert shared_lab.wait_synced()
+    assert events(shared_lab, 2, lab_namespace) == [("ADDED", "a", None)]
+    assert events(shared_lab, 2, lab_namespace, resource_version="0") == [("ADDED", "a", None)]
+
+
+def test_watch_on_the_stale_replica_never_sees_the_deletion(lab):
+    api = lab.core_v1(0)
+    rv = api.create_namespaced_pod("default", pod_manifest("web-1"), _request_timeout=5).metadata.resource_version
+    assert lab.wait_synced()
+    lab.replicas[1].faults.drop_deletes(namespace="default", name="web-1")
+    api.delete_namespaced_pod("web-1", "default", _request_timeout=5)
+    api.create_namespaced_pod("default", pod_manifest("web-2"), _request_timeout=5)
+    assert lab.wait_synced()
+    assert events(lab, 1, "default", resource_version=rv) == [("ADDED", "web-2", None)]
+    assert events(lab, 0, "default", resource_version=rv) == [
+        ("MODIFIED", "web-1", "deleting"), ("DELETED", "web-1", "deleting"), ("ADDED", "web-2", None)]
+
+
+def test_watch_from_before_the_cache_history_is_410_expired(lab):
+    api = lab.core_v1(0)
+    rv = api.create_namespaced_pod("default", pod_manifest("a"), _request_timeout=5).metadata.resource_version
+    api.create_namespaced_pod("default", pod_manifest("b"), _request_timeout=5)
+    lab.replicas[1].restart()  # the new cache's history starts at its initial LIST
+    start = lab.replicas[1].cache.history_start
+    assert start > int(rv)
+    with pytest.raises(ApiException) as e:
+        events(lab, 1, "default", resource_version=rv)
+    assert e.value.status == 410
+    assert e.value.reason == f"Expired: too old resource version: {rv} ({start})"
+    # the replicas that kept their history still resume
+    assert events(lab, 2, "default", resource_version=rv) == [("ADDED", "b", None)]
+
+
+def test_field_selector_watch_turns_a_bind_into_deleted(shared_lab, lab_namespace):
+    """cacher.go: an object leaving the selector arrives as DELETED (the scheduler's unassigned-pod informer)."""
+    ns = lab_namespace
+    api = shared_lab.core_v1(0)
+    rv = api.create_namespaced_pod(ns, pod_manifest("p"), _request_timeout=5).metadata.resource_version
+    api.create_namespaced_pod_binding("p", ns, {"metadata": {"name": "p"}, "target": {"kind": "Node", "name": "n"}},
+                                      _preload_content=False, _request_timeout=5)
+    assert shared_lab.wait_synced()
+    assert events(shared_lab, 0, ns, resource_version=str(int(rv) - 1), field_selector="spec.nodeName=") == [
+        ("ADDED", "p", None), ("DELETED", "p", None)]
+
+
+def test_bookmarks_carry_the_cache_revision(lab_factory):
+    lab = lab_factory(1, bookmark_interval=0.2)
+    api = lab.core_v1(0)
+    rv = api.create_namespaced_pod("default", pod_manifest("a"), _request_timeout=5).metadata.resource_version
+    api.create_node({"metadata": {"name": "n1"}}, _request_timeout=5)  # moves the revision, no pod event
+    assert lab.wait_synced()
+    w = watch.Watch()
+    seen = []
+    for ev in w.stream(api.list_namespaced_pod, "default", resource_version=rv, allow_watch_bookmarks=True,
+                       timeout_seconds=1, _request_timeout=10):
+        seen.append((ev["type"], ev["raw_object"]["metadata"]["resourceVersion"]))
+    assert seen[0] == ("BOOKMARK", str(lab.revision()))
