@@ -28,7 +28,8 @@ import os
 import sqlite3
 import stat
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
@@ -527,6 +528,47 @@ class AuditStore:
             self._echo.flush()  # type: ignore[union-attr]
         except (OSError, ValueError) as e:
             log.warning("cannot write new-ghost line: %s", e)
+
+
+def evidence_from(decision: Any, read: Any) -> dict[str, Any]:
+    """The ``evidence`` of a block: what the quorum GET answered.
+
+    ``decision``/``read`` are a ``guard.verdict.Decision`` and ``QuorumRead``.
+    Keys are present only when known: ``quorum_status`` (HTTP status),
+    ``quorum_result`` (``found``/``not-found``/``error``), ``reason`` (the
+    verdict's reason), ``quorum_uid``, ``etcd_resource_version``,
+    ``node_name``, ``deletion_timestamp``, ``error``.
+    """
+    evidence: dict[str, Any] = {"quorum_result": str(getattr(read.status, "value", read.status))}
+    if read.http_status:
+        evidence["quorum_status"] = int(read.http_status)
+    for key, value in (
+        ("reason", decision.reason),
+        ("quorum_uid", read.uid),
+        ("etcd_resource_version", read.resource_version),
+        ("node_name", read.node_name),
+        ("deletion_timestamp", read.deletion_timestamp),
+        ("error", read.error),
+    ):
+        if value:
+            evidence[key] = str(value)[:512]
+    return evidence
+
+
+def ghost_listener(store: AuditStore, *, clock: Callable[[], float] = time.time) -> Callable[[Any, Any, Any], None]:
+    """A ``guard.check`` listener ``(pod, decision, read)`` that records the block in ``store``.
+
+    A pod without a UID cannot be keyed, so it is logged and not recorded.
+    """
+
+    def record_ghost_block(pod: Any, decision: Any, read: Any) -> None:
+        if not pod.uid:
+            log.warning("not auditing ghost %s/%s: the scheduler's copy has no UID", pod.namespace, pod.name)
+            return
+        store.record_block(uid=pod.uid, namespace=pod.namespace, name=pod.name, verdict=decision.verdict.value,
+                           evidence=evidence_from(decision, read), at=clock())
+
+    return record_ghost_block
 
 
 class _immediate:

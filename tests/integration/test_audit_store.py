@@ -462,3 +462,24 @@ def test_echo_announces_each_new_ghost_once(db: str) -> None:
         {"event": "ghost-blocked", "namespace": "default", "name": "web-2", "uid": "u2", "verdict": "ghost-replaced",
          "evidence": {}, "first_seen": "2026-05-28T20:26:42Z"},
     ]
+
+
+def test_ghost_listener_records_the_quorum_evidence(db: str) -> None:
+    from guard.audit import ghost_listener
+    from guard.verdict import PodRef, QuorumRead, decide
+
+    with AuditStore(db) as store:
+        listener = ghost_listener(store, clock=lambda: T0)
+        pod = PodRef("default", "web-1", "uid-old")
+        for read in (QuorumRead.not_found(), QuorumRead.found("uid-new", resource_version="77")):
+            listener(pod, decide(pod, read), read)
+        listener(PodRef("default", "no-uid", ""), decide(PodRef("default", "no-uid", ""), QuorumRead.not_found()), QuorumRead.not_found())
+        (record,) = store.records()
+    assert (record.uid, record.verdict, record.times_blocked) == ("uid-old", "ghost-replaced", 2)
+    assert dict(record.evidence) == {
+        "quorum_result": "found",
+        "quorum_status": 200,
+        "quorum_uid": "uid-new",
+        "etcd_resource_version": "77",
+        "reason": "ghost pod: default/web-1 uid uid-old was replaced by uid uid-new (quorum read, etcd); scheduler cache is stale",
+    }
