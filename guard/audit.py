@@ -29,7 +29,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
@@ -241,24 +241,24 @@ class AuditStore:
         (``serves=None``) changes neither. ``error`` is clipped to 512
         characters. Raises :class:`LookupError` if ``uid`` has no record.
         """
+        self._write_probes(uid, [_probe_row(replica, serves, cache_resource_version, error, at)])
+
+    def record_observations(self, uid: str, observations: Iterable[ReplicaObservation]) -> None:
+        """:meth:`record_probe` for each observation (one probe round), in one transaction (one disk sync)."""
+        rows = [
+            _probe_row(o.replica, o.serves_ghost, o.cache_resource_version, o.error, o.checked_at) for o in observations
+        ]
+        if rows:
+            self._write_probes(uid, rows)
+
+    def _write_probes(self, uid: str, rows: list[tuple[str, int | None, str | None, str | None, float]]) -> None:
         _check_text("uid", uid, MAX_UID)
-        _check_text("replica", replica, MAX_REPLICA)
-        if serves is not None and not isinstance(serves, bool):
-            raise ValueError(f"serves must be true, false or null, not {serves!r}")
-        if cache_resource_version is not None:
-            _check_text("cache_resource_version", cache_resource_version, MAX_RESOURCE_VERSION)
-        if error is not None:
-            if not isinstance(error, str):
-                raise ValueError(f"error must be a string or null, not {type(error).__name__}")
-            error = error[:MAX_ERROR]
-        at = _check_time("at", at)
-        serves_int = None if serves is None else int(serves)
         conn = self._connection()
         try:
             with _immediate(conn):
                 if conn.execute("SELECT 1 FROM ghosts WHERE uid = ?", (uid,)).fetchone() is None:
                     raise LookupError(f"no audit record for uid {uid!r}: record_block first")
-                conn.execute(
+                conn.executemany(
                     "INSERT INTO replica_observations"
                     " (uid, replica, serves, cache_resource_version, error, last_checked, first_seen_serving, healed_at)"
                     " VALUES (?1, ?2, ?3, ?4, ?5, ?6, CASE WHEN ?3 = 1 THEN ?6 END, NULL)"
@@ -275,10 +275,10 @@ class AuditStore:
                     "   WHEN ?3 = 0 AND first_seen_serving IS NOT NULL AND healed_at IS NULL THEN ?6"
                     "   ELSE healed_at END"
                     " WHERE excluded.last_checked >= replica_observations.last_checked",
-                    (uid, replica, serves_int, cache_resource_version, error, at),
+                    [(uid, *row) for row in rows],
                 )
         except sqlite3.Error as e:
-            raise AuditError(f"cannot record probe of {replica} in {self.path}: {e}") from e
+            raise AuditError(f"cannot record probes of ghost {uid} in {self.path}: {e}") from e
 
     def prune(self, *, now: float) -> int:
         """Drop records last seen before ``now - max_age_seconds``, then the oldest beyond ``max_records``.
@@ -338,13 +338,17 @@ class AuditStore:
         if limit is not None:
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
                 raise ValueError(f"limit must be a non-negative integer, not {limit!r}")
+        return self._select(" AND ".join(clauses), params, limit=limit)
+
+    def _select(self, where: str, params: list[Any], *, limit: int | None) -> list[AuditRecord]:
+        # ``where`` is built from fixed clause texts only; every value is bound.
         sql = "SELECT uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked FROM ghosts"
-        if clauses:
-            sql += " WHERE " + " AND ".join(clauses)  # fixed clause texts only; values are bound
+        if where:
+            sql += " WHERE " + where
         sql += " ORDER BY last_seen DESC, uid"
         if limit is not None:
             sql += " LIMIT ?"
-            params.append(limit)
+            params = [*params, limit]
         conn = self._connection()
         try:
             # One read transaction: the ghosts and their replica rows are one snapshot.
@@ -370,6 +374,12 @@ class AuditStore:
             )
             for uid, ns, nm, vd, ev, fs, ls, tb in rows
         ]
+
+    def record(self, uid: str) -> AuditRecord | None:
+        """The record of ghost ``uid``, or None (e.g. to decide on a re-probe with ``should_reprobe``)."""
+        _check_text("uid", uid, MAX_UID)
+        found = self._select("uid = ?", [uid], limit=1)
+        return found[0] if found else None
 
     def check(self) -> str | None:
         """None if the store is writable now, else one line saying why (``/readyz`` uses it)."""
@@ -586,6 +596,19 @@ class _immediate:
             self.conn.execute("COMMIT")
         elif self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
+
+
+def _probe_row(replica: str, serves: object, cache_resource_version: object, error: object, at: object) -> tuple[str, int | None, str | None, str | None, float]:
+    _check_text("replica", replica, MAX_REPLICA)
+    if serves is not None and not isinstance(serves, bool):
+        raise ValueError(f"serves must be true, false or null, not {serves!r}")
+    if cache_resource_version is not None:
+        _check_text("cache_resource_version", cache_resource_version, MAX_RESOURCE_VERSION)
+    if error is not None:
+        if not isinstance(error, str):
+            raise ValueError(f"error must be a string or null, not {type(error).__name__}")
+        error = error[:MAX_ERROR]
+    return (replica, None if serves is None else int(serves), cache_resource_version, error, _check_time("at", at))  # type: ignore[arg-type]
 
 
 def _check_path(path: str | os.PathLike[str]) -> str:

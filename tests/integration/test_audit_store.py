@@ -483,3 +483,30 @@ def test_ghost_listener_records_the_quorum_evidence(db: str) -> None:
         "etcd_resource_version": "77",
         "reason": "ghost pod: default/web-1 uid uid-old was replaced by uid uid-new (quorum read, etcd); scheduler cache is stale",
     }
+
+
+def test_record_observations_is_one_probe_round(db: str) -> None:
+    from guard.attribution import ReplicaObservation, stale_replicas
+
+    with AuditStore(db) as store:
+        store.record_block(uid="u", namespace="default", name="web-1", verdict="ghost-deleted", evidence={}, at=T0)
+        assert store.record("missing") is None
+        store.record_observations("u", [
+            ReplicaObservation(R1, False, "120", None, T0 + 1),
+            ReplicaObservation(R2, True, "100", None, T0 + 1),
+            ReplicaObservation(R3, None, None, "HTTP 429: Too Many Requests", T0 + 1),
+        ])
+        store.record_observations("u", [])
+        record = store.record("u")
+        assert record is not None
+        assert stale_replicas(s.observation() for s in record.replicas) == [R2]
+        assert [(s.replica, s.serves, s.error) for s in record.replicas] == [
+            (R1, False, None), (R2, True, None), (R3, None, "HTTP 429: Too Many Requests")]
+        # One bad observation rejects the whole round: nothing of it is written.
+        with pytest.raises(ValueError) as e:
+            store.record_observations("u", [ReplicaObservation(R1, True, "130", None, T0 + 2),
+                                             ReplicaObservation("", True, None, None, T0 + 2)])
+        assert str(e.value) == "replica must be 1 to 512 characters, got 0"
+        assert store.record("u").replicas == record.replicas
+        with pytest.raises(LookupError):
+            store.record_observations("never-blocked", [ReplicaObservation(R1, True, "1", None, T0)])
