@@ -160,9 +160,10 @@ class AuditStore:
     recently seen beyond ``max_records``. :meth:`record_block` prunes by itself
     every 1000 writes or 60 s (of its ``at`` times), per process.
 
-    ``echo``: when set (``ghost-guard serve`` passes ``sys.stdout``), each
-    *new* ghost is also written there as one JSON line for log shippers, once
-    per UID across every process sharing the file.
+    ``echo``: when set (e.g. to ``sys.stdout``), each *new* ghost is also
+    written there as one JSON line for log shippers
+    (:func:`guard.report.new_ghost_line`), once per UID across every process
+    sharing the file.
     """
 
     def __init__(
@@ -222,7 +223,7 @@ class AuditStore:
                     "  times_blocked = ghosts.times_blocked + 1"
                     " RETURNING times_blocked",
                     (uid, namespace, name, verdict, evidence_json, at, at),
-                ).fetchone()
+                ).fetchall()[0]
         except sqlite3.Error as e:
             raise AuditError(f"cannot record block of {namespace}/{name} in {self.path}: {e}") from e
         new = row[0] == 1

@@ -510,3 +510,49 @@ def test_record_observations_is_one_probe_round(db: str) -> None:
         assert store.record("u").replicas == record.replicas
         with pytest.raises(LookupError):
             store.record_observations("never-blocked", [ReplicaObservation(R1, True, "1", None, T0)])
+
+
+def test_probe_sequences_match_the_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Any sequence of probes (in or out of order, failed or not) leaves what a plain model says."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    store = AuditStore(str(tmp_path_factory.mktemp("model") / "audit.db"))
+    counter = iter(range(10**9))
+    probes = st.lists(
+        st.tuples(st.sampled_from([R1, R2]), st.sampled_from([True, False, None]), st.integers(0, 20)),
+        min_size=1, max_size=12,
+    )
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(probes)
+    def check(sequence: list[tuple[str, bool | None, int]]) -> None:
+        uid = f"model-{next(counter)}"
+        store.record_block(uid=uid, namespace="ns", name="p", verdict="ghost-deleted", evidence={}, at=T0)
+        model: dict[str, dict] = {}
+        for replica, serves, t in sequence:
+            at = T0 + t
+            store.record_probe(uid=uid, replica=replica, serves=serves, cache_resource_version=str(t),
+                               error=None if serves is not None else "timeout", at=at)
+            m = model.get(replica)
+            if m is not None and at < m["last_checked"]:
+                continue
+            m = model.setdefault(replica, {"first_seen_serving": None, "healed_at": None})
+            m.update(serves=serves, last_checked=at)
+            if serves is True:
+                if m["first_seen_serving"] is None or m["healed_at"] is not None:
+                    m["first_seen_serving"] = at
+                m["healed_at"] = None
+            elif serves is False and m["first_seen_serving"] is not None and m["healed_at"] is None:
+                m["healed_at"] = at
+        record = store.record(uid)
+        assert record is not None
+        got = {s.replica: {"serves": s.serves, "last_checked": s.last_checked,
+                           "first_seen_serving": s.first_seen_serving, "healed_at": s.healed_at}
+               for s in record.replicas}
+        assert got == model
+
+    try:
+        check()
+    finally:
+        store.close()
