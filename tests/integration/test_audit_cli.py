@@ -1,4 +1,4 @@
-"""`ghost-guard audit` and `ghost-guard report` run as real subprocesses on a populated store."""
+"""`ghost-guard audit` and `ghost-guard report` (as `python -m guard`) run as real subprocesses on a populated store."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from guard.audit import DEFAULT_AUDIT_DB, AuditStore
 
 R1, R2, R3 = "https://127.0.0.1:6443", "https://127.0.0.2:6443", "https://127.0.0.3:6443"
-GHOST_GUARD = str(Path(sys.executable).with_name("ghost-guard"))
+GHOST_GUARD = [sys.executable, "-m", "guard"]  # `python -m guard` is `ghost-guard`, wherever pip put the script
 
 NOW = time.time()
 HOUR_AGO = NOW - 3600 - 60  # outside --since 1h
@@ -25,7 +25,7 @@ MINUTE_AGO = NOW - 60
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("GHOST_GUARD_")}
     environment.update(env or {})
-    return subprocess.run([GHOST_GUARD, *args], capture_output=True, text=True, timeout=60, env=environment)
+    return subprocess.run([*GHOST_GUARD, *args], capture_output=True, text=True, timeout=60, env=environment)
 
 
 @pytest.fixture(scope="module")
