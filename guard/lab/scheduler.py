@@ -1211,15 +1211,19 @@ class Scheduler:
         if why_not:
             return "", f"preemption: {why_not}"
         candidates: dict[str, list[Obj]] = {}
+        why: dict[str, tuple[str, str]] = {}
         for name in sorted(nodes):
             code = statuses.get(name, (UNRESOLVABLE, ""))[0]
-            if code != UNSCHEDULABLE:
-                continue  # nodesWherePreemptionMightHelp
+            if code != UNSCHEDULABLE:  # nodesWherePreemptionMightHelp
+                why[name] = (UNRESOLVABLE, "Preemption is not helpful for scheduling")
+                continue
             victims = self._select_victims(pod, nodes[name], on_node[name], nominated.get(name, []))
             if victims:
                 candidates[name] = victims
+            else:
+                why[name] = (UNSCHEDULABLE, "No preemption victims found for incoming pod")
         if not candidates:
-            return "", f"preemption: 0/{len(nodes)} nodes are available: No preemption victims found for incoming pod."
+            return "", f"preemption: {_fit_error_message(len(nodes), why)}"
         for ext in self._extenders:
             if not ext.config.preempt_verb or not ext.interested(pod):
                 continue
