@@ -1,0 +1,448 @@
+"""manifests/: every kustomization renders, every object passes the Kubernetes
+schemas offline (kubernetes-validate, strict), and the pieces agree with each
+other and with the guard's code (RBAC verbs, extender fields from
+kubernetes-facts.md section 2, ports, paths, metric names).
+
+Rendering uses ``kubectl kustomize`` when it is installed and always the small
+renderer below (resources + JSON 6902 patches: the only kustomize features the
+manifests use; it refuses any other). Where both exist their output must be
+identical, so the renderer is checked against the real thing.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from guard.settings import Settings
+from guard.verdict import Verdict
+
+REPO = Path(__file__).resolve().parents[2]
+MANIFESTS = REPO / "manifests"
+KUSTOMIZATIONS = sorted(p.parent.relative_to(MANIFESTS).as_posix() for p in MANIFESTS.rglob("kustomization.yaml"))
+NODE_PODS = ["scheduler/kube-scheduler.yaml", "overlays/sidecar/node/kube-scheduler.yaml"]
+SCHEDULER_CONFIGS = ["scheduler/kube-scheduler-config.yaml", "overlays/sidecar/node/scheduler-config.yaml"]
+CRD_KINDS = {"PrometheusRule", "ServiceMonitor"}  # monitoring.coreos.com: no schema in kubernetes-validate
+K8S_VERSIONS = ["1.31", "1.36"]
+NAMESPACE = "ghost-guard"
+
+
+# --- a small kustomize ----------------------------------------------------
+
+
+def _pointer(path: str) -> list[str]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.lstrip("/").split("/")]
+
+
+def _json6902(obj: dict, ops: list[dict]) -> None:
+    for op in ops:
+        *parents, last = _pointer(op["path"])
+        node = obj
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if op["op"] in ("replace", "add") and isinstance(node, list):
+            index = len(node) if last == "-" else int(last)
+            if op["op"] == "add":
+                node.insert(index, copy.deepcopy(op["value"]))
+            else:
+                node[index] = copy.deepcopy(op["value"])
+        elif op["op"] == "replace":
+            if last not in node:
+                raise KeyError(f"replace of missing {op['path']}")
+            node[last] = copy.deepcopy(op["value"])
+        elif op["op"] == "add":
+            node[last] = copy.deepcopy(op["value"])
+        elif op["op"] == "remove":
+            del node[int(last) if isinstance(node, list) else last]
+        else:
+            raise ValueError(f"unsupported JSON 6902 op {op['op']!r}")
+
+
+def render(directory: Path) -> list[dict]:
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unsupported = set(k) - {"apiVersion", "kind", "resources", "patches"}
+    assert not unsupported, f"{directory}: the test renderer does not implement {sorted(unsupported)}"
+    objs: list[dict] = []
+    for ref in k.get("resources", []):
+        path = (directory / ref).resolve()
+        objs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in k.get("patches", []):
+        target, ops = patch["target"], yaml.safe_load(patch["patch"])
+        hits = [o for o in objs if o["kind"] == target["kind"] and o["metadata"]["name"] == target.get("name", o["metadata"]["name"])
+                and o["metadata"].get("namespace") == target.get("namespace", o["metadata"].get("namespace"))]
+        assert hits, f"{directory}: patch target {target} matches nothing"
+        for o in hits:
+            _json6902(o, ops)
+    ids = [ident(o) for o in objs]
+    assert len(ids) == len(set(ids)), f"{directory}: duplicate objects"
+    return objs
+
+
+def ident(o: dict) -> tuple[str, str, str]:
+    return o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {k: render(MANIFESTS / k) for k in KUSTOMIZATIONS}
+
+
+def by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[dict], kind: str) -> dict:
+    (obj,) = by_kind(objs, kind)
+    return obj
+
+
+# --- rendering --------------------------------------------------------------
+
+EXPECTED = {
+    "base": {("Namespace", "", NAMESPACE), ("ServiceAccount", NAMESPACE, "ghost-guard"),
+             ("ClusterRole", "", "ghost-guard"), ("ClusterRoleBinding", "", "ghost-guard"),
+             ("Role", "default", "ghost-guard-apiserver-endpoints"), ("RoleBinding", "default", "ghost-guard-apiserver-endpoints"),
+             ("Role", "kube-system", "ghost-guard-apiserver-leases"), ("RoleBinding", "kube-system", "ghost-guard-apiserver-leases"),
+             ("Deployment", NAMESPACE, "ghost-guard"), ("PodDisruptionBudget", NAMESPACE, "ghost-guard"),
+             ("Service", NAMESPACE, "ghost-guard"), ("NetworkPolicy", NAMESPACE, "ghost-guard")},
+    "webhook": {("ValidatingWebhookConfiguration", "", "ghost-guard")},
+    "monitoring": {("ServiceMonitor", NAMESPACE, "ghost-guard"), ("PrometheusRule", NAMESPACE, "ghost-guard")},
+}
+EXPECTED["rbac"] = {i for i in EXPECTED["base"] if i[0] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")}
+EXPECTED["overlays/deployment"] = EXPECTED["base"]
+EXPECTED["overlays/deployment-webhook"] = EXPECTED["base"] | EXPECTED["webhook"]
+EXPECTED["overlays/sidecar"] = EXPECTED["rbac"]
+
+
+def test_every_kustomization_is_known():
+    assert KUSTOMIZATIONS == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_renders_expected_objects(rendered, kustomization):
+    assert {ident(o) for o in rendered[kustomization]} == EXPECTED[kustomization]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed; the Python renderer alone was used")
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_kubectl_kustomize_agrees(rendered, kustomization):
+    out = subprocess.run(["kubectl", "kustomize", str(MANIFESTS / kustomization)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    real = sorted((d for d in yaml.safe_load_all(out.stdout) if d), key=ident)
+    assert real == sorted(rendered[kustomization], key=ident)
+
+
+def every_object():
+    params = [pytest.param(o, id=f"{k}:{o['kind']}/{o['metadata']['name']}") for k in KUSTOMIZATIONS for o in render(MANIFESTS / k)]
+    params += [pytest.param(yaml.safe_load((MANIFESTS / f).read_text()), id=f"{f}:Pod/kube-scheduler") for f in NODE_PODS]
+    return params
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("obj", every_object())
+def test_schema_valid_strict(obj, version):
+    if obj["kind"] in CRD_KINDS:
+        pytest.skip(f"{obj['kind']} is a CRD (monitoring.coreos.com): checked structurally below")
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        where = ".".join(str(p) for p in e.path)
+        pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {e.message}")
+
+
+def test_every_manifest_file_is_commented():
+    files = sorted(MANIFESTS.rglob("*.yaml"))
+    assert len(files) >= 20
+    uncommented = [str(f.relative_to(MANIFESTS)) for f in files if not f.read_text().startswith("#")]
+    assert uncommented == []
+
+
+# --- RBAC: exactly these permissions ------------------------------------------
+
+EXPECTED_RULES = {
+    # (namespace or "*" for cluster-wide, apiGroup, resource, verb)
+    ("*", "", "pods", "get"), ("*", "", "pods", "list"), ("*", "", "pods", "watch"),
+    ("*", "", "events", "create"), ("*", "", "events", "patch"),
+    ("*", "events.k8s.io", "events", "create"), ("*", "events.k8s.io", "events", "patch"),
+    ("default", "", "endpoints", "get"), ("default", "", "endpoints", "list"),
+    ("default", "discovery.k8s.io", "endpointslices", "get"), ("default", "discovery.k8s.io", "endpointslices", "list"),
+    ("kube-system", "coordination.k8s.io", "leases", "get"), ("kube-system", "coordination.k8s.io", "leases", "list"),
+}
+
+
+def granted(objs: list[dict]) -> set[tuple[str, str, str, str]]:
+    out = set()
+    for role in by_kind(objs, "ClusterRole") + by_kind(objs, "Role"):
+        scope = role["metadata"].get("namespace", "*")
+        for rule in role["rules"]:
+            assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames/nonResourceURLs surprises
+            for g in rule["apiGroups"]:
+                for r in rule["resources"]:
+                    for v in rule["verbs"]:
+                        assert "*" not in (g, r, v), rule
+                        out.add((scope, g, r, v))
+    return out
+
+
+@pytest.mark.parametrize("kustomization", ["base", "overlays/sidecar"])
+def test_rbac_exact(rendered, kustomization):
+    assert granted(rendered[kustomization]) == EXPECTED_RULES
+
+
+@pytest.mark.parametrize("kustomization,subject", [
+    ("base", {"kind": "ServiceAccount", "name": "ghost-guard", "namespace": NAMESPACE}),
+    ("overlays/sidecar", {"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": "system:kube-scheduler"}),
+], ids=["deployment-serviceaccount", "sidecar-scheduler-user"])
+def test_bindings_bind_each_role_to_the_guard(rendered, kustomization, subject):
+    objs = rendered[kustomization]
+    roles = {(o["kind"], o["metadata"].get("namespace", "")) + (o["metadata"]["name"],) for o in objs if o["kind"] in ("Role", "ClusterRole")}
+    bound = set()
+    for b in by_kind(objs, "ClusterRoleBinding") + by_kind(objs, "RoleBinding"):
+        assert b["subjects"] == [subject]
+        ns = b["metadata"].get("namespace", "") if b["roleRef"]["kind"] == "Role" else ""
+        bound.add((b["roleRef"]["kind"], ns, b["roleRef"]["name"]))
+    assert bound == roles
+
+
+# --- the Deployment and its neighbours -----------------------------------------
+
+
+def args_to_settings(args: list[str]) -> Settings:
+    """``serve --flag=value ...`` -> Settings, so the guard's own validation judges the manifest's flags."""
+    assert args[0] == "serve", args
+    kwargs: dict[str, object] = {}
+    for arg in args[1:]:
+        assert arg.startswith("--"), arg
+        flag, eq, value = arg[2:].partition("=")
+        kwargs[flag.replace("-", "_")] = value if eq else True
+    return Settings(**kwargs).validate()
+
+
+@pytest.fixture(scope="module")
+def base(rendered) -> list[dict]:
+    return rendered["base"]
+
+
+@pytest.fixture(scope="module")
+def pod(base) -> dict:
+    return one(base, "Deployment")["spec"]["template"]
+
+
+def test_deployment_shape(base, pod):
+    dep = one(base, "Deployment")
+    spec = pod["spec"]
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    term = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert spec["priorityClassName"] == "system-cluster-critical"
+    assert spec["serviceAccountName"] == one(base, "ServiceAccount")["metadata"]["name"]
+    psc = spec["securityContext"]
+    assert psc["runAsNonRoot"] is True and psc["runAsUser"] == 65532 and psc["seccompProfile"] == {"type": "RuntimeDefault"}
+    (c,) = spec["containers"]
+    csc = c["securityContext"]
+    assert csc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                   "capabilities": {"drop": ["ALL"]}}
+    assert set(c["resources"]["requests"]) == {"cpu", "memory"} and "memory" in c["resources"]["limits"]
+
+
+def test_deployment_args_are_valid_guard_settings_and_files_are_mounted(pod):
+    (c,) = pod["spec"]["containers"]
+    s = args_to_settings(c["args"])
+    assert (s.insecure_http, s.host_port()) == (False, ("0.0.0.0", 8443))
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    tls_dir = "/etc/ghost-guard/tls"
+    assert {s.tls_cert, s.tls_key, s.client_ca} == {f"{tls_dir}/tls.crt", f"{tls_dir}/tls.key", f"{tls_dir}/ca.crt"}
+    assert volumes[mounts[tls_dir]]["secret"]["secretName"] == "ghost-guard-tls"
+    assert volumes[mounts[tls_dir]]["secret"]["defaultMode"] == 0o440
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert "emptyDir" in volumes[mounts["/var/lib/ghost-guard"]]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    from guard.audit import DEFAULT_AUDIT_DB
+
+    assert env["GHOST_GUARD_AUDIT_DB"] == DEFAULT_AUDIT_DB and DEFAULT_AUDIT_DB.startswith("/var/lib/ghost-guard/")
+    assert {env["GHOST_GUARD_PROBE_CERT"], env["GHOST_GUARD_PROBE_KEY"]} == {f"{tls_dir}/client.crt", f"{tls_dir}/client.key"}
+    assert c["ports"] == [{"name": "https", "containerPort": 8443, "protocol": "TCP"}]
+
+
+def test_deployment_probes_hit_healthz_and_readyz_over_https(pod):
+    (c,) = pod["spec"]["containers"]
+    live, ready = c["livenessProbe"]["exec"]["command"], c["readinessProbe"]["exec"]["command"]
+    assert live[:2] == ["python", "-c"] and ready[:3] == live[:3]
+    assert (live[3], ready[3]) == ("https://127.0.0.1:8443/healthz", "https://127.0.0.1:8443/readyz")
+
+
+def test_pdb_service_networkpolicy_match_the_pods(base, pod):
+    labels = pod["metadata"]["labels"]
+    pdb, svc, np = one(base, "PodDisruptionBudget"), one(base, "Service"), one(base, "NetworkPolicy")
+    assert pdb["spec"]["minAvailable"] == 1 and pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"}]
+    assert np["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    assert np["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8443}]}]
+
+
+def test_everything_namespaced_lives_in_the_guard_namespace(base):
+    for o in base:
+        ns = o["metadata"].get("namespace")
+        if o["kind"] in ("Role", "RoleBinding"):
+            assert ns in ("default", "kube-system")
+        elif o["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+            assert ns == NAMESPACE, ident(o)
+
+
+# --- webhook ---------------------------------------------------------------------
+
+
+def test_webhook(rendered):
+    vwc = one(rendered["webhook"], "ValidatingWebhookConfiguration")
+    (wh,) = vwc["webhooks"]
+    assert wh["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                            "resources": ["pods/binding"], "scope": "Namespaced"}]
+    assert (wh["failurePolicy"], wh["timeoutSeconds"], wh["sideEffects"], wh["admissionReviewVersions"]) == \
+        ("Ignore", 2, "None", ["v1"])
+    assert wh["namespaceSelector"] == {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [NAMESPACE]}]}
+    svc = one(rendered["base"], "Service")
+    assert wh["clientConfig"]["service"] == {"namespace": svc["metadata"]["namespace"], "name": svc["metadata"]["name"],
+                                             "path": "/validate/binding", "port": svc["spec"]["ports"][0]["port"]}
+    assert base64.b64decode(wh["clientConfig"]["caBundle"], validate=True) == b"CA_BUNDLE_PLACEHOLDER"
+
+
+def test_apiserver_admission_files_agree():
+    cfg = yaml.safe_load((MANIFESTS / "webhook/apiserver-admission-config.yaml").read_text())
+    assert (cfg["apiVersion"], cfg["kind"]) == ("apiserver.config.k8s.io/v1", "AdmissionConfiguration")
+    (plugin,) = cfg["plugins"]
+    assert plugin["name"] == "ValidatingAdmissionWebhook"
+    assert plugin["configuration"]["kind"] == "WebhookAdmissionConfiguration"
+    assert plugin["configuration"]["kubeConfigFile"] == "/etc/kubernetes/ghost-guard/webhook-kubeconfig.yaml"
+    kc = yaml.safe_load((MANIFESTS / "webhook/apiserver-webhook-kubeconfig.yaml").read_text())
+    (user,) = kc["users"]
+    assert user["name"] == f"ghost-guard.{NAMESPACE}.svc"  # the Service's DNS name, port 443 omitted
+    assert user["user"] == {"client-certificate": "/etc/kubernetes/ghost-guard/client.crt",
+                            "client-key": "/etc/kubernetes/ghost-guard/client.key"}
+
+
+# --- kube-scheduler registration (kubernetes-facts.md section 2) -------------------
+
+EXTENDER_KEYS = {"urlPrefix", "filterVerb", "prioritizeVerb", "preemptVerb", "bindVerb", "weight", "enableHTTPS",
+                 "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable"}
+TLS_KEYS = {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData", "caData"}
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", text)
+    assert m, text
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60}[m.group(2)]
+
+
+@pytest.mark.parametrize("path", SCHEDULER_CONFIGS, ids=["deployment", "sidecar"])
+def test_scheduler_config_extender(path):
+    cfg = yaml.safe_load((MANIFESTS / path).read_text())
+    assert (cfg["apiVersion"], cfg["kind"]) == ("kubescheduler.config.k8s.io/v1", "KubeSchedulerConfiguration")
+    assert cfg["clientConnection"] == {"kubeconfig": "/etc/kubernetes/scheduler.conf"}
+    assert cfg["leaderElection"] == {"leaderElect": True}
+    (ext,) = cfg["extenders"]
+    assert set(ext) <= EXTENDER_KEYS, set(ext) - EXTENDER_KEYS
+    assert (ext["filterVerb"], ext["preemptVerb"], ext["nodeCacheCapable"], ext["ignorable"]) == ("filter", "preempt", True, True)
+    for absent in ("managedResources", "bindVerb", "prioritizeVerb", "weight"):
+        assert absent not in ext, absent
+    assert parse_duration(ext["httpTimeout"]) == 5.0 > Settings().get_timeout
+    if ext["enableHTTPS"]:
+        assert set(ext["tlsConfig"]) <= TLS_KEYS, set(ext["tlsConfig"]) - TLS_KEYS
+        assert ext["tlsConfig"]["caFile"], "with enableHTTPS and no CA the scheduler silently skips verification"
+        assert ext["tlsConfig"]["serverName"] == f"ghost-guard.{NAMESPACE}.svc"
+        assert ext["tlsConfig"].get("insecure") is not True
+        assert ext["urlPrefix"] == "https://GHOST_GUARD_SERVICE_IP:443"
+    else:
+        assert "tlsConfig" not in ext
+        assert ext["urlPrefix"] == "http://127.0.0.1:8443"
+
+
+def static_pod(path: str) -> dict:
+    return yaml.safe_load((MANIFESTS / path).read_text())
+
+
+@pytest.mark.parametrize("pod_path,config_path", list(zip(NODE_PODS, SCHEDULER_CONFIGS)), ids=["deployment", "sidecar"])
+def test_static_pod_mounts_what_the_scheduler_config_names(pod_path, config_path):
+    p = static_pod(pod_path)
+    sched = next(c for c in p["spec"]["containers"] if c["name"] == "kube-scheduler")
+    assert "--config=/etc/kubernetes/ghost-guard/scheduler-config.yaml" in sched["command"]
+    for deprecated in ("--kubeconfig", "--leader-elect"):  # ignored with --config
+        assert not any(a.startswith(deprecated + "=") for a in sched["command"])
+    mounts = {m["mountPath"]: m for m in sched["volumeMounts"]}
+    volumes = {v["name"]: v for v in p["spec"]["volumes"]}
+    cfg = yaml.safe_load((MANIFESTS / config_path).read_text())
+    (ext,) = cfg["extenders"]
+    needed = ["/etc/kubernetes/ghost-guard/scheduler-config.yaml", cfg["clientConnection"]["kubeconfig"]]
+    needed += [ext["tlsConfig"][k] for k in ("caFile", "certFile", "keyFile")] if ext["enableHTTPS"] else []
+    for f in needed:
+        mount = next((m for path, m in mounts.items() if f == path or f.startswith(path + "/")), None)
+        assert mount is not None, f"{f} not mounted into kube-scheduler"
+        assert mount["readOnly"] is True
+        assert "hostPath" in volumes[mount["name"]]
+    assert p["spec"]["hostNetwork"] is True
+
+
+def test_sidecar_guard_container():
+    p = static_pod("overlays/sidecar/node/kube-scheduler.yaml")
+    (guard,) = [c for c in p["spec"]["containers"] if c["name"] == "ghost-guard"]
+    s = args_to_settings(guard["args"])
+    assert s.insecure_http and s.host_port() == ("127.0.0.1", 8443)
+    cfg = yaml.safe_load((MANIFESTS / "overlays/sidecar/node/scheduler-config.yaml").read_text())
+    assert cfg["extenders"][0]["urlPrefix"] == f"http://{s.bind}"
+    assert s.kubeconfig == cfg["clientConnection"]["kubeconfig"]  # the scheduler's own credentials
+    assert any(m["mountPath"] == s.kubeconfig and m["readOnly"] for m in guard["volumeMounts"])
+    sc = guard["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        get = guard[probe]["httpGet"]
+        assert (get["host"], get["port"], get["path"], get["scheme"]) == ("127.0.0.1", 8443, path, "HTTP")
+
+
+# --- monitoring ------------------------------------------------------------------
+
+
+def test_prometheus_rules_use_real_metrics(rendered):
+    from prometheus_client import REGISTRY
+
+    import guard.metrics  # noqa: F401  (registers the guard's metrics)
+
+    exposed = {s.name for fam in REGISTRY.collect() for s in fam.samples} | {fam.name for fam in REGISTRY.collect()}
+    rule = one(rendered["monitoring"], "PrometheusRule")
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {"GhostGuardGhostsBlocked", "GhostGuardStaleApiserverReplica", "GhostGuardFailingOpen", "GhostGuardDown"}
+    used = set()
+    for a in alerts.values():
+        assert set(a) == {"alert", "expr", "for", "labels", "annotations"}
+        assert a["labels"]["severity"] in ("warning", "critical")
+        used |= set(re.findall(r"\bghost_guard_[a-z_]+", a["expr"]))
+    assert used == {"ghost_guard_verdicts_total", "ghost_guard_stale_replica", "ghost_guard_fail_open_total"}
+    families = {fam.name for fam in REGISTRY.collect()}
+    for name in used:  # counters are registered without _total, exposed with it
+        assert name in exposed or name.removesuffix("_total") in families, name
+    ghosts = re.search(r'verdict=~"([^"]+)"', alerts["GhostGuardGhostsBlocked"]["expr"]).group(1).split("|")
+    assert sorted(ghosts) == sorted(v.value for v in Verdict if v.value not in ("alive", "unknown"))
+    assert 'job="ghost-guard"' in alerts["GhostGuardDown"]["expr"]
+
+
+def test_servicemonitor_scrapes_with_the_client_cert(rendered, base):
+    sm = one(rendered["monitoring"], "ServiceMonitor")
+    (ep,) = sm["spec"]["endpoints"]
+    assert (ep["port"], ep["scheme"], ep["path"]) == (one(base, "Service")["spec"]["ports"][0]["name"], "https", "/metrics")
+    tls = ep["tlsConfig"]
+    assert (tls["ca"]["secret"], tls["cert"]["secret"], tls["keySecret"]) == (
+        {"name": "ghost-guard-tls", "key": "ca.crt"}, {"name": "ghost-guard-tls", "key": "client.crt"},
+        {"name": "ghost-guard-tls", "key": "client.key"})
+    assert sm["spec"]["selector"]["matchLabels"].items() <= one(base, "Service")["metadata"]["labels"].items()
