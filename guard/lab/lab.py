@@ -53,6 +53,7 @@ class Lab:
 
     def start(self) -> Lab:
         try:
+            shutil.rmtree(self.etcd.data_dir, ignore_errors=True)  # always a fresh cluster
             os.makedirs(self.etcd.data_dir, exist_ok=True)
             self.etcd.start()
             self._bootstrap()
@@ -113,6 +114,7 @@ class Lab:
             except Exception:  # noqa: BLE001 - cleanup continues
                 pass
         self.etcd.close()
+        shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
         if self._own_dir:
             shutil.rmtree(self.out_dir, ignore_errors=True)
         self._started = False

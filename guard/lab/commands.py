@@ -1,0 +1,89 @@
+"""``ghost-guard lab``: etcd and N apiserver replicas in the foreground until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from types import FrameType
+
+
+@dataclass(frozen=True)
+class DropSpec:
+    replica: int  # 0-based index
+    namespace: str | None
+    name: str | None
+
+
+def parse_drop_deletes(spec: str, replicas: int) -> DropSpec:
+    """``[N:]NAMESPACE[/NAME]`` or ``[N:]*``; N is the replica number 1..replicas (127.0.0.N), default 2.
+
+    Raises ValueError with a one-line reason.
+    """
+    m = re.fullmatch(r"(?:(\d+):)?(\*|[a-z0-9]([-a-z0-9]*[a-z0-9])?(?:/[a-z0-9]([-a-z0-9.]*[a-z0-9])?)?)", spec.strip())
+    if not m:
+        raise ValueError(f"--drop-deletes {spec!r}: expected [N:]NAMESPACE[/NAME] or [N:]*")
+    number = int(m.group(1)) if m.group(1) else min(2, replicas)
+    if not 1 <= number <= replicas:
+        raise ValueError(f"--drop-deletes {spec!r}: replica {number} does not exist (1..{replicas})")
+    target = m.group(2)
+    if target == "*":
+        return DropSpec(number - 1, None, None)
+    ns, _, name = target.partition("/")
+    return DropSpec(number - 1, ns, name or None)
+
+
+def run_lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str | None) -> int:
+    """Start etcd and ``replicas`` replicas, print where they are, block until Ctrl-C/SIGTERM, clean up.
+
+    Returns the process exit code: 0 after a clean stop, 2 for bad arguments, 1 if the lab can't start.
+    """
+    if not 1 <= replicas <= 200:
+        print("ghost-guard lab: --replicas must be between 1 and 200", file=sys.stderr)
+        return 2
+    if port is not None and not 1 <= port <= 65535:
+        print("ghost-guard lab: --port must be between 1 and 65535", file=sys.stderr)
+        return 2
+    drop = None
+    if drop_deletes:
+        try:
+            drop = parse_drop_deletes(drop_deletes, replicas)
+        except ValueError as e:
+            print(f"ghost-guard lab: {e}", file=sys.stderr)
+            return 2
+
+    from guard.lab import EtcdError, Lab
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    lab = Lab(replicas=replicas, port=port, out_dir=out_dir)
+    try:
+        try:
+            lab.start()
+        except (OSError, EtcdError) as e:
+            print(f"ghost-guard lab: cannot start: {e}", file=sys.stderr)
+            return 1
+        if drop is not None:
+            lab.replicas[drop.replica].faults.drop_deletes(namespace=drop.namespace, name=drop.name)
+        print(f"etcd        {lab.etcd.url}")
+        print(f"CA          {lab.ca_path}")
+        for i, r in enumerate(lab.replicas):
+            note = ""
+            if drop is not None and drop.replica == i:
+                what = "/".join(x for x in (drop.namespace, drop.name) if x) or "all pods"
+                note = f"   (drops deletes: {what})"
+            print(f"replica {i + 1}   {r.url}   kubeconfig {lab.kubeconfig(i)}{note}")
+        print(f"faults      POST {lab.replicas[0].url}/lab/faults (same bearer token); Ctrl-C to stop", flush=True)
+        while not stop.wait(0.5):
+            pass
+        return 0
+    finally:
+        lab.close()
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,85 @@
+"""``run_lab`` (behind ``ghost-guard lab``) as a real process: prints kubeconfigs, stops on SIGTERM, leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from kubernetes import client, config
+
+from guard.lab.commands import DropSpec, parse_drop_deletes
+
+SCRIPT = "import sys; from guard.lab.commands import run_lab; sys.exit(run_lab({args}))"
+
+
+@pytest.mark.parametrize(("spec", "replicas", "want"), [
+    ("default/web-1", 3, DropSpec(1, "default", "web-1")),
+    ("default", 3, DropSpec(1, "default", None)),
+    ("3:kube-system/x", 3, DropSpec(2, "kube-system", "x")),
+    ("*", 1, DropSpec(0, None, None)),
+], ids=["name-default-replica", "namespace", "explicit-replica", "all-on-single-replica"])
+def test_parse_drop_deletes(spec, replicas, want):
+    assert parse_drop_deletes(spec, replicas) == want
+
+
+@pytest.mark.parametrize(("spec", "replicas", "message"), [
+    ("Bad!", 3, "--drop-deletes 'Bad!': expected [N:]NAMESPACE[/NAME] or [N:]*"),
+    ("4:default", 3, "--drop-deletes '4:default': replica 4 does not exist (1..3)"),
+    ("0:default", 3, "--drop-deletes '0:default': replica 0 does not exist (1..3)"),
+], ids=["garbage", "replica-too-high", "replica-zero"])
+def test_parse_drop_deletes_rejects(spec, replicas, message):
+    with pytest.raises(ValueError) as e:
+        parse_drop_deletes(spec, replicas)
+    assert str(e.value) == message
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_run_lab_serves_until_sigterm_and_cleans_up(tmp_path):
+    out = tmp_path / "lab"
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(args=f"2, 'default/web-1', None, {str(out)!r}")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("faults"):
+                break
+        text = "".join(lines)
+        kubeconfigs = re.findall(r"kubeconfig (\S+)", text)
+        assert kubeconfigs == [str(out / "kubeconfig-0"), str(out / "kubeconfig-1")], text
+        assert "(drops deletes: default/web-1)" in lines[3]
+        etcd_pid = int(subprocess.check_output(["pgrep", "-f", "--", f"{out}/etcd/data"], text=True).split()[0])
+        api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfigs[1]))
+        assert api.list_namespaced_pod("default", _request_timeout=5).items == []
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        deadline = time.monotonic() + 5
+        while _pid_alive(etcd_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _pid_alive(etcd_pid)
+        assert not (out / "etcd").exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_run_lab_rejects_bad_arguments():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(args="0, None, None, None")], capture_output=True, text=True, timeout=30)
+    assert (proc.returncode, proc.stderr) == (2, "ghost-guard lab: --replicas must be between 1 and 200\n")
