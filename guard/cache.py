@@ -10,6 +10,11 @@ Two rooms:
   calls for one pod make one GET) but a pod that comes back on a later
   scheduling attempt is read again, because coming back means its bind may have
   failed.
+- **prepared**, ``alive`` verdicts made in the background before the scheduler
+  asks (guard.prepare), by UID, bounded age. One serves the pod's *first*
+  scheduling attempt, and calls within ``grace`` seconds of it; a later
+  attempt means a bind may have failed, so it is verified again. A DELETED
+  seen on any replica drops it at once.
 """
 
 from __future__ import annotations
@@ -24,9 +29,22 @@ from cachetools.keys import hashkey
 from guard.verdict import Decision, QuorumRead
 
 
+class _Prepared:
+    __slots__ = ("decision", "first_used")
+
+    def __init__(self, decision: Decision) -> None:
+        self.decision = decision
+        self.first_used: float | None = None
+
+
 class VerdictCache:
     def __init__(self, fetch: Callable[[str, str], QuorumRead], *, ghost_ttl: float, ghost_size: int,
-                 read_ttl: float, read_size: int, timer: Callable[[], float] = time.monotonic) -> None:
+                 read_ttl: float, read_size: int, prepared_max_age: float = 300.0, prepared_size: int = 100_000,
+                 prepared_grace: float = 0.5, timer: Callable[[], float] = time.monotonic) -> None:
+        self._timer = timer
+        self._prepared: cachetools.TTLCache = cachetools.TTLCache(prepared_size, prepared_max_age, timer=timer)
+        self._prepared_lock = threading.Lock()
+        self._grace = prepared_grace
         self._ghosts: cachetools.TTLCache = cachetools.TTLCache(ghost_size, ghost_ttl, timer=timer)
         self._ghost_lock = threading.Lock()
         self._reads: cachetools.TTLCache = cachetools.TTLCache(read_size, read_ttl, timer=timer)
@@ -54,6 +72,41 @@ class VerdictCache:
             self._ghosts[uid] = decision
             return new
 
+    def prepare(self, uid: str, decision: Decision) -> None:
+        """Keep a background-verified ``alive`` verdict for the pod's first scheduling attempt."""
+        with self._prepared_lock:
+            self._prepared[uid] = _Prepared(decision)
+
+    def invalidate(self, uid: str) -> bool:
+        """Drop a prepared verdict (the pod was deleted or bound). True if there was one."""
+        with self._prepared_lock:
+            return self._prepared.pop(uid, None) is not None
+
+    def is_prepared(self, uid: str) -> bool:
+        with self._prepared_lock:
+            return uid in self._prepared
+
+    def take_prepared(self, uid: str) -> Decision | None:
+        """The prepared verdict if this call is the first attempt (or within the grace of it), else None.
+
+        A call after the grace is a later attempt: the entry is dropped so the
+        caller verifies again.
+        """
+        if not uid:
+            return None
+        now = self._timer()
+        with self._prepared_lock:
+            entry = self._prepared.get(uid)
+            if entry is None:
+                return None
+            if entry.first_used is None:
+                entry.first_used = now
+                return entry.decision
+            if now - entry.first_used <= self._grace:
+                return entry.decision
+            del self._prepared[uid]
+            return None
+
     def read(self, namespace: str, name: str) -> tuple[QuorumRead, bool]:
         """The quorum read of namespace/name and whether it came from the cache.
 
@@ -68,4 +121,6 @@ class VerdictCache:
             ghosts = len(self._ghosts)
         with self._read.cache_lock:
             reads = len(self._reads)
-        return {"ghosts": ghosts, "reads": reads}
+        with self._prepared_lock:
+            prepared = len(self._prepared)
+        return {"ghosts": ghosts, "reads": reads, "prepared": prepared}

@@ -11,22 +11,21 @@ answer.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import orjson
-
 from guard import metrics
 from guard.cache import VerdictCache
 from guard.settings import Settings
-from guard.verdict import Decision, PodRef, QuorumRead, ReadStatus, Verdict, decide
+from guard.verdict import Decision, PodRef, QuorumRead, Verdict, decide
 
 log = logging.getLogger(__name__)
 
 # Called once per newly seen ghost UID, off the request path.
 GhostListener = Callable[[PodRef, Decision, QuorumRead], None]
+# Called when a known ghost is blocked again (for bounded-rate re-probes), off the request path.
+SightingListener = Callable[[PodRef, Decision], None]
 
 
 class Checker:
@@ -34,8 +33,10 @@ class Checker:
         self.settings = settings
         self._quorum_get = quorum_get
         self.cache = VerdictCache(self._timed_get, ghost_ttl=settings.ghost_ttl, ghost_size=settings.ghost_cache_size,
-                                  read_ttl=settings.alive_ttl, read_size=settings.read_cache_size)
-        self.listeners: list[GhostListener] = [print_new_ghost]
+                                  read_ttl=settings.alive_ttl, read_size=settings.read_cache_size,
+                                  prepared_max_age=settings.prepared_max_age, prepared_grace=settings.prepared_grace)
+        self.listeners: list[GhostListener] = []
+        self.sighting_listeners: list[SightingListener] = []
         self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghost-followup")
 
     def _timed_get(self, namespace: str, name: str) -> QuorumRead:
@@ -70,38 +71,50 @@ class Checker:
         cached = self.cache.ghost(pod.uid)
         if cached is not None:
             metrics.CACHE_LOOKUPS.labels("ghosts", "hit").inc()
+            if self.sighting_listeners:
+                self._background.submit(self._notify, self.sighting_listeners, pod, cached)
             return cached
         metrics.CACHE_LOOKUPS.labels("ghosts", "miss").inc()
+        prepared = self.cache.take_prepared(pod.uid)
+        if prepared is not None:
+            metrics.VERDICTS_PREPARED.inc()
+            return prepared
+        metrics.VERDICTS_INLINE.inc()
+        return self._verify(pod)
+
+    def verify(self, pod: PodRef, *, prepare: bool = True) -> Decision:
+        """Background verification (guard.prepare). With ``prepare``, an ``alive`` verdict is kept
+        for the pod's first scheduling attempt; sweeps of already-known pods pass ``prepare=False``.
+
+        Goes through the same single-flight read cache, so a /filter call that
+        arrives while this GET is in flight waits for it instead of sending another.
+        """
+        known = self.cache.ghost(pod.uid)
+        if known is not None:
+            return known
+        decision = self._verify(pod)
+        metrics.PREVERIFIED.labels(decision.verdict.value).inc()
+        if prepare and decision.verdict is Verdict.ALIVE and pod.uid:
+            self.cache.prepare(pod.uid, decision)
+        return decision
+
+    def _verify(self, pod: PodRef) -> Decision:
         read, hit = self.cache.read(pod.namespace, pod.name)
         metrics.CACHE_LOOKUPS.labels("reads", "hit" if hit else "miss").inc()
         decision = decide(pod, read)
         if decision.is_ghost and self.cache.remember_ghost(pod.uid, decision):
             metrics.GHOSTS_BLOCKED.labels(decision.verdict.value).inc()
             log.warning("%s", decision.reason)
-            self._background.submit(self._notify, pod, decision, read)
+            self._background.submit(self._notify, self.listeners, pod, decision, read)
         return decision
 
-    def _notify(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
-        for listener in self.listeners:
+    def _notify(self, listeners: list, pod: PodRef, *args) -> None:
+        for listener in listeners:
             try:
-                listener(pod, decision, read)
+                listener(pod, *args)
             except Exception:
                 log.exception("ghost follow-up %s failed for %s", getattr(listener, "__name__", listener), pod)
 
     def close(self) -> None:
         self._background.shutdown(wait=True, cancel_futures=False)
 
-
-def print_new_ghost(pod: PodRef, decision: Decision, read: QuorumRead) -> None:
-    """One JSON line on stdout per newly blocked ghost, for log shippers."""
-    line = {
-        "event": "ghost-blocked", "namespace": pod.namespace, "name": pod.name, "uid": pod.uid,
-        "verdict": decision.verdict.value, "reason": decision.reason,
-        "quorum_read": {"status": read.status.value, "http_status": read.http_status,
-                        "uid": read.uid or None, "resource_version": read.resource_version or None},
-        "time": time.time(),
-    }
-    if read.status is not ReadStatus.FOUND:
-        del line["quorum_read"]["uid"]
-    sys.stdout.write(orjson.dumps(line).decode() + "\n")
-    sys.stdout.flush()

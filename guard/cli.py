@@ -54,6 +54,31 @@ def main() -> None:
 @option("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="Largest request body accepted (413 above).")
 @option("--access-log/--no-access-log", default=True, help="One JSON line per request on stderr.")
 @option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Log level.")
+@option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
+        help="Static list of apiserver replicas to probe and watch; replaces discovery from the "
+             "default/kubernetes EndpointSlice entirely.")
+@option("--apiserver-server-name", default="kubernetes.default.svc",
+        help="TLS server name verified when dialling a replica by IP.")
+@option("--discovery-interval", type=float, default=60.0, help="Seconds between replica discoveries.")
+@option("--probe-timeout", type=float, default=0.5, help="Seconds allowed for one replica cache probe or LIST.")
+@option("--reprobe-interval", type=float, default=30.0,
+        help="Least seconds between probe rounds for one ghost seen again (to see a replica heal).")
+@option("--stale-confirm-delay", type=float, default=2.0,
+        help="Seconds before re-probing a replica that served a ghost; still serving then = stale (not lag).")
+@option("--audit-db", default="/var/lib/ghost-guard/audit.db", type=click.Path(dir_okay=False),
+        help="SQLite audit store of blocked pods (shared by workers and CLI).")
+@option("--audit-max-age", type=float, default=30 * 86400.0, help="Seconds an audit record is kept after last seen.")
+@option("--audit-max-records", type=int, default=100_000, help="Most audit records kept.")
+@option("--events/--no-events", default=True, help="Emit GhostPodBlocked and StaleWatchCache Warning Events.")
+@option("--prepare/--no-prepare", default=True,
+        help="Watch unscheduled pods on every replica and verify them before kube-scheduler asks.")
+@option("--prepared-max-age", type=float, default=300.0, help="Seconds a background-verified verdict stays usable.")
+@option("--prepared-grace", type=float, default=0.5,
+        help="Seconds after a pod's first call during which its prepared verdict still answers.")
+@option("--verify-concurrency", type=int, default=4, help="Background quorum GETs in flight at most.")
+@option("--verify-qps", type=float, default=50.0, help="Background quorum GETs per second at most.")
+@option("--sweep-interval", type=float, default=30.0,
+        help="Seconds between sweeps comparing the replicas' views (finds ghosts no scheduler asked about).")
 def serve(**kwargs) -> None:
     """Serve the extender (/filter, /preempt), probes and metrics under gunicorn."""
     from guard.server import StartupError, preflight, serve as run
@@ -128,7 +153,7 @@ def _open_audit_store(command: str, db: str | None):
     from guard.audit import DEFAULT_AUDIT_DB, AuditPathError, AuditStore
 
     path = db or DEFAULT_AUDIT_DB
-    if not os.path.lexists(path):
+    if not os.path.exists(path):  # a dangling symlink too: reading never creates a store
         click.echo(f"ghost-guard {command}: no audit store at {path} (set --db or GHOST_GUARD_AUDIT_DB; "
                    "`ghost-guard serve` creates it when it starts)", err=True)
         sys.exit(2)

@@ -9,8 +9,10 @@ exception.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+from collections.abc import Iterator
 
 import orjson
 import urllib3
@@ -18,6 +20,8 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
+from guard.attribution import ReplicaObservation, http_error, transport_error
+from guard.settings import Replica
 from guard.verdict import QuorumRead
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,7 @@ class Kube:
         # No urllib3 retries: a retry would blow the per-GET budget; the caller fails open instead.
         configuration.retries = False
         self.timeout = timeout
+        self.configuration = configuration
         self.api_client = client.ApiClient(configuration)
         self.core = client.CoreV1Api(self.api_client)
         self.version = client.VersionApi(self.api_client)
@@ -109,3 +114,228 @@ class Kube:
 
     def close(self) -> None:
         self.api_client.close()
+
+
+# --- apiserver replicas -------------------------------------------------------
+
+IDENTITY_LABEL = "apiserver.kubernetes.io/identity=kube-apiserver"
+PEER_ADDRESS_ANNOTATION = "kubernetes.io/peer-advertise-address"
+
+
+def _pinned_refresh_hook(hook, host: str, server_name: str | None):
+    """Token refresh hooks (in-cluster and kubeconfig alike) rewrite ``configuration.host`` to the
+    Service / kubeconfig server *and* re-install themselves: put the replica and this wrapper back."""
+
+    def refresh(cfg):
+        hook(cfg)
+        cfg.host = host
+        cfg.tls_server_name = server_name
+        cfg.refresh_api_key_hook = refresh
+
+    return refresh
+
+
+class ReplicaClient:
+    """A client aimed at one replica: cluster CA, configurable TLS server name, the guard's credentials."""
+
+    def __init__(self, base: client.Configuration, replica: Replica, *, server_name: str | None, timeout: float,
+                 pool_size: int = 4) -> None:
+        cfg = copy.deepcopy(base)
+        cfg.host = replica.url
+        cfg.tls_server_name = server_name
+        cfg.connection_pool_maxsize = pool_size
+        cfg.retries = False
+        if getattr(base, "refresh_api_key_hook", None):
+            cfg.refresh_api_key_hook = _pinned_refresh_hook(base.refresh_api_key_hook, replica.url, server_name)
+        self.replica = replica
+        self.timeout = timeout
+        self.api_client = client.ApiClient(cfg)
+        self.core = client.CoreV1Api(self.api_client)
+
+    def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
+        """Does this replica's watch cache still serve the pod? (LIST resourceVersion=0, one name.)"""
+        try:
+            resp = self.core.list_namespaced_pod(namespace, field_selector=f"metadata.name={name}",
+                                                 resource_version="0", _preload_content=False,
+                                                 _request_timeout=self.timeout)
+            doc = orjson.loads(resp.data)
+        except ApiException as e:
+            if not e.status:
+                return ReplicaObservation(self.replica.address, None, None, transport_error("unreachable", "TLS error"), at)
+            reason, _ = _status_reason(e)
+            return ReplicaObservation(self.replica.address, None, None, http_error(e.status, reason), at)
+        except (urllib3.exceptions.TimeoutError, TimeoutError):
+            return ReplicaObservation(self.replica.address, None, None,
+                                      transport_error("timeout", f"after {self.timeout:g}s"), at)
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            return ReplicaObservation(self.replica.address, None, None, transport_error("unreachable", type(e).__name__), at)
+        except ValueError as e:
+            return ReplicaObservation(self.replica.address, None, None, f"undecodable reply: {type(e).__name__}", at)
+        items = doc.get("items") or []
+        serves = any(((i.get("metadata") or {}).get("uid") == uid) if uid else True for i in items)
+        rv = (doc.get("metadata") or {}).get("resourceVersion")
+        return ReplicaObservation(self.replica.address, serves, str(rv) if rv else None, None, at)
+
+    def pending_pods(self, *, resource_version: str = "0") -> tuple[str, list[dict]]:
+        """LIST unscheduled pods from this replica's cache: (list resourceVersion, items)."""
+        resp = self.core.list_pod_for_all_namespaces(field_selector="spec.nodeName=", resource_version=resource_version,
+                                                     _preload_content=False, _request_timeout=self.timeout * 5)
+        doc = orjson.loads(resp.data)
+        return str((doc.get("metadata") or {}).get("resourceVersion") or ""), doc.get("items") or []
+
+    def watch_pending(self, resource_version: str, *, timeout_seconds: int = 300) -> Iterator[dict]:
+        """WATCH unscheduled pods from ``resource_version``: yields raw watch events (dicts).
+
+        Raises ``WatchExpired`` on 410 Gone (the caller re-lists).
+        """
+        try:
+            resp = self.core.list_pod_for_all_namespaces(
+                field_selector="spec.nodeName=", resource_version=resource_version, watch=True,
+                allow_watch_bookmarks=True, timeout_seconds=timeout_seconds, _preload_content=False,
+                _request_timeout=(self.timeout * 5, timeout_seconds + 30))
+        except ApiException as e:
+            if e.status == 410:
+                raise WatchExpired(resource_version) from e
+            raise
+        try:
+            buf = b""
+            for chunk in resp.stream(64 * 1024, decode_content=False):
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        event = orjson.loads(line)
+                        if event.get("type") == "ERROR":
+                            status = event.get("object") or {}
+                            if status.get("code") == 410:
+                                raise WatchExpired(resource_version)
+                            raise WatchFailed(str(status.get("message") or status)[:200])
+                        yield event
+        finally:
+            resp.release_conn()
+
+    def close(self) -> None:
+        self.api_client.close()
+
+
+class WatchExpired(Exception):
+    """The watch's resourceVersion is too old (410 Gone): re-list."""
+
+
+class WatchFailed(Exception):
+    """The watch stream carried an error event."""
+
+
+def _endpoint_slice_replicas(doc: dict) -> list[tuple[str, int]]:
+    out = []
+    for sl in doc.get("items") or []:
+        ports = [p.get("port") for p in sl.get("ports") or [] if p.get("name") in ("https", None, "")]
+        port = ports[0] if ports else None
+        if not port:
+            continue
+        for ep in sl.get("endpoints") or []:
+            if (ep.get("conditions") or {}).get("ready") is False:
+                continue
+            for addr in ep.get("addresses") or []:
+                out.append((addr, port))
+    return out
+
+
+def _endpoints_replicas(doc: dict) -> list[tuple[str, int]]:
+    out = []
+    for subset in doc.get("subsets") or []:
+        ports = [p.get("port") for p in subset.get("ports") or [] if p.get("name") in ("https", None, "")]
+        if not ports:
+            continue
+        for addr in subset.get("addresses") or []:
+            out.append((addr.get("ip"), ports[0]))
+    return out
+
+
+def _lease_identities(doc: dict) -> dict[str, str]:
+    """Identity Leases whose peer-advertise-address annotation names an address -> lease name."""
+    out = {}
+    for lease in doc.get("items") or []:
+        meta = lease.get("metadata") or {}
+        addr = (meta.get("annotations") or {}).get(PEER_ADDRESS_ANNOTATION)
+        if addr:
+            out[addr] = meta.get("name", "")
+            out[addr.rsplit(":", 1)[0]] = meta.get("name", "")
+    return out
+
+
+def discover_replicas(kube: Kube) -> list[Replica]:
+    """The live apiserver replicas: ``default/kubernetes`` EndpointSlices, else its Endpoints.
+
+    Joined with the identity Leases in ``kube-system`` where they can be matched
+    (the peer-advertise-address annotation); unmatched replicas keep no identity.
+    """
+    api = kube.api_client
+    addrs: list[tuple[str, int]] = []
+    try:
+        resp = client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
+            "default", label_selector="kubernetes.io/service-name=kubernetes", _preload_content=False,
+            _request_timeout=kube.timeout * 2)
+        addrs = _endpoint_slice_replicas(orjson.loads(resp.data))
+    except ApiException as e:
+        log.info("EndpointSlice discovery failed (HTTP %s); falling back to Endpoints", e.status)
+    if not addrs:
+        resp = kube.core.read_namespaced_endpoints("kubernetes", "default", _preload_content=False,
+                                                   _content_type="application/merge-patch+json", _request_timeout=kube.timeout * 2)
+        addrs = _endpoints_replicas(orjson.loads(resp.data))
+    identities: dict[str, str] = {}
+    try:
+        resp = client.CoordinationV1Api(api).list_namespaced_lease(
+            "kube-system", label_selector=IDENTITY_LABEL, _preload_content=False, _request_timeout=kube.timeout * 2)
+        identities = _lease_identities(orjson.loads(resp.data))
+    except ApiException as e:
+        log.info("identity leases not readable (HTTP %s); replicas are named by address only", e.status)
+    out = []
+    for ip, port in sorted(set(addrs)):
+        host = f"[{ip}]" if ":" in ip else ip
+        address = f"{host}:{port}"
+        out.append(Replica(address, f"https://{address}", identities.get(address) or identities.get(ip, "")))
+    return out
+
+
+# --- Events -------------------------------------------------------------------
+
+
+def _now_rfc3339() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def emit_event(kube: Kube, *, namespace: str, pod_name: str, pod_uid: str, reason: str, message: str,
+               key: str = "", event_type: str = "Warning") -> None:
+    """Create a core/v1 Event about a pod, or bump its count if it exists (aggregated, never repeated).
+
+    The Event name is derived from the pod, its UID, the reason and ``key``, so
+    every guard instance aggregates into the same Event.
+    """
+    import hashlib
+    import socket
+
+    digest = hashlib.sha256(f"{pod_uid}/{reason}/{key}".encode()).hexdigest()[:16]
+    name = f"{pod_name[:200]}.{digest}"
+    now = _now_rfc3339()
+    body = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": name, "namespace": namespace},
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": pod_name, "uid": pod_uid},
+        "reason": reason, "message": message[:1024], "type": event_type,
+        "source": {"component": "ghost-guard", "host": socket.gethostname()},
+        "reportingComponent": "ghost-guard", "reportingInstance": socket.gethostname(),
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+    try:
+        kube.core.create_namespaced_event(namespace, body, _request_timeout=kube.timeout * 2)
+        return
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    resp = kube.core.read_namespaced_event(name, namespace, _preload_content=False, _request_timeout=kube.timeout * 2)
+    count = int((orjson.loads(resp.data).get("count") or 1)) + 1
+    kube.core.patch_namespaced_event(name, namespace, {"count": count, "lastTimestamp": now, "message": message[:1024]},
+                                     _content_type="application/merge-patch+json", _request_timeout=kube.timeout * 2)

@@ -20,6 +20,14 @@ REQUESTS = Counter("ghost_guard_requests", "HTTP requests served, by endpoint an
 REQUEST_DURATION = Histogram("ghost_guard_request_duration_seconds", "Time to answer a request, by endpoint.",
                              ["endpoint"], buckets=LATENCY_BUCKETS)
 VERDICTS = Counter("ghost_guard_verdicts", "Verdicts handed out, by verdict.", ["verdict"])
+VERDICTS_PREPARED = Counter("ghost_guard_verdicts_prepared", "Scheduler calls answered from a verdict verified in "
+                            "the background before the call (no apiserver round trip on the scheduling path).")
+VERDICTS_INLINE = Counter("ghost_guard_verdicts_inline", "Scheduler calls that found no cached or prepared verdict "
+                          "and verified the pod inline (quorum GET on the scheduling path, or joined one in flight).")
+PREVERIFIED = Counter("ghost_guard_preverified", "Pods verified in the background (watch of unscheduled pods), "
+                      "by verdict.", ["verdict"])
+WATCH_RESTARTS = Counter("ghost_guard_watch_restarts", "Restarts of the unscheduled-pod watch on a replica, by reason "
+                         "(expired = 410 re-list, error).", ["reason"])
 GHOSTS_BLOCKED = Counter("ghost_guard_ghosts_blocked", "Distinct ghost pods (by UID) first blocked, by verdict.",
                          ["verdict"])
 CACHE_LOOKUPS = Counter("ghost_guard_cache_lookups", "Verdict cache lookups, by cache (ghosts, reads) and result.",

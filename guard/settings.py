@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 # kube-scheduler's default extender httpTimeout; every request must answer well below it.
 SCHEDULER_HTTP_TIMEOUT = 5.0
@@ -37,6 +38,25 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     access_log: bool = True
     log_level: str = "info"
+    # apiserver replicas (attribution, pre-verification)
+    apiserver_replicas: str | None = None
+    apiserver_server_name: str = "kubernetes.default.svc"
+    discovery_interval: float = 60.0
+    probe_timeout: float = 0.5
+    reprobe_interval: float = 30.0
+    stale_confirm_delay: float = 2.0
+    # audit store and Events
+    audit_db: str = "/var/lib/ghost-guard/audit.db"
+    audit_max_age: float = 30 * 86400.0
+    audit_max_records: int = 100_000
+    events: bool = True
+    # pre-verification: watch unscheduled pods, quorum-verify each new UID before the scheduler asks
+    prepare: bool = True
+    prepared_max_age: float = 300.0
+    prepared_grace: float = 0.5
+    verify_concurrency: int = 4
+    verify_qps: float = 50.0
+    sweep_interval: float = 30.0
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.bind.rpartition(":")
@@ -73,6 +93,23 @@ class Settings:
         if not 0 < self.alive_ttl < 1.0:
             raise SettingsError(f"--alive-ttl must be between 0 and 1s (the scheduler's initial backoff), "
                                 f"got {self.alive_ttl:g}")
+        for flag, value in (("--discovery-interval", self.discovery_interval), ("--probe-timeout", self.probe_timeout),
+                            ("--reprobe-interval", self.reprobe_interval), ("--audit-max-age", self.audit_max_age),
+                            ("--prepared-max-age", self.prepared_max_age), ("--verify-qps", self.verify_qps),
+                            ("--sweep-interval", self.sweep_interval)):
+            if not value > 0:
+                raise SettingsError(f"{flag} must be positive, got {value:g}")
+        if self.stale_confirm_delay < 0:
+            raise SettingsError(f"--stale-confirm-delay must be >= 0, got {self.stale_confirm_delay:g}")
+        if not 0 <= self.prepared_grace < 1.0:
+            raise SettingsError(f"--prepared-grace must be between 0 and 1s (the scheduler's initial backoff), "
+                                f"got {self.prepared_grace:g}")
+        for flag, value in (("--audit-max-records", self.audit_max_records),
+                            ("--verify-concurrency", self.verify_concurrency)):
+            if value < 1:
+                raise SettingsError(f"{flag} must be at least 1, got {value}")
+        if self.apiserver_replicas is not None:
+            parse_replicas(self.apiserver_replicas)
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"--log-level must be debug, info, warning or error, got {self.log_level!r}")
         return self
@@ -85,3 +122,35 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class ReplicaSpecError(SettingsError):
+    """A ``--apiserver-replicas`` entry is not ``https://HOST:PORT``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One kube-apiserver replica, dialled directly (never through the Service VIP)."""
+
+    address: str  # "IP:PORT": its name in metrics, the audit store and Events
+    url: str  # https://IP:PORT
+    identity: str = ""  # identity Lease name (apiserver-<hash>) when it could be matched
+
+    def __str__(self) -> str:
+        return f"{self.address} ({self.identity})" if self.identity else self.address
+
+
+def parse_replicas(spec: str) -> list[Replica]:
+    """``https://IP:PORT,https://IP:PORT`` -> replicas (the static list replaces discovery)."""
+    out = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        parts = urlsplit(item)
+        if parts.scheme not in ("https", "http") or not parts.hostname or not parts.port or parts.path not in ("", "/"):
+            raise ReplicaSpecError(f"--apiserver-replicas entries must be https://HOST:PORT, got {item!r}")
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        out.append(Replica(f"{host}:{parts.port}", f"{parts.scheme}://{host}:{parts.port}"))
+    if not out:
+        raise ReplicaSpecError("--apiserver-replicas is empty")
+    return out

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
@@ -11,11 +13,16 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from guard import metrics
+from guard.audit import AuditError, AuditStore
 from guard.check import Checker
 from guard.extender import ProtocolError
+from guard.incident import IncidentRecorder
 from guard.kube import Kube, load_configuration
+from guard.prepare import Preverifier
+from guard.replicas import ReplicaPool
 from guard.settings import Settings
 
+log = logging.getLogger(__name__)
 access_log = logging.getLogger("guard.access")
 
 ENDPOINTS = frozenset({"/filter", "/preempt", "/validate/binding", "/healthz", "/readyz", "/metrics"})
@@ -28,6 +35,8 @@ class Guard:
     settings: Settings
     kube: Kube
     checker: Checker
+    incidents: IncidentRecorder
+    preverifier: Preverifier | None
     # Extra readiness checks (None when fine, else a reason), e.g. the audit store.
     readiness_checks: list = field(default_factory=list)
 
@@ -44,13 +53,40 @@ def guard_of(app: Flask) -> Guard:
     return app.extensions["ghost_guard"]
 
 
+def open_audit(settings: Settings) -> tuple[AuditStore | None, Callable[[], str | None]]:
+    """The audit store, or None and a readiness problem: an audit failure never changes a verdict."""
+    try:
+        store = AuditStore(settings.audit_db, max_age_seconds=settings.audit_max_age,
+                           max_records=settings.audit_max_records, echo=sys.stdout)
+    except (AuditError, OSError, ValueError) as e:
+        reason = f"audit store {settings.audit_db} unusable: {e}"
+        log.error("%s; ghosts are still blocked but not recorded", reason)
+        return None, lambda: reason
+    return store, store.check
+
+
+def build_guard(settings: Settings) -> Guard:
+    """Clients, caches and background workers of one worker process (after the fork)."""
+    kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout, pool_size=settings.threads)
+    checker = Checker(settings, kube.quorum_get)
+    audit, audit_check = open_audit(settings)
+    pool = ReplicaPool(settings, kube)
+    incidents = IncidentRecorder(settings, kube, pool, audit)
+    checker.listeners.append(incidents.new_ghost)
+    checker.sighting_listeners.append(incidents.sighting)
+    preverifier = None
+    if settings.prepare:
+        preverifier = Preverifier(settings, pool, checker)
+        preverifier.start()
+    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=[audit_check])
+
+
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the app. Under gunicorn this runs in each worker *after* the fork."""
     settings = settings or Settings()
     app = Flask("guard")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout, pool_size=settings.threads)
-    app.extensions["ghost_guard"] = Guard(settings, kube, Checker(settings, kube.quorum_get))
+    app.extensions["ghost_guard"] = build_guard(settings)
 
     from guard.http import binding, probes
     from guard.http import filter as filter_routes

@@ -1,0 +1,185 @@
+"""What happens once a ghost is found: the record, the attribution, the alerts.
+
+Runs on background threads, never on the scheduling path:
+
+1. the audit store gets the block (durable before it counts as recorded);
+2. every apiserver replica's watch cache is probed in parallel (LIST
+   ``resourceVersion=0``, one name); replicas still serving the ghost are
+   probed again after ``--stale-confirm-delay``: a cache that still serves it
+   and whose revision moved on *missed the delete* (not mere lag) and is
+   reported stale (gauge, counter, ``StaleWatchCache`` Event, audit);
+3. a ``GhostPodBlocked`` Warning Event on the pod, aggregated;
+4. later sightings of the same ghost re-probe at most every
+   ``--reprobe-interval``, so a restarted replica is seen to have healed.
+
+The pure rules (what counts as stale, healed, missed delete) are in
+:mod:`guard.attribution`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from guard import attribution, metrics
+from guard.attribution import ReplicaObservation
+from guard.audit import AuditError, AuditStore
+from guard.kube import Kube, ReplicaClient, emit_event
+from guard.replicas import ReplicaPool
+from guard.settings import Settings
+from guard.verdict import Decision, PodRef, QuorumRead
+
+log = logging.getLogger(__name__)
+
+
+class IncidentRecorder:
+    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditStore | None) -> None:
+        self.settings = settings
+        self.kube = kube
+        self.pool = pool
+        self.audit = audit
+        self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-probe")
+        self._lock = threading.Lock()
+        self._last_probe: dict[str, float] = {}  # uid -> monotonic time of the last probe round
+        self._stale: dict[str, set[str]] = {}  # replica address -> ghost UIDs it was confirmed to serve
+        self._timers: list[threading.Timer] = []
+        self._closed = False
+
+    # -- entry points (Checker listeners) ----------------------------------------
+
+    def new_ghost(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
+        evidence = {"reason": decision.reason, "quorum_get": {
+            "outcome": read.status.value, "http_status": read.http_status,
+            "uid": read.uid or None, "node_name": read.node_name or None,
+            "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}}
+        self._record_block(pod, decision, evidence)
+        self.probe(pod)
+        if self.settings.events:
+            self._event(pod, "GhostPodBlocked", f"kube-ghost-guard blocked scheduling: {decision.reason}")
+
+    def sighting(self, pod: PodRef, decision: Decision) -> None:
+        self._record_block(pod, decision, {"reason": decision.reason})
+        with self._lock:
+            last = self._last_probe.get(pod.uid, -1e18)
+        if attribution.should_reprobe(last, time.monotonic(), self.settings.reprobe_interval):
+            self.probe(pod)
+
+    # -- attribution ---------------------------------------------------------------
+
+    def probe(self, pod: PodRef, *, confirm: bool = True) -> list[ReplicaObservation]:
+        """Probe every replica's cache for the ghost (in parallel); record and act on the result."""
+        with self._lock:
+            self._last_probe[pod.uid] = time.monotonic()
+            if len(self._last_probe) > 100_000:
+                self._last_probe.clear()
+        clients = self.pool.clients()
+        now = time.time()
+        observations = list(self._probes.map(lambda c: c.probe(pod.namespace, pod.name, pod.uid, at=now), clients))
+        for obs in observations:
+            self._record_probe(pod, obs)
+            if obs.serves_ghost is False:
+                self._healed(pod, obs.replica)
+        serving = [(c, o) for c, o in zip(clients, observations) if o.serves_ghost]
+        if serving and confirm:
+            self._later(self.settings.stale_confirm_delay, self._confirm, pod, serving)
+        return observations
+
+    def _confirm(self, pod: PodRef, first: list[tuple[ReplicaClient, ReplicaObservation]]) -> None:
+        for client, before in first:
+            after = client.probe(pod.namespace, pod.name, pod.uid, at=time.time())
+            self._record_probe(pod, after)
+            if after.serves_ghost is False:
+                self._healed(pod, after.replica)
+                continue
+            if after.serves_ghost:
+                advanced = attribution.missed_delete(before.cache_resource_version, after.cache_resource_version, True)
+                # Still serving after the delay is what operators must know; say whether the cache moved on
+                # (it missed the delete for good) or stood still (a frozen watch, or an idle cluster).
+                self._stale_confirmed(pod, client, after, note="" if advanced else (
+                    " (its cache revision did not advance: watch frozen or cluster idle)"))
+
+    def _stale_confirmed(self, pod: PodRef, client: ReplicaClient, obs: ReplicaObservation, note: str = "") -> None:
+        replica = client.replica.address
+        with self._lock:
+            uids = self._stale.setdefault(replica, set())
+            new = pod.uid not in uids
+            uids.add(pod.uid)
+        metrics.STALE_REPLICA.labels(replica).set(1)
+        if not new:
+            return
+        metrics.STALE_REPLICA_DETECTIONS.labels(replica).inc()
+        message = (f"apiserver replica {client.replica} still serves pod {pod} uid {pod.uid} from its watch cache "
+                   f"(cache resourceVersion {obs.cache_resource_version}) although etcd no longer has it{note}; "
+                   f"restart that apiserver replica, then restart kube-scheduler so its informer re-lists")
+        log.warning("%s", message)
+        if self.settings.events:
+            self._event(pod, "StaleWatchCache", message, key=replica)
+
+    def _healed(self, pod: PodRef, replica: str) -> None:
+        with self._lock:
+            uids = self._stale.get(replica)
+            if not uids or pod.uid not in uids:
+                return
+            uids.discard(pod.uid)
+            clear = not uids
+        log.info("apiserver replica %s no longer serves ghost %s uid %s: healed", replica, pod, pod.uid)
+        if clear:
+            metrics.STALE_REPLICA.labels(replica).set(0)
+
+    def stale_replicas(self) -> dict[str, set[str]]:
+        with self._lock:
+            return {r: set(u) for r, u in self._stale.items() if u}
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _record_block(self, pod: PodRef, decision: Decision, evidence: dict) -> None:
+        if self.audit is None:
+            return
+        try:
+            self.audit.record_block(uid=pod.uid or f"{pod}", namespace=pod.namespace, name=pod.name,
+                                    verdict=decision.verdict.value, evidence=evidence, at=time.time())
+        except (AuditError, ValueError, OSError) as e:
+            log.error("audit store: cannot record block of %s: %s", pod, e)
+
+    def _record_probe(self, pod: PodRef, obs: ReplicaObservation) -> None:
+        if self.audit is None:
+            return
+        try:
+            self.audit.record_probe(uid=pod.uid or f"{pod}", replica=obs.replica, serves=obs.serves_ghost,
+                                    cache_resource_version=obs.cache_resource_version, error=obs.error,
+                                    at=obs.checked_at)
+        except (AuditError, ValueError, OSError) as e:
+            log.error("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
+
+    def _event(self, pod: PodRef, reason: str, message: str, key: str = "") -> None:
+        try:
+            emit_event(self.kube, namespace=pod.namespace, pod_name=pod.name, pod_uid=pod.uid, reason=reason,
+                       message=message, key=key)
+        except Exception as e:  # Events are best effort
+            log.warning("cannot emit %s Event for %s: %s", reason, pod, str(e)[:200])
+
+    def _later(self, delay: float, fn, *args) -> None:
+        if self._closed:
+            return
+        timer = threading.Timer(delay, self._run_safely, args=(fn, *args))
+        timer.daemon = True
+        with self._lock:
+            self._timers = [t for t in self._timers if t.is_alive()] + [timer]
+        timer.start()
+
+    @staticmethod
+    def _run_safely(fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("attribution step %s failed", getattr(fn, "__name__", fn))
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            timers = list(self._timers)
+        for t in timers:
+            t.cancel()
+        self._probes.shutdown(wait=False, cancel_futures=True)

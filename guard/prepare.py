@@ -1,0 +1,257 @@
+"""Pre-verification: verdicts ready before kube-scheduler asks.
+
+kube-scheduler calls the extender inside its serial scheduling cycle, so a
+quorum GET there costs the whole cluster throughput. The guard therefore
+watches unscheduled pods (``fieldSelector=spec.nodeName=``) on **every**
+apiserver replica itself, like an informer per replica, and quorum-verifies
+each newly seen pod UID in the background (bounded concurrency, rate
+limited). The ``alive`` verdict then waits in the cache for the pod's first
+``/filter`` or ``/preempt`` call (guard.cache).
+
+- A ``DELETED`` (or a ``deletionTimestamp``) seen on *any* replica drops the
+  prepared verdict at once.
+- The watch is also the sweeper: every ``--sweep-interval`` the per-replica
+  views are compared; a UID that one replica still lists while another,
+  caught-up replica does not is verified again (rate limited). A ghost found
+  that way is recorded and attributed before any scheduler is stuck on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import cachetools
+
+from guard import metrics
+from guard.check import Checker
+from guard.kube import ReplicaClient, WatchExpired
+from guard.replicas import ReplicaPool
+from guard.settings import Settings
+from guard.verdict import PodRef
+
+log = logging.getLogger(__name__)
+
+
+class RateLimiter:
+    """Token bucket: at most ``rate`` acquisitions per second, bursts up to ``rate``."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._tokens = rate
+        self._at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
+                self._at = now
+                if self._tokens >= 1:
+                    self._tokens -= 1
+                    return
+                wait = (1 - self._tokens) / self.rate
+            time.sleep(wait)
+
+
+def _pod_of(obj: dict) -> tuple[PodRef | None, bool]:
+    """(PodRef, schedulable) of a watched pod object."""
+    meta = obj.get("metadata") or {}
+    uid, name = meta.get("uid"), meta.get("name")
+    if not uid or not name:
+        return None, False
+    pod = PodRef(meta.get("namespace") or "default", name, uid)
+    schedulable = not meta.get("deletionTimestamp") and not (obj.get("spec") or {}).get("nodeName")
+    return pod, schedulable
+
+
+class ReplicaView:
+    """What one replica's watch cache says is unscheduled: uid -> PodRef, and its revision."""
+
+    def __init__(self, client: ReplicaClient) -> None:
+        self.client = client
+        self.pods: dict[str, PodRef] = {}
+        self.resource_version = ""
+        self.synced = False
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+
+class Preverifier:
+    def __init__(self, settings: Settings, pool: ReplicaPool, checker: Checker) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.checker = checker
+        self._limiter = RateLimiter(settings.verify_qps)
+        self._slots = threading.BoundedSemaphore(settings.verify_concurrency)
+        self._queue: list[tuple[PodRef, bool]] = []
+        self._queue_cond = threading.Condition()
+        self._seen: cachetools.TTLCache = cachetools.TTLCache(500_000, settings.prepared_max_age)
+        self._lock = threading.Lock()
+        self._views: dict[str, ReplicaView] = {}
+        self._suspects: set[str] = set()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        pool.on_change(self._replicas_changed)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        for i in range(self.settings.verify_concurrency):
+            self._spawn(self._verify_loop, f"ghost-verify-{i}")
+        self._spawn(self._sweep_loop, "ghost-sweep")
+        self._replicas_changed(self.pool.clients(), [])
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            views = list(self._views.values())
+        for v in views:
+            v.stop.set()
+        with self._queue_cond:
+            self._queue_cond.notify_all()
+
+    def _spawn(self, target, name: str, *args) -> threading.Thread:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def _replicas_changed(self, added: list[ReplicaClient], removed: list[ReplicaClient]) -> None:
+        with self._lock:
+            for c in removed:
+                view = self._views.pop(c.replica.address, None)
+                if view:
+                    view.stop.set()
+            for c in added:
+                if c.replica.address in self._views:
+                    continue
+                view = ReplicaView(c)
+                self._views[c.replica.address] = view
+                view.thread = self._spawn(self._watch_loop, f"ghost-watch-{c.replica.address}", view)
+
+    # -- the watch (one per replica) --------------------------------------------------
+
+    def _watch_loop(self, view: ReplicaView) -> None:
+        backoff = 0.5
+        relist = True
+        while not (self._stop.is_set() or view.stop.is_set()):
+            try:
+                if relist:
+                    rv, items = view.client.pending_pods()
+                    pods = {}
+                    for obj in items:
+                        pod, schedulable = _pod_of(obj)
+                        if pod and schedulable:
+                            pods[pod.uid] = pod
+                            self._seen_pod(pod)
+                    view.pods, view.resource_version, view.synced, relist = pods, rv, True, False
+                for event in view.client.watch_pending(view.resource_version, timeout_seconds=240):
+                    if self._stop.is_set() or view.stop.is_set():
+                        return
+                    self._apply(view, event)
+                backoff = 0.5
+            except WatchExpired:
+                metrics.WATCH_RESTARTS.labels("expired").inc()
+                relist = True
+            except Exception as e:
+                metrics.WATCH_RESTARTS.labels("error").inc()
+                view.synced = False
+                relist = True
+                log.info("watch of unscheduled pods on %s failed (%s: %s); retrying in %.1fs",
+                         view.client.replica, type(e).__name__, str(e)[:200], backoff)
+                view.stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def _apply(self, view: ReplicaView, event: dict) -> None:
+        kind = event.get("type")
+        obj = event.get("object") or {}
+        rv = (obj.get("metadata") or {}).get("resourceVersion")
+        if rv:
+            view.resource_version = str(rv)
+        if kind == "BOOKMARK":
+            return
+        pod, schedulable = _pod_of(obj)
+        if pod is None:
+            return
+        if kind == "DELETED" or not schedulable:
+            view.pods.pop(pod.uid, None)
+            self.checker.cache.invalidate(pod.uid)
+            return
+        view.pods[pod.uid] = pod
+        self._seen_pod(pod)
+
+    # -- verification -------------------------------------------------------------------
+
+    def _seen_pod(self, pod: PodRef) -> None:
+        with self._lock:
+            if pod.uid in self._seen:
+                return
+            self._seen[pod.uid] = True
+        self._enqueue(pod, True)
+
+    def _enqueue(self, pod: PodRef, prepare: bool) -> None:
+        with self._queue_cond:
+            self._queue.append((pod, prepare))
+            self._queue_cond.notify()
+
+    def _verify_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._queue_cond:
+                while not self._queue and not self._stop.is_set():
+                    self._queue_cond.wait(1.0)
+                if self._stop.is_set():
+                    return
+                pod, prepare = self._queue.pop(0)
+            self._limiter.acquire()
+            try:
+                self.checker.verify(pod, prepare=prepare)
+            except Exception:
+                log.exception("background verification of %s failed", pod)
+
+    def pending(self) -> int:
+        with self._queue_cond:
+            return len(self._queue)
+
+    # -- the sweep --------------------------------------------------------------------------
+
+    def disagreements(self) -> list[PodRef]:
+        """Pods some replica lists as unscheduled while another synced replica does not."""
+        with self._lock:
+            views = [v for v in self._views.values() if v.synced]
+        if len(views) < 2:
+            return []
+        listed: dict[str, PodRef] = {}
+        for v in views:
+            listed.update(v.pods)
+        return [pod for uid, pod in listed.items() if any(uid not in v.pods for v in views)]
+
+    def sweep(self) -> list[PodRef]:
+        """Verify the pods on which replicas disagreed in this sweep *and* the previous one.
+
+        Requiring two sweeps in a row keeps mere watch lag (milliseconds) from
+        looking like a stale cache.
+        """
+        current = {pod.uid: pod for pod in self.disagreements()}
+        persistent = [pod for uid, pod in current.items() if uid in self._suspects]
+        self._suspects = set(current)
+        queued = []
+        for pod in persistent:
+            if self.checker.cache.ghost(pod.uid) is None:
+                self._enqueue(pod, False)
+                queued.append(pod)
+        return queued
+
+    def _sweep_loop(self) -> None:
+        """Keeps the replica set current (discovery is due-checked each second) and sweeps."""
+        last_sweep = time.monotonic()
+        while not self._stop.wait(1.0):
+            try:
+                self.pool.clients()
+                if time.monotonic() - last_sweep >= self.settings.sweep_interval:
+                    last_sweep = time.monotonic()
+                    self.sweep()
+            except Exception:
+                log.exception("sweep failed")
