@@ -133,10 +133,27 @@ def test_report_names_the_stale_replica_and_the_runbook(populated: str) -> None:
     assert [g["uid"] for g in report["unattributed_ghosts"]] == ["uid-api-0"]
 
 
+@pytest.mark.parametrize(
+    ("args", "stale", "unattributed"),
+    [
+        pytest.param([], [R2], ["uid-api-0"], id="all"),
+        pytest.param(["--since", "1h"], [R2], [], id="since"),
+        pytest.param(["--namespace", "prod"], [], ["uid-api-0"], id="namespace"),
+    ],
+)
+def test_report_filters(populated: str, args: list[str], stale: list[str], unattributed: list[str]) -> None:
+    result = run("report", "--db", populated, "-o", "json", *args)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [r["replica"] for r in report["stale_replicas"]] == stale
+    assert [g["uid"] for g in report["unattributed_ghosts"]] == unattributed
+
+
 def test_cli_does_not_change_the_store(populated: str) -> None:
-    before = json.loads(run("audit", "--db", populated, "-o", "json").stdout)
-    run("report", "--db", populated)
-    assert json.loads(run("audit", "--db", populated, "-o", "json").stdout) == before
+    before = Path(populated).read_bytes()
+    assert run("audit", "--db", populated).returncode == 0
+    assert run("report", "--db", populated).returncode == 0
+    assert Path(populated).read_bytes() == before
 
 
 def test_bad_db_paths_exit_2_with_one_line(tmp_path: Path) -> None:
@@ -148,16 +165,20 @@ def test_bad_db_paths_exit_2_with_one_line(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     missing = tmp_path / "missing.db"
+    dangling = tmp_path / "dangling.db"
+    dangling.symlink_to(tmp_path / "target.db")
     cases = {
         str(tmp_path): f"ghost-guard audit: audit store {tmp_path} is a directory, not a file",
         str(text): f"ghost-guard audit: cannot use {text} as a ghost-guard audit store: file is not a database",
         str(other): f"ghost-guard audit: {other} is an SQLite database of another program (application_id 0, 1 schema objects)",
         str(missing): f"ghost-guard audit: no audit store at {missing} (set --db or GHOST_GUARD_AUDIT_DB; `ghost-guard serve` creates it when it starts)",
+        str(dangling): f"ghost-guard audit: no audit store at {dangling} (set --db or GHOST_GUARD_AUDIT_DB; `ghost-guard serve` creates it when it starts)",
+        "/dev/null": "ghost-guard audit: audit store /dev/null is not a regular file",
     }
     for path, message in cases.items():
         result = run("audit", "--db", path)
         assert (result.returncode, result.stdout, result.stderr) == (2, "", message + "\n"), path
-    assert not missing.exists()  # reading never creates a store
+    assert not missing.exists() and not (tmp_path / "target.db").exists()  # reading never creates a store
     report = run("report", "--db", str(text))
     assert (report.returncode, report.stderr) == (2, f"ghost-guard report: cannot use {text} as a ghost-guard audit store: file is not a database\n")
 
