@@ -230,10 +230,14 @@ class Registry:
                uid: str | None = None, resource_version: str | None = None) -> tuple[Obj, bool]:
         """Delete; returns (the object as last written, whether it is gone).
 
-        Pods delete in two writes unless ``gracePeriodSeconds=0``: first
-        ``deletionTimestamp`` is set (graceful deletion), then the lab plays the
-        kubelet at once and removes it. Objects with finalizers only get
-        ``deletionTimestamp``.
+        Pods are deleted gracefully like the generic store does for any
+        graceful-delete strategy (store.go updateForGracefulDeletionAndFinalizers):
+        first an update sets ``deletionTimestamp`` and ``deletionGracePeriodSeconds``
+        (the period from pod/strategy.go CheckGracefulDelete: the request's, else
+        the pod's ``terminationGracePeriodSeconds``, 0 when unscheduled or
+        finished), then the object is removed. With a period > 0 a real cluster
+        waits for the kubelet's final delete; the lab plays that kubelet at once.
+        Objects with finalizers only get ``deletionTimestamp``.
         """
         key = r.key(namespace, name)
         for _ in range(MAX_RETRIES):
@@ -243,23 +247,28 @@ class Registry:
                 raise uid_precondition_failed(r, key, name, uid, meta.get("uid", ""))
             if resource_version and resource_version != meta.get("resourceVersion"):
                 raise modified_conflict(r, name)
-            graceful = r is PODS and grace != 0 and not meta.get("deletionTimestamp")
-            if meta.get("finalizers") or graceful:
-                if not meta.get("deletionTimestamp"):
-                    period = grace if grace is not None else int(cur.get("spec", {}).get("terminationGracePeriodSeconds", 30))
-                    when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=period)
-                    meta["deletionTimestamp"] = when.strftime("%Y-%m-%dT%H:%M:%SZ")
-                    meta["deletionGracePeriodSeconds"] = period
-                    ok, rev, _ = self.etcd.update(key, encode(cur), kv.mod_revision)
-                    if not ok:
-                        continue
-                    meta["resourceVersion"] = str(rev)
-                    if meta.get("finalizers"):
-                        return output_form(r, cur), False
-                    ok, _, _ = self.etcd.delete(key, rev)  # the kubelet's final delete
-                    return output_form(r, cur), ok
+            if (r is PODS or meta.get("finalizers")) and not meta.get("deletionTimestamp"):
+                spec, status = cur.get("spec") or {}, cur.get("status") or {}
+                period = grace if grace is not None else int(spec.get("terminationGracePeriodSeconds", 0) or 0)
+                if r is not PODS or not spec.get("nodeName") or status.get("phase") in ("Failed", "Succeeded"):
+                    period = 0
+                if period < 0:
+                    period = 1
+                when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=period)
+                meta["deletionTimestamp"] = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+                meta["deletionGracePeriodSeconds"] = period
+                ok, rev, _ = self.etcd.update(key, encode(cur), kv.mod_revision)
+                if not ok:
+                    continue
+                meta["resourceVersion"] = str(rev)
                 if meta.get("finalizers"):
                     return output_form(r, cur), False
+                ok, _, _ = self.etcd.delete(key, rev)  # grace period over (or the lab's kubelet confirms)
+                if ok:
+                    return output_form(r, cur), True
+                continue
+            if meta.get("finalizers"):
+                return output_form(r, cur), False
             ok, _, _ = self.etcd.delete(key, kv.mod_revision)
             if ok:
                 return output_form(r, cur), True

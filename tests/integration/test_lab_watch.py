@@ -33,6 +33,16 @@ def test_watch_replays_from_a_resource_version(shared_lab, lab_namespace):
         ("ADDED", "b", None), ("MODIFIED", "b", None), ("MODIFIED", "a", "deleting"), ("DELETED", "a", "deleting")]
 
 
+def test_a_pod_delete_is_two_writes_even_with_grace_period_zero(shared_lab, lab_namespace):
+    """store.go updateForGracefulDeletionAndFinalizers: deletionTimestamp first, then the delete."""
+    api = shared_lab.core_v1(0)
+    rv = api.create_namespaced_pod(lab_namespace, pod_manifest("a"), _request_timeout=5).metadata.resource_version
+    deleted = api.delete_namespaced_pod("a", lab_namespace, grace_period_seconds=0, _request_timeout=5)
+    assert deleted.metadata.deletion_grace_period_seconds == 0
+    assert shared_lab.wait_synced()
+    assert events(shared_lab, 2, lab_namespace, resource_version=rv) == [("MODIFIED", "a", "deleting"), ("DELETED", "a", "deleting")]
+
+
 def test_watch_without_resource_version_starts_with_the_current_state(shared_lab, lab_namespace):
     api = shared_lab.core_v1(0)
     api.create_namespaced_pod(lab_namespace, pod_manifest("a"), _request_timeout=5)
