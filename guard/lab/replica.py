@@ -222,8 +222,13 @@ class Replica:
         self._stopping = threading.Event()
         self._server = _Server((self.ip, self.port), self, self._ssl)
 
-    def start(self) -> None:
-        """Start serving: cache built from etcd (initial LIST + WATCH), identity lease, endpoint entry."""
+    def start(self, wait_ready: float = 10.0) -> None:
+        """Start serving: cache built from etcd (initial LIST + WATCH), identity lease, endpoint entry.
+
+        Waits up to ``wait_ready`` seconds for the cache; until it is ready,
+        cache-served requests get 429 (and /readyz 500). If etcd is down, the
+        lease and endpoint writes are retried in the background.
+        """
         if self._server is None:
             self.bind()
         assert self._server is not None
@@ -231,10 +236,25 @@ class Replica:
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
                                         name=f"replica-{self.index}", daemon=True)
         self._thread.start()
-        self.cache.start()
+        self.cache.start(wait_ready)
         if self._endpoints:
-            self.identity_lease = self.registry.write_identity_lease(self.hostname)
-            self.registry.reconcile_endpoints(self.ip, self.port, present=True)
+            try:
+                self._register()
+            except EtcdUnavailable:
+                threading.Thread(target=self._register_later, args=(self._stopping,), daemon=True,
+                                 name=f"replica-{self.index}-register").start()
+
+    def _register(self) -> None:
+        self.identity_lease = self.registry.write_identity_lease(self.hostname)
+        self.registry.reconcile_endpoints(self.ip, self.port, present=True)
+
+    def _register_later(self, stopping: threading.Event) -> None:
+        while not stopping.wait(0.2):
+            try:
+                self._register()
+                return
+            except EtcdUnavailable:
+                continue
 
     def stop(self) -> None:
         """Graceful shutdown: leave the endpoints, stop serving, drop the cache (like a replica going away)."""

@@ -139,3 +139,17 @@ def test_etcd_outage_fails_quorum_reads_while_caches_keep_serving(lab):
     api.create_namespaced_pod("default", pod_manifest("q"), _request_timeout=5)
     assert lab.wait_synced(timeout=10)
     assert [cached_names(lab, i, "default") for i in range(3)] == [["p", "q"]] * 3
+
+
+def test_a_replica_restarted_while_etcd_is_down_answers_429_until_its_cache_is_ready(lab):
+    lab.etcd.stop()
+    r = lab.replicas[2]
+    r.stop()
+    r.start(wait_ready=0)
+    status, body = raw(lab, 2, "GET", "/api/v1/pods?resourceVersion=0")
+    assert (status, body["reason"], body["message"]) == (429, "TooManyRequests", "storage is (re)initializing")
+    assert raw(lab, 2, "GET", "/readyz", token=None)[0] == 500
+    lab.etcd.start()
+    assert r.cache.ready.wait(10)
+    assert raw(lab, 2, "GET", "/api/v1/pods?resourceVersion=0")[0] == 200
+    assert raw(lab, 2, "GET", "/readyz", token=None) == (200, "ok")
