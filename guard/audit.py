@@ -94,6 +94,10 @@ class AuditError(Exception):
     """The store cannot be opened, read or written. Chained to the ``sqlite3``/``OSError`` cause."""
 
 
+class UnknownGhostError(AuditError, LookupError):
+    """A probe for a UID the store has no record of (``record_block`` first)."""
+
+
 class AuditPathError(AuditError):
     """The path is not usable as an audit store (a directory, not SQLite, another program's database)."""
 
@@ -199,7 +203,11 @@ class AuditStore:
 
         Returns only after the commit is durable: that is the acknowledgement.
         A known UID gets ``times_blocked + 1``, ``last_seen`` = the newest
-        ``at``, ``first_seen`` = the oldest, and the newest verdict and evidence.
+        ``at``, ``first_seen`` = the oldest, and the newest verdict. Evidence
+        accumulates: the stored object is updated with the new one's keys
+        (the newer write wins a key), so a later sighting that knows less
+        keeps what the quorum GET said (if the merge would pass 4 KiB, the
+        newer evidence alone is kept).
         """
         _check_text("uid", uid, MAX_UID)
         _check_text("namespace", namespace, MAX_NAMESPACE)
@@ -211,22 +219,29 @@ class AuditStore:
         conn = self._connection()
         try:
             with _immediate(conn):
-                row = conn.execute(
-                    "INSERT INTO ghosts (uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, 1)"
-                    " ON CONFLICT (uid) DO UPDATE SET"
-                    "  namespace = excluded.namespace, name = excluded.name,"
-                    "  verdict = CASE WHEN excluded.last_seen >= ghosts.last_seen THEN excluded.verdict ELSE ghosts.verdict END,"
-                    "  evidence = CASE WHEN excluded.last_seen >= ghosts.last_seen THEN excluded.evidence ELSE ghosts.evidence END,"
-                    "  first_seen = min(ghosts.first_seen, excluded.first_seen),"
-                    "  last_seen = max(ghosts.last_seen, excluded.last_seen),"
-                    "  times_blocked = ghosts.times_blocked + 1"
-                    " RETURNING times_blocked",
-                    (uid, namespace, name, verdict, evidence_json, at, at),
-                ).fetchall()[0]
+                row = conn.execute("SELECT evidence, last_seen FROM ghosts WHERE uid = ?", (uid,)).fetchone()
+                if row is None:
+                    conn.execute(
+                        "INSERT INTO ghosts (uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?, 1)",
+                        (uid, namespace, name, verdict, evidence_json, at, at),
+                    )
+                else:
+                    stored, last_seen = _load_evidence(row[0]), row[1]
+                    newest = at >= last_seen
+                    merged = {**stored, **evidence} if newest else {**evidence, **stored}
+                    merged_json = _evidence_json(merged, strict=False) or (evidence_json if newest else row[0])
+                    conn.execute(
+                        "UPDATE ghosts SET namespace = ?, name = ?,"
+                        " verdict = CASE WHEN ? THEN ? ELSE verdict END, evidence = ?,"
+                        " first_seen = min(first_seen, ?), last_seen = max(last_seen, ?),"
+                        " times_blocked = times_blocked + 1"
+                        " WHERE uid = ?",
+                        (namespace, name, newest, verdict, merged_json, at, at, uid),
+                    )
         except sqlite3.Error as e:
             raise AuditError(f"cannot record block of {namespace}/{name} in {self.path}: {e}") from e
-        new = row[0] == 1
+        new = row is None
         if new and self._echo is not None:
             self._echo_line(uid=uid, namespace=namespace, name=name, verdict=verdict, evidence=evidence, at=at)
         self._maybe_prune(at)
@@ -240,7 +255,8 @@ class AuditStore:
         first seen serving the ghost (again, after a heal); ``healed_at`` when a
         probe that answered finds it no longer serving it. A failed probe
         (``serves=None``) changes neither. ``error`` is clipped to 512
-        characters. Raises :class:`LookupError` if ``uid`` has no record.
+        characters. Raises :class:`UnknownGhostError` (an :class:`AuditError`
+        and a :class:`LookupError`) if ``uid`` has no record.
         """
         self._write_probes(uid, [_probe_row(replica, serves, cache_resource_version, error, at)])
 
@@ -258,7 +274,7 @@ class AuditStore:
         try:
             with _immediate(conn):
                 if conn.execute("SELECT 1 FROM ghosts WHERE uid = ?", (uid,)).fetchone() is None:
-                    raise LookupError(f"no audit record for uid {uid!r}: record_block first")
+                    raise UnknownGhostError(f"no audit record for uid {uid!r}: record_block first")
                 conn.executemany(
                     "INSERT INTO replica_observations"
                     " (uid, replica, serves, cache_resource_version, error, last_checked, first_seen_serving, healed_at)"
@@ -654,15 +670,19 @@ def _check_time(label: str, value: object) -> float:
     return float(value)
 
 
-def _evidence_json(evidence: object) -> str:
+def _evidence_json(evidence: object, *, strict: bool = True) -> str | None:
+    """Validated evidence as compact JSON; with ``strict=False``, None instead of an error for oversize."""
     if not isinstance(evidence, Mapping):
         raise ValueError(f"evidence must be a JSON object, not {type(evidence).__name__}")
     try:
         text = json.dumps(dict(evidence), sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"evidence must be JSON-serialisable: {e}") from e
-    if len(text.encode()) > MAX_EVIDENCE_BYTES:
-        raise ValueError(f"evidence must be at most {MAX_EVIDENCE_BYTES} bytes of JSON, got {len(text.encode())}")
+    size = len(text.encode())
+    if size > MAX_EVIDENCE_BYTES:
+        if not strict:
+            return None
+        raise ValueError(f"evidence must be at most {MAX_EVIDENCE_BYTES} bytes of JSON, got {size}")
     return text
 
 

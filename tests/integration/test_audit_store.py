@@ -20,6 +20,7 @@ from guard.audit import (
     AuditError,
     AuditPathError,
     AuditStore,
+    UnknownGhostError,
 )
 
 T0 = 1_780_000_000.0
@@ -186,13 +187,20 @@ def test_store_opened_before_fork_is_safe_in_the_child(db: str) -> None:
 
 def test_block_dedup_keeps_first_and_newest(db: str) -> None:
     with AuditStore(db) as store:
-        assert store.record_block(uid="u", namespace="ns", name="p", verdict="ghost-deleted", evidence={"quorum_status": 404}, at=T0 + 10) is True
-        assert store.record_block(uid="u", namespace="ns", name="p", verdict="ghost-deleted", evidence={"quorum_status": 404, "n": 2}, at=T0 + 20) is False
-        # A late write carrying an older time changes first_seen, not the newest verdict/evidence.
-        assert store.record_block(uid="u", namespace="ns", name="p", verdict="unknown", evidence={"late": True}, at=T0 + 5) is False
+        assert store.record_block(uid="u", namespace="ns", name="p", verdict="ghost-deleted",
+                                  evidence={"quorum_status": 404, "reason": "first"}, at=T0 + 10) is True
+        # A later sighting that knows less keeps what the quorum GET said; its own keys win.
+        assert store.record_block(uid="u", namespace="ns", name="p", verdict="ghost-deleted",
+                                  evidence={"reason": "seen again", "n": 2}, at=T0 + 20) is False
+        # A late write carrying an older time changes first_seen; it neither sets the verdict nor wins a key.
+        assert store.record_block(uid="u", namespace="ns", name="p", verdict="unknown",
+                                  evidence={"reason": "late", "late": True}, at=T0 + 5) is False
         (r,) = store.records()
-    assert (r.first_seen, r.last_seen, r.times_blocked, r.verdict, dict(r.evidence)) == (
-        T0 + 5, T0 + 20, 3, "ghost-deleted", {"quorum_status": 404, "n": 2})
+        assert (r.first_seen, r.last_seen, r.times_blocked, r.verdict, dict(r.evidence)) == (
+            T0 + 5, T0 + 20, 3, "ghost-deleted", {"quorum_status": 404, "reason": "seen again", "n": 2, "late": True})
+        # Evidence that would pass 4 KiB once merged: the newer evidence alone is kept.
+        store.record_block(uid="u", namespace="ns", name="p", verdict="ghost-deleted", evidence={"big": "x" * 4070}, at=T0 + 30)
+        assert dict(store.record("u").evidence) == {"big": "x" * 4070}
 
 
 def test_probe_history_stale_then_healed_then_stale_again(db: str) -> None:
@@ -335,7 +343,7 @@ def test_record_probe_rejects_bad_input(db: str, kwargs: dict, message: str) -> 
         with pytest.raises(ValueError) as e:
             store.record_probe(**{**good, **kwargs})
         assert str(e.value) == message
-        with pytest.raises(LookupError) as e:
+        with pytest.raises(UnknownGhostError) as e:  # an AuditError and a LookupError
             store.record_probe(**{**good, "uid": "never-blocked"})
         assert str(e.value) == "no audit record for uid 'never-blocked': record_block first"
         store.record_probe(**{**good, "error": "x" * 2000, "serves": None})
