@@ -29,10 +29,10 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def clients(lab) -> Iterator[tuple[Kube, list[ReplicaClient]]]:
     kube = Kube(load_configuration(lab.kubeconfig(0)), timeout=2.0, pool_size=2)
-    # Each probe client starts from its own replica's kubeconfig: this test is about the record, not about
-    # keeping a client pinned when the kubeconfig's token-refresh hook rewrites the host (guard/kube.py's job).
-    replicas = [ReplicaClient(load_configuration(lab.kubeconfig(i)), Replica(f"{r.ip}:{r.port}", r.url),
-                              server_name=None, timeout=2.0) for i, r in enumerate(lab.replicas)]
+    # As the guard does it: one base configuration (aimed at replica 0), one client pinned to each replica.
+    base = load_configuration(lab.kubeconfig(0))
+    replicas = [ReplicaClient(base, Replica(f"{r.ip}:{r.port}", r.url), server_name=None, timeout=2.0)
+                for r in lab.replicas]
     yield kube, replicas
     for c in replicas:
         c.close()
