@@ -93,13 +93,14 @@ def integrity(path: str) -> str:
 # -- durability and concurrency -------------------------------------------------------
 
 
-def test_every_acknowledged_record_survives_kill_9_mid_burst(db: str, spawn) -> None:
+@pytest.mark.parametrize("kill_after", [1, 37, 400])
+def test_every_acknowledged_record_survives_kill_9_mid_burst(db: str, spawn, kill_after: int) -> None:
     AuditStore(db).close()
     writer = spawn(db, "burst", "1000000", "1", "0", "ack")
     writer.stdin.write("go\n")
     writer.stdin.flush()
     acked: list[str] = []
-    while len(acked) < 150:
+    while len(acked) < kill_after:
         line = writer.stdout.readline()
         assert line.endswith("\n"), writer.stderr.read()
         acked.append(line.strip())
