@@ -112,7 +112,8 @@ EXPECTED = {
              ("Role", "default", "ghost-guard-apiserver-endpoints"), ("RoleBinding", "default", "ghost-guard-apiserver-endpoints"),
              ("Role", "kube-system", "ghost-guard-apiserver-leases"), ("RoleBinding", "kube-system", "ghost-guard-apiserver-leases"),
              ("Deployment", NAMESPACE, "ghost-guard"), ("PodDisruptionBudget", NAMESPACE, "ghost-guard"),
-             ("Service", NAMESPACE, "ghost-guard"), ("NetworkPolicy", NAMESPACE, "ghost-guard")},
+             ("Service", NAMESPACE, "ghost-guard"), ("NetworkPolicy", NAMESPACE, "ghost-guard"),
+             ("ResourceQuota", NAMESPACE, "ghost-guard-critical-pods")},
     "webhook": {("ValidatingWebhookConfiguration", "", "ghost-guard")},
     "monitoring": {("ServiceMonitor", NAMESPACE, "ghost-guard"), ("PrometheusRule", NAMESPACE, "ghost-guard")},
 }
@@ -291,6 +292,14 @@ def test_pdb_service_networkpolicy_match_the_pods(base, pod):
     assert np["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     assert np["spec"]["policyTypes"] == ["Ingress"]
     assert np["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8443}]}]
+
+
+def test_critical_priority_quota_covers_the_rollout(base, pod):
+    quota = one(base, "ResourceQuota")
+    assert quota["spec"]["scopeSelector"]["matchExpressions"] == [
+        {"scopeName": "PriorityClass", "operator": "In", "values": [pod["spec"]["priorityClassName"]]}]
+    dep = one(base, "Deployment")
+    assert int(quota["spec"]["hard"]["pods"]) >= dep["spec"]["replicas"] + dep["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
 
 
 def test_everything_namespaced_lives_in_the_guard_namespace(base):
