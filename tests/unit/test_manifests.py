@@ -388,8 +388,8 @@ def test_static_pod_mounts_what_the_scheduler_config_names(pod_path, config_path
     p = static_pod(pod_path)
     sched = next(c for c in p["spec"]["containers"] if c["name"] == "kube-scheduler")
     assert "--config=/etc/kubernetes/ghost-guard/scheduler-config.yaml" in sched["command"]
-    for deprecated in ("--kubeconfig", "--leader-elect"):  # ignored with --config
-        assert not any(a.startswith(deprecated + "=") for a in sched["command"])
+    assert not any(a.startswith("--kubeconfig") for a in sched["command"])  # ignored with --config
+    assert [a for a in sched["command"] if a.startswith("--leader-elect")] == ["--leader-elect=true"]
     mounts = {m["mountPath"]: m for m in sched["volumeMounts"]}
     volumes = {v["name"]: v for v in p["spec"]["volumes"]}
     cfg = yaml.safe_load((MANIFESTS / config_path).read_text())
