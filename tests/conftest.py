@@ -61,6 +61,8 @@ class GuardProcess:
         full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.log, env=full_env, start_new_session=True)
         self.session = requests.Session()
+        # requests lets REQUESTS_CA_BUNDLE override a Session's verify (psf/requests#3829): ignore the environment.
+        self.session.trust_env = False
         if tls:
             self.session.verify = tls.get("ca", False)
             if tls.get("client_cert"):
