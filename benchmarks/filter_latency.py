@@ -1,0 +1,159 @@
+"""/filter latency and throughput: the guard against a minimal pass-through Flask extender.
+
+Side by side in one run, on one machine: both served by gunicorn (gthread, 1 worker,
+16 threads), called by one serial client over keep-alive HTTP, like kube-scheduler
+(one pod at a time). Calls alternate in blocks between the two servers so drift
+hits both alike. The guard reads a lab apiserver replica (real etcd).
+
+Cases, at 100 and 5,000 node names:
+
+- ``hit-alive``: a live pod whose verdict is cached (the guard runs with
+  ``--alive-ttl 0.99`` so the burst cache covers the whole block);
+- ``hit-ghost``: a ghost, rejected from the ghost cache (every node gets a reason);
+- ``miss-alive``: a new pod per call: the quorum GET runs inline (``--no-prepare``).
+
+Run: ``python benchmarks/filter_latency.py [--calls 400]``. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from fixtures_lab import make_ghost, pod_manifest  # noqa: E402
+
+from guard.lab import Lab  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], port: int, env: dict | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, **(env or {})}, cwd=REPO)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc
+        except requests.RequestException:
+            time.sleep(0.1)
+    raise RuntimeError(f"{cmd} did not start")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=15)
+
+
+def body(ns: str, name: str, uid: str, nodes: list[str]) -> bytes:
+    pod = {"metadata": {"name": name, "namespace": ns, "uid": uid}, "spec": {"containers": [{"name": "a", "image": "p"}]},
+           "status": {"phase": "Pending"}}
+    return orjson.dumps({"Pod": pod, "Nodes": None, "NodeNames": nodes})
+
+
+def timed(session: requests.Session, url: str, payload: bytes) -> float:
+    t = time.perf_counter()
+    r = session.post(url, data=payload, headers={"Content-Type": "application/json"}, timeout=10)
+    elapsed = time.perf_counter() - t
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {r.status_code} {r.text[:200]}")
+    return elapsed
+
+
+def summary(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"p50_ms": statistics.median(s) * 1000, "p99_ms": s[min(len(s) - 1, int(len(s) * 0.99))] * 1000,
+            "per_s": len(s) / sum(s)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=400, help="calls per case and server")
+    ap.add_argument("--block", type=int, default=50, help="calls per block before switching server")
+    args = ap.parse_args()
+
+    results = []
+    with Lab(replicas=1) as lab, tempfile.TemporaryDirectory() as tmp:
+        api = lab.core_v1(0)
+        ns = "bench"
+        api.create_namespace({"metadata": {"name": ns}})
+        live_uid = api.create_namespaced_pod(ns, pod_manifest("live")).metadata.uid
+        ghost_uid = make_ghost(lab, ns, "ghost", stale=0)
+        fresh = [(f"fresh-{i}", api.create_namespaced_pod(ns, pod_manifest(f"fresh-{i}")).metadata.uid)
+                 for i in range(args.calls * 2)]
+
+        pt_port, hit_port, miss_port = free_port(), free_port(), free_port()
+        gunicorn = [sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "16", "-w", "1",
+                    "--no-control-socket", "--log-level", "warning"]
+        passthrough = start(gunicorn + ["-b", f"127.0.0.1:{pt_port}", "benchmarks.passthrough_extender:app"], pt_port)
+        common = ["--kubeconfig", lab.kubeconfig(0), "--no-access-log", "--no-events", "--log-level", "warning"]
+        guard_hit = start([sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind", f"127.0.0.1:{hit_port}",
+                           "--alive-ttl", "0.99", "--audit-db", f"{tmp}/a.db", *common], hit_port)
+        guard_miss = start([sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind",
+                            f"127.0.0.1:{miss_port}", "--no-prepare", "--audit-db", f"{tmp}/b.db", *common], miss_port)
+        try:
+            for n in (100, 5000):
+                nodes = [f"node-{i:05d}" for i in range(n)]
+                cases = {
+                    "hit-alive": (f"http://127.0.0.1:{hit_port}/filter", lambda i: body(ns, "live", live_uid, nodes)),
+                    "hit-ghost": (f"http://127.0.0.1:{hit_port}/filter", lambda i: body(ns, "ghost", ghost_uid, nodes)),
+                    "miss-alive": (f"http://127.0.0.1:{miss_port}/filter",
+                                   lambda i: body(ns, fresh[i][0], fresh[i][1], nodes)),
+                }
+                offset = 0 if n == 100 else args.calls
+                for case, (url, make) in cases.items():
+                    payloads = [make(offset + i if case == "miss-alive" else i) for i in range(args.calls)]
+                    pt_payload = payloads[0]
+                    g, p = [], []
+                    with requests.Session() as gs, requests.Session() as ps:
+                        gs.trust_env = ps.trust_env = False
+                        for _ in range(5):  # warm both connections and caches
+                            timed(ps, f"http://127.0.0.1:{pt_port}/filter", pt_payload)
+                        if case != "miss-alive":
+                            for _ in range(5):
+                                timed(gs, url, payloads[0])
+                        for start_i in range(0, args.calls, args.block):
+                            for i in range(start_i, min(start_i + args.block, args.calls)):
+                                g.append(timed(gs, url, payloads[i]))
+                            for i in range(start_i, min(start_i + args.block, args.calls)):
+                                p.append(timed(ps, f"http://127.0.0.1:{pt_port}/filter", pt_payload))
+                    results.append((n, case, summary(g), summary(p)))
+        finally:
+            for proc in (passthrough, guard_hit, guard_miss):
+                stop(proc)
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.calls} calls per cell\n")
+    print("| nodes | case | guard p50 ms | guard p99 ms | guard calls/s | pass-through p50 ms | pass-through p99 ms "
+          "| pass-through calls/s | p50 ratio (guard / pass-through) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for n, case, g, p in results:
+        print(f"| {n} | {case} | {g['p50_ms']:.3f} | {g['p99_ms']:.3f} | {g['per_s']:.0f} | {p['p50_ms']:.3f} | "
+              f"{p['p99_ms']:.3f} | {p['per_s']:.0f} | {g['p50_ms'] / p['p50_ms']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
