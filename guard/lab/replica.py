@@ -77,6 +77,9 @@ class _Ctx:
     handler: BaseHTTPRequestHandler
     source: str = ""
     status: int = 0
+    started: float = 0.0
+    t0: float = 0.0
+    recorded: bool = False
     body_cache: bytes | None = field(default=None, repr=False)
 
     def body(self) -> bytes:
@@ -111,6 +114,9 @@ class _Server(ThreadingHTTPServer):
             self.conns.add(request)
         try:
             request.settimeout(10)
+            # Go's net/http (the real apiserver) sets TCP_NODELAY; without it, headers and body written
+            # separately meet the client's delayed ACK and every reply waits ~40 ms.
+            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             tls = self.ssl_ctx.wrap_socket(request, server_side=True)
             tls.settimeout(300)
         except (OSError, ssl.SSLError):
@@ -307,8 +313,7 @@ class Replica:
 
     def _serve(self, h: _Handler) -> None:
         parsed = urllib.parse.urlsplit(h.path)
-        ctx = _Ctx(h.command, parsed.path, _query(parsed.query), h.headers, h)
-        started, t0 = time.time(), time.monotonic()
+        ctx = _Ctx(h.command, parsed.path, _query(parsed.query), h.headers, h, started=time.time(), t0=time.monotonic())
         try:
             try:
                 self._authenticate(ctx)
@@ -337,9 +342,16 @@ class Replica:
         except (ConnectionError, ssl.SSLError, TimeoutError, OSError):
             h.close_connection = True
         finally:
-            rec = RequestRecord(ctx.method, ctx.path, ctx.query, ctx.status, started, time.monotonic() - t0, ctx.source)
-            with self._log_lock:
-                self._log.append(rec)
+            self._record(ctx)
+
+    def _record(self, ctx: _Ctx) -> None:
+        """Log the request once, before its answer leaves (a client reading the log next sees it)."""
+        if ctx.recorded:
+            return
+        ctx.recorded = True
+        rec = RequestRecord(ctx.method, ctx.path, ctx.query, ctx.status, ctx.started, time.monotonic() - ctx.t0, ctx.source)
+        with self._log_lock:
+            self._log.append(rec)
 
     def _authenticate(self, ctx: _Ctx) -> None:
         auth = ctx.headers.get("Authorization")
@@ -384,8 +396,9 @@ class Replica:
         for k, v in (headers or {}).items():
             h.send_header(k, v)
         h.end_headers()
-        h.wfile.write(data)
         ctx.status = code
+        self._record(ctx)
+        h.wfile.write(data)
 
     # --- routing ----------------------------------------------------------------
 
@@ -581,6 +594,7 @@ class Replica:
         h.send_header("Cache-Control", "no-cache, private")
         h.end_headers()
         ctx.status = 200
+        self._record(ctx)
 
         def write(typ: str, obj: Obj) -> None:
             line = json.dumps({"type": typ, "object": obj}, separators=(",", ":")).encode() + b"\n"
