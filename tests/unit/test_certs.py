@@ -271,3 +271,11 @@ def test_cli_bad_ip_exits_nonzero_one_line(tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip() == "Error: invalid --ip '1.2.3': not an IPv4 or IPv6 address"
     assert not (tmp_path / "c").exists()
+
+
+def test_out_is_a_file_clear_error(tmp_path):
+    out = tmp_path / "certs"
+    out.write_text("not a directory")
+    with pytest.raises(CertError) as e:
+        generate(out)
+    assert str(e.value) == f"cannot create {out}: File exists"
