@@ -16,7 +16,7 @@ import pytest
 import requests
 from fixtures_lab import make_ghost, pod_manifest
 
-from conftest import GuardProcess
+from guardproc import GuardProcess
 
 FILTER_KEYS = ["Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"]
 NAMES = ["node-a", "node-b", "node-c"]

@@ -1,0 +1,115 @@
+"""Real guard processes for tests and benchmarks: ``ghost-guard serve`` over real HTTP(S).
+
+Import it as ``from guardproc import GuardProcess`` (tests/ is on sys.path): a test module
+must never import ``conftest``, whose name is shared by every conftest.py in the tree.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """End-to-end tests run last."""
+    items.sort(key=lambda item: 1 if item.get_closest_marker("e2e") else 0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class GuardProcess:
+    """``ghost-guard serve`` as a child process (its own process group)."""
+
+    def __init__(self, args: list[str], *, tls: dict | None = None, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.scheme = "https" if tls else "http"
+        self.base = f"{self.scheme}://127.0.0.1:{self.port}"
+        self.tls = tls or {}
+        self.log = tempfile.NamedTemporaryFile(prefix="guard-", suffix=".log", delete=False)
+        self.out = tempfile.NamedTemporaryFile(prefix="guard-", suffix=".out", delete=False)
+        cmd = [sys.executable, "-m", "guard", "serve", "--bind", f"127.0.0.1:{self.port}", *args]
+        if not tls:
+            cmd.append("--insecure-http")
+        else:
+            cmd += ["--tls-cert", tls["cert"], "--tls-key", tls["key"]]
+            if tls.get("client_ca"):
+                cmd += ["--client-ca", tls["client_ca"]]
+        self.cmd = cmd
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.log, env=full_env, start_new_session=True)
+        self.session = requests.Session()
+        # requests lets REQUESTS_CA_BUNDLE override a Session's verify (psf/requests#3829): ignore the environment.
+        self.session.trust_env = False
+        if tls:
+            self.session.verify = tls.get("ca", False)
+            if tls.get("client_cert"):
+                self.session.cert = (tls["client_cert"], tls["client_key"])
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+    def wait(self, path: str = "/readyz", timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"guard exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if self.session.get(self.url(path), timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"guard not ready on {path} after {timeout}s:\n{self.logs()}")
+
+    def post(self, path: str, body: bytes | dict, **kw) -> requests.Response:
+        if isinstance(body, dict):
+            import orjson
+
+            body = orjson.dumps(body)
+        headers = kw.pop("headers", {"Content-Type": "application/json"})
+        return self.session.post(self.url(path), data=body, headers=headers, timeout=kw.pop("timeout", 10), **kw)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples matching the labels (0 when absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = self.session.get(self.url("/metrics"), timeout=5).text
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+    def logs(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-8000:]
+
+    def stdout(self) -> str:
+        self.out.flush()
+        return Path(self.out.name).read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        self.session.close()
