@@ -76,7 +76,8 @@ def main() -> None:
 @option("--prepared-grace", type=float, default=0.5,
         help="Seconds after a pod's first call during which its prepared verdict still answers.")
 @option("--verify-concurrency", type=int, default=4, help="Background quorum GETs in flight at most.")
-@option("--verify-qps", type=float, default=50.0, help="Background quorum GETs per second at most.")
+@option("--verify-qps", type=float, default=500.0,
+        help="Background quorum GETs per second at most (one per new pod; bounds re-list storms).")
 @option("--sweep-interval", type=float, default=30.0,
         help="Seconds between sweeps comparing the replicas' views (finds ghosts no scheduler asked about).")
 def serve(**kwargs) -> None:

@@ -56,16 +56,13 @@ def prepare_multiprocess_dir() -> str:
     return path
 
 
-def tls_context_factory(settings: Settings):
+def tls_context_hook(holder):
     """gunicorn's ``ssl_context`` hook; gthread calls it for every new connection.
 
     The reloading holder re-reads the files when they change on disk (cert-manager
     renewals), so new connections get the new certificate without a restart and
     in-flight ones keep theirs.
     """
-    from guard.certs import ReloadingTLS
-
-    holder = ReloadingTLS(settings.tls_cert, settings.tls_key, settings.client_ca)
 
     def ssl_context(conf, default_ssl_context_factory) -> ssl.SSLContext:
         return holder.context()
@@ -75,7 +72,11 @@ def tls_context_factory(settings: Settings):
 
 class GuardServer(BaseApplication):
     def __init__(self, settings: Settings) -> None:
+        from guard.certs import ReloadingTLS
+
         self.settings = settings
+        # Built before the fork; each worker inherits it and /readyz reports its state.
+        self.tls = ReloadingTLS(settings.tls_cert, settings.tls_key, settings.client_ca) if settings.tls_cert else None
         super().__init__()
 
     def load_config(self) -> None:
@@ -98,8 +99,8 @@ class GuardServer(BaseApplication):
         }
         if "control_socket_disable" in self.cfg.settings:  # gunicorn >= 25: one fixed per-user path otherwise
             options["control_socket_disable"] = True
-        if s.tls_cert:
-            options.update(certfile=s.tls_cert, keyfile=s.tls_key, ssl_context=tls_context_factory(s))
+        if self.tls is not None:
+            options.update(certfile=s.tls_cert, keyfile=s.tls_key, ssl_context=tls_context_hook(self.tls))
             if s.client_ca:
                 options.update(ca_certs=s.client_ca, cert_reqs=ssl.CERT_REQUIRED)
         for key, value in options.items():
@@ -108,7 +109,7 @@ class GuardServer(BaseApplication):
     def load(self):
         from guard.http.app import create_app
 
-        return create_app(self.settings)
+        return create_app(self.settings, readiness_checks=[self.tls.check] if self.tls else [])
 
 
 def _child_exit(server, worker) -> None:

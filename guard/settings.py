@@ -55,7 +55,7 @@ class Settings:
     prepared_max_age: float = 300.0
     prepared_grace: float = 0.5
     verify_concurrency: int = 4
-    verify_qps: float = 50.0
+    verify_qps: float = 500.0
     sweep_interval: float = 30.0
 
     def host_port(self) -> tuple[str, int]:

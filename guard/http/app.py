@@ -65,7 +65,7 @@ def open_audit(settings: Settings) -> tuple[AuditStore | None, Callable[[], str 
     return store, store.check
 
 
-def build_guard(settings: Settings) -> Guard:
+def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | None]] = ()) -> Guard:
     """Clients, caches and background workers of one worker process (after the fork)."""
     kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout, pool_size=settings.threads)
     checker = Checker(settings, kube.quorum_get)
@@ -78,15 +78,19 @@ def build_guard(settings: Settings) -> Guard:
     if settings.prepare:
         preverifier = Preverifier(settings, pool, checker)
         preverifier.start()
-    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=[audit_check])
+    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=[audit_check, *readiness_checks])
 
 
-def create_app(settings: Settings | None = None) -> Flask:
-    """Build the app. Under gunicorn this runs in each worker *after* the fork."""
+def create_app(settings: Settings | None = None, readiness_checks: list[Callable[[], str | None]] = ()) -> Flask:
+    """Build the app. Under gunicorn this runs in each worker *after* the fork.
+
+    ``readiness_checks`` (each None when fine, else a reason) join the apiserver and
+    audit checks of ``/readyz``; the server passes the TLS holder's.
+    """
     settings = settings or Settings()
     app = Flask("guard")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.extensions["ghost_guard"] = build_guard(settings)
+    app.extensions["ghost_guard"] = build_guard(settings, readiness_checks)
 
     from guard.http import binding, probes
     from guard.http import filter as filter_routes

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ssl
 import threading
 import time
 
@@ -24,17 +23,6 @@ def healthz() -> Response:
     return json_response({"status": "ok"})
 
 
-def _tls_problem(cert: str, key: str, ca: str | None) -> str | None:
-    try:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(cert, key)
-        if ca:
-            ctx.load_verify_locations(ca)
-    except (OSError, ssl.SSLError, ValueError) as e:
-        return f"certificates not loadable: {type(e).__name__}: {getattr(e, 'strerror', None) or e}"
-    return None
-
-
 def readiness_problems() -> list[str]:
     guard = guard_of(current_app)
     with _ready_lock:
@@ -45,11 +33,6 @@ def readiness_problems() -> list[str]:
         problem = guard.kube.ping()
         if problem:
             problems.append(problem)
-        s = guard.settings
-        if s.tls_cert and s.tls_key:
-            problem = _tls_problem(s.tls_cert, s.tls_key, s.client_ca)
-            if problem:
-                problems.append(problem)
         for check in guard.readiness_checks:
             problem = check()
             if problem:
