@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 from guard.lab.api import (
-    Obj, Resource, already_exists, apply_patch, bad_request, conflict, invalid, modified_conflict, not_found,
+    ApiError, Obj, Resource, already_exists, apply_patch, bad_request, conflict, invalid, modified_conflict, not_found,
     now_micro, now_rfc3339, resource_for, uid_precondition_failed,
 )
 from guard.lab.cache import decode
@@ -74,6 +74,39 @@ def output_field(r: Resource, field: str) -> str:
     return {"reportingController": "reportingComponent"}.get(field, field)
 
 
+def _type_error(field: str, want: str, value: Any) -> ApiError:
+    """How the apiserver's JSON decoder rejects a wrongly typed field (400)."""
+    got = {dict: "object", list: "array", str: "string", bool: "bool", int: "number", float: "number"}.get(type(value), "null")
+    return bad_request(f"json: cannot unmarshal {got} into Go struct field {field} of type {want}")
+
+
+def check_shape(obj: Any) -> None:
+    """Reject objects whose common fields have the wrong JSON type (what decoding into Go structs would refuse)."""
+    if not isinstance(obj, dict):
+        raise bad_request("the body of the request must be a JSON object")
+    meta = obj.get("metadata")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise _type_error(".metadata", "v1.ObjectMeta", meta)
+    for k in ("name", "generateName", "namespace", "uid", "resourceVersion"):
+        if meta.get(k) is not None and not isinstance(meta[k], str):
+            raise _type_error(f"ObjectMeta.metadata.{k}", "string", meta[k])
+    for k in ("labels", "annotations"):
+        v = meta.get(k)
+        if v is not None and (not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values())):
+            raise _type_error(f"ObjectMeta.metadata.{k}", "map[string]string", v)
+    fin = meta.get("finalizers")
+    if fin is not None and (not isinstance(fin, list) or not all(isinstance(x, str) for x in fin)):
+        raise _type_error("ObjectMeta.metadata.finalizers", "[]string", fin)
+    for k in ("spec", "status"):
+        if obj.get(k) is not None and not isinstance(obj[k], dict):
+            raise _type_error(f".{k}", "struct", obj[k])
+    containers = (obj.get("spec") or {}).get("containers")
+    if containers is not None and (not isinstance(containers, list) or not all(isinstance(c, dict) for c in containers)):
+        raise _type_error("PodSpec.spec.containers", "[]v1.Container", containers)
+
+
 def _meta(obj: Obj) -> Obj:
     m = obj.get("metadata")
     if not isinstance(m, dict):
@@ -121,8 +154,7 @@ class Registry:
     # --- create --------------------------------------------------------------
 
     def create(self, r: Resource, namespace: str | None, body: Any) -> Obj:
-        if not isinstance(body, dict):
-            raise bad_request("the body of the request must be a JSON object")
+        check_shape(body)
         obj = storage_form(r, copy.deepcopy(body))
         meta = _meta(obj)
         if not meta.get("name"):
@@ -186,8 +218,7 @@ class Registry:
         raise conflict(r.qualified, name, "too many concurrent updates")
 
     def update(self, r: Resource, namespace: str | None, name: str, body: Any, status_only: bool = False) -> Obj:
-        if not isinstance(body, dict):
-            raise bad_request("the body of the request must be a JSON object")
+        check_shape(body)
         body = storage_form(r, copy.deepcopy(body))
         bmeta = _meta(body)
         if bmeta.get("name", name) != name:
@@ -211,9 +242,10 @@ class Registry:
               status_only: bool = False) -> Obj:
         def change(cur: Obj) -> Obj:
             patched = apply_patch(content_type, output_form(r, cur), body)
-            patched = storage_form(r, patched)
             if not isinstance(patched, dict):
                 raise bad_request("the patch produced no object")
+            check_shape(patched)
+            patched = storage_form(r, patched)
             prv = (patched.get("metadata") or {}).get("resourceVersion")
             if prv and prv != cur["metadata"]["resourceVersion"]:
                 raise modified_conflict(r, name)
@@ -277,13 +309,16 @@ class Registry:
     # --- binding (pkg/registry/core/pod/storage/storage.go BindingREST) -----------
 
     def bind(self, namespace: str, name: str, body: Any) -> None:
-        if not isinstance(body, dict):
-            raise bad_request("the body of the request must be a JSON object")
+        check_shape(body)
         meta = body.get("metadata") or {}
         if meta.get("name") and meta["name"] != name:
             raise bad_request("name in URL does not match name in Binding object")
         target = body.get("target") or {}
+        if not isinstance(target, dict):
+            raise _type_error("Binding.target", "v1.ObjectReference", target)
         node = target.get("name")
+        if node is not None and not isinstance(node, str):
+            raise _type_error("ObjectReference.target.name", "string", node)
         if not node:
             raise invalid(PODS, name, "target.name", "")
         annotations = meta.get("annotations") or {}

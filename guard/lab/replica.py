@@ -654,8 +654,12 @@ class Replica:
             raise bad_request("DeleteOptions must be a JSON object")
         grace = _int(ctx.query, "gracePeriodSeconds")
         if grace is None and opts.get("gracePeriodSeconds") is not None:
-            grace = int(opts["gracePeriodSeconds"])
+            grace = opts["gracePeriodSeconds"]
+            if not isinstance(grace, int) or isinstance(grace, bool):
+                raise bad_request("gracePeriodSeconds must be an integer")
         pre = opts.get("preconditions") or {}
+        if not isinstance(pre, dict) or not all(isinstance(pre.get(k), (str, type(None))) for k in ("uid", "resourceVersion")):
+            raise bad_request("preconditions must be an object with string uid and resourceVersion")
         obj, gone_now = self.registry.delete(r, namespace, name, grace, pre.get("uid"), pre.get("resourceVersion"))
         if r.plural == "pods" or not gone_now:
             return self._send(ctx, 200, obj)  # pods: ReturnDeletedObject

@@ -133,3 +133,34 @@ def test_events_core_and_events_k8s_io_share_storage(shared_lab, lab_namespace):
     new = shared_lab.events_v1(2).list_namespaced_event(ns, field_selector="regarding.name=p", _request_timeout=5)
     assert sorted((e.metadata.name, e.note, e.regarding.uid) for e in new.items) == [
         ("e1", "0/3 nodes are available", "u1"), ("e2", "ghost", "u1")]
+
+
+@pytest.mark.parametrize("body", [
+    {"gracePeriodSeconds": "soon"},
+    {"preconditions": "uid"},
+    {"preconditions": {"uid": 7}},
+    [1],
+], ids=["grace-not-int", "preconditions-not-object", "uid-not-string", "not-an-object"])
+def test_bad_delete_options_are_400(shared_lab, lab_namespace, body):
+    shared_lab.core_v1(0).create_namespaced_pod(lab_namespace, pod_manifest("p"), _request_timeout=5)
+    status, out = raw(shared_lab, 0, "DELETE", f"/api/v1/namespaces/{lab_namespace}/pods/p", body=body)
+    assert (status, out["reason"]) == (400, "BadRequest")
+
+
+@pytest.mark.parametrize(("method", "suffix", "body", "message"), [
+    ("POST", "", {"metadata": {"name": 5}, "spec": {"containers": [{"name": "c"}]}},
+     "json: cannot unmarshal number into Go struct field ObjectMeta.metadata.name of type string"),
+    ("POST", "", {"metadata": {"name": "x", "labels": [1]}, "spec": {"containers": [{"name": "c"}]}},
+     "json: cannot unmarshal array into Go struct field ObjectMeta.metadata.labels of type map[string]string"),
+    ("PUT", "/p", {"metadata": "x"}, "json: cannot unmarshal string into Go struct field .metadata of type v1.ObjectMeta"),
+    ("PUT", "/p/status", {"status": [1]}, "json: cannot unmarshal array into Go struct field .status of type struct"),
+    ("POST", "/p/binding", {"metadata": {"name": "p"}, "target": "n"},
+     "json: cannot unmarshal string into Go struct field Binding.target of type v1.ObjectReference"),
+    ("POST", "/p/binding", {"metadata": {"name": "p", "annotations": [1]}, "target": {"name": "n"}},
+     "json: cannot unmarshal array into Go struct field ObjectMeta.metadata.annotations of type map[string]string"),
+], ids=["name-not-string", "labels-not-map", "metadata-not-object", "status-not-object", "target-not-object",
+        "annotations-not-map"])
+def test_wrongly_typed_fields_are_400(shared_lab, lab_namespace, method, suffix, body, message):
+    shared_lab.core_v1(0).create_namespaced_pod(lab_namespace, pod_manifest("p"), _request_timeout=5)
+    status, out = raw(shared_lab, 0, method, f"/api/v1/namespaces/{lab_namespace}/pods{suffix}", body=body)
+    assert (status, out["reason"], out["message"]) == (400, "BadRequest", message)
