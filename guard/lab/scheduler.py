@@ -788,6 +788,10 @@ class Scheduler:
         with self._lock:
             return copy.deepcopy(self._pods)
 
+    def informer_stats(self) -> dict[str, dict[str, int]]:
+        """LISTs and WATCHes each informer has made: ``{"pods": {"lists": n, "watches": m}, "nodes": {...}}``."""
+        return {i.kind: {"lists": i.lists, "watches": i.watches} for i in self._informers}
+
     def wait_for(self, predicate: Callable[[dict[str, PodStats]], bool], timeout: float, interval: float = 0.02) -> bool:
         """Poll :meth:`stats` until ``predicate`` holds; False on timeout."""
         deadline = time.monotonic() + timeout

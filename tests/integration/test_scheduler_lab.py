@@ -200,3 +200,22 @@ def test_live_high_priority_pod_preempts_and_binds(lab, scheduler_on):
     assert quorum_pod(api, "low")["spec"]["nodeName"] == "node-a"
     # A pod of equal priority never preempts.
     assert stats["default/noop"].evictions == []
+
+
+def test_ghost_leaves_the_informer_only_when_it_relists(lab, scheduler_on):
+    api = lab.core_v1(0)
+    create(api, node_manifest("node-a"))
+    create_ghost(lab, 1, pod_manifest("web-1"))
+    sched = scheduler_on(lab.kubeconfig(1))
+    assert sched.wait_for(lambda s: stat(s, "default/web-1").bind_failures.get(404, 0) >= 2, WAIT)
+    assert sched.informer_stats()["pods"]["lists"] == 1
+
+    # The replica restarts: its cache is rebuilt from etcd, without the ghost. The
+    # scheduler's WATCH breaks; resuming from its old resourceVersion answers 410 once
+    # etcd has moved on, and only the re-LIST drops the ghost from the informer.
+    lab.replicas[1].restart()
+    create(api, pod_manifest("web-2"))
+    assert eventually(lambda: "default/web-1" not in sched.informer_pods())
+    assert sched.informer_stats()["pods"]["lists"] >= 2
+    assert sched.wait_for(lambda s: stat(s, "default/web-2").bound_node == "node-a", WAIT)
+    assert "default/web-1" not in sched.queue()  # the loop is over
