@@ -77,8 +77,11 @@ class VerdictCache:
         with self._prepared_lock:
             self._prepared[uid] = _Prepared(decision)
 
-    def invalidate(self, uid: str) -> bool:
-        """Drop a prepared verdict (the pod was deleted or bound). True if there was one."""
+    def invalidate(self, uid: str, namespace: str, name: str) -> bool:
+        """The pod was deleted, bound or is terminating: drop its prepared verdict and any quorum
+        read of its name still in the burst cache. True if there was a prepared verdict."""
+        with self._read.cache_lock:
+            self._reads.pop(hashkey(namespace, name), None)
         with self._prepared_lock:
             return self._prepared.pop(uid, None) is not None
 

@@ -44,6 +44,7 @@ class IncidentRecorder:
         self._lock = threading.Lock()
         self._last_probe: dict[str, float] = {}  # uid -> monotonic time of the last probe round
         self._stale: dict[str, set[str]] = {}  # replica address -> ghost UIDs it was confirmed to serve
+        self._stale_pods: dict[str, PodRef] = {}  # uid -> pod, for ghosts some replica was confirmed to serve
         self._timers: list[threading.Timer] = []
         self._closed = False
 
@@ -106,6 +107,7 @@ class IncidentRecorder:
             uids = self._stale.setdefault(replica, set())
             new = pod.uid not in uids
             uids.add(pod.uid)
+            self._stale_pods[pod.uid] = pod
         metrics.STALE_REPLICA.labels(replica).set(1)
         if not new:
             return
@@ -124,9 +126,21 @@ class IncidentRecorder:
                 return
             uids.discard(pod.uid)
             clear = not uids
+            if not any(pod.uid in u for u in self._stale.values()):
+                self._stale_pods.pop(pod.uid, None)
         log.info("apiserver replica %s no longer serves ghost %s uid %s: healed", replica, pod, pod.uid)
         if clear:
             metrics.STALE_REPLICA.labels(replica).set(0)
+
+    def reprobe_stale(self) -> None:
+        """Re-probe ghosts that some replica was confirmed to serve (bounded by --reprobe-interval),
+        so a restarted replica is seen to heal even when no scheduler asks about the ghost again."""
+        now = time.monotonic()
+        with self._lock:
+            due = [p for uid, p in self._stale_pods.items()
+                   if attribution.should_reprobe(self._last_probe.get(uid, -1e18), now, self.settings.reprobe_interval)]
+        for pod in due:
+            self.probe(pod, confirm=False)
 
     def stale_replicas(self) -> dict[str, set[str]]:
         with self._lock:

@@ -152,8 +152,9 @@ class ReplicaClient:
         self.api_client = client.ApiClient(cfg)
         self.core = client.CoreV1Api(self.api_client)
 
-    def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
-        """Does this replica's watch cache still serve the pod? (LIST resourceVersion=0, one name.)"""
+    def read_cache(self, namespace: str, name: str) -> tuple[list[dict], str | None, str | None]:
+        """This replica's watch cache for one pod name (LIST resourceVersion=0):
+        (items, the list's resourceVersion, None) or ([], None, error) with an attribution error string."""
         try:
             resp = self.core.list_namespaced_pod(namespace, field_selector=f"metadata.name={name}",
                                                  resource_version="0", _preload_content=False,
@@ -161,20 +162,25 @@ class ReplicaClient:
             doc = orjson.loads(resp.data)
         except ApiException as e:
             if not e.status:
-                return ReplicaObservation(self.replica.address, None, None, transport_error("unreachable", "TLS error"), at)
+                return [], None, transport_error("unreachable", "TLS error")
             reason, _ = _status_reason(e)
-            return ReplicaObservation(self.replica.address, None, None, http_error(e.status, reason), at)
+            return [], None, http_error(e.status, reason)
         except (urllib3.exceptions.TimeoutError, TimeoutError):
-            return ReplicaObservation(self.replica.address, None, None,
-                                      transport_error("timeout", f"after {self.timeout:g}s"), at)
+            return [], None, transport_error("timeout", f"after {self.timeout:g}s")
         except (urllib3.exceptions.HTTPError, OSError) as e:
-            return ReplicaObservation(self.replica.address, None, None, transport_error("unreachable", type(e).__name__), at)
+            return [], None, transport_error("unreachable", type(e).__name__)
         except ValueError as e:
-            return ReplicaObservation(self.replica.address, None, None, f"undecodable reply: {type(e).__name__}", at)
-        items = doc.get("items") or []
-        serves = any(((i.get("metadata") or {}).get("uid") == uid) if uid else True for i in items)
+            return [], None, f"undecodable reply: {type(e).__name__}"
         rv = (doc.get("metadata") or {}).get("resourceVersion")
-        return ReplicaObservation(self.replica.address, serves, str(rv) if rv else None, None, at)
+        return doc.get("items") or [], str(rv) if rv else None, None
+
+    def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
+        """Does this replica's watch cache still serve the ghost with this UID?"""
+        items, rv, error = self.read_cache(namespace, name)
+        if error:
+            return ReplicaObservation(self.replica.address, None, None, error, at)
+        serves = any(((i.get("metadata") or {}).get("uid") == uid) if uid else True for i in items)
+        return ReplicaObservation(self.replica.address, serves, rv, None, at)
 
     def pending_pods(self, *, resource_version: str = "0") -> tuple[str, list[dict]]:
         """LIST unscheduled pods from this replica's cache: (list resourceVersion, items)."""

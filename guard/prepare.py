@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import cachetools
 
@@ -80,8 +81,10 @@ class ReplicaView:
 
 
 class Preverifier:
-    def __init__(self, settings: Settings, pool: ReplicaPool, checker: Checker) -> None:
+    def __init__(self, settings: Settings, pool: ReplicaPool, checker: Checker,
+                 sweep_hooks: list[Callable[[], None]] | None = None) -> None:
         self.settings = settings
+        self.sweep_hooks = sweep_hooks or []
         self.pool = pool
         self.checker = checker
         self._limiter = RateLimiter(settings.verify_qps)
@@ -178,7 +181,7 @@ class Preverifier:
             return
         if kind == "DELETED" or not schedulable:
             view.pods.pop(pod.uid, None)
-            self.checker.cache.invalidate(pod.uid)
+            self.checker.cache.invalidate(pod.uid, pod.namespace, pod.name)
             return
         view.pods[pod.uid] = pod
         self._seen_pod(pod)
@@ -253,5 +256,7 @@ class Preverifier:
                 if time.monotonic() - last_sweep >= self.settings.sweep_interval:
                     last_sweep = time.monotonic()
                     self.sweep()
+                    for hook in self.sweep_hooks:
+                        hook()
             except Exception:
                 log.exception("sweep failed")

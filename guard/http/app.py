@@ -76,7 +76,7 @@ def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | No
     checker.sighting_listeners.append(incidents.sighting)
     preverifier = None
     if settings.prepare:
-        preverifier = Preverifier(settings, pool, checker)
+        preverifier = Preverifier(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
         preverifier.start()
     return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=[audit_check, *readiness_checks])
 
