@@ -107,28 +107,38 @@ class _Server(ThreadingHTTPServer):
         self.ssl_ctx = ssl_ctx
         self.conns: set[socket.socket] = set()
         self.conns_lock = threading.Lock()
+        self.closing = False
         super().__init__(addr, _Handler)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         with self.conns_lock:
+            if self.closing:
+                request.close()
+                return
             self.conns.add(request)
         try:
             request.settimeout(10)
             # Go's net/http (the real apiserver) sets TCP_NODELAY; without it, headers and body written
             # separately meet the client's delayed ACK and every reply waits ~40 ms.
             request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # wrap_socket takes over the file descriptor: from here on only ``tls`` can shut it down
             tls = self.ssl_ctx.wrap_socket(request, server_side=True)
             tls.settimeout(300)
         except (OSError, ssl.SSLError):
             self._forget(request)
             self.shutdown_request(request)
             return
+        with self.conns_lock:
+            self.conns.discard(request)
+            self.conns.add(tls)
+            closing = self.closing
         try:
-            self.finish_request(tls, client_address)
+            if not closing:
+                self.finish_request(tls, client_address)
         except Exception:  # noqa: BLE001 - a broken connection must not kill the server
             pass
         finally:
-            self._forget(request)
+            self._forget(tls)
             try:
                 tls.close()
             except OSError:
@@ -142,7 +152,9 @@ class _Server(ThreadingHTTPServer):
         pass
 
     def drop_connections(self) -> None:
+        """Close every open connection (kept-alive ones and watches): a stopped replica serves nothing."""
         with self.conns_lock:
+            self.closing = True
             conns = list(self.conns)
         for c in conns:
             try:
@@ -312,6 +324,13 @@ class Replica:
     # --- serving --------------------------------------------------------------
 
     def _serve(self, h: _Handler) -> None:
+        if self._stopping.is_set():  # a request on a connection kept alive across stop(): no answer
+            h.close_connection = True
+            try:
+                h.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
         parsed = urllib.parse.urlsplit(h.path)
         ctx = _Ctx(h.command, parsed.path, _query(parsed.query), h.headers, h, started=time.time(), t0=time.monotonic())
         try:

@@ -153,3 +153,16 @@ def test_a_replica_restarted_while_etcd_is_down_answers_429_until_its_cache_is_r
     assert r.cache.ready.wait(10)
     assert raw(lab, 2, "GET", "/api/v1/pods?resourceVersion=0")[0] == 200
     assert raw(lab, 2, "GET", "/readyz", token=None) == (200, "ok")
+
+
+def test_stop_closes_kept_alive_connections(lab):
+    """A stopped replica must not keep serving a client's pooled (kept-alive) TLS connection."""
+    http = urllib3.PoolManager(ca_certs=lab.ca_path, cert_reqs="CERT_REQUIRED", retries=False, maxsize=1)
+    url = lab.replicas[1].url + "/api/v1/namespaces"
+    headers = {"Authorization": f"Bearer {lab.token}"}
+    assert http.request("GET", url, headers=headers, timeout=5).status == 200  # the connection stays pooled
+    lab.replicas[1].stop()
+    with pytest.raises(urllib3.exceptions.HTTPError):
+        http.request("GET", url, headers=headers, timeout=5)
+    lab.replicas[1].start()
+    assert http.request("GET", url, headers=headers, timeout=5).status == 200
