@@ -1,0 +1,568 @@
+"""Soak: a steady /filter load on a real guard over a real lab, then a flood of distinct ghost UIDs.
+
+One command::
+
+    python benchmarks/soak.py --minutes 10
+
+Assumption: one kube-scheduler schedules at most ~100 pods/s (its default
+client QPS is 50; large tuned clusters report ~100-300 pods/s), and calls the
+extender's /filter once per scheduling attempt. The load is 3x that: 300
+/filter per second, open loop (every request has a scheduled send time; a slow
+answer does not slow the load down, and latency is measured from the scheduled
+time, so queueing is not hidden).
+
+Phase 1, steady (``--minutes``): the mix is live pods (pending pods that exist;
+the guard must pass them), recurring ghosts (real ghosts: deleted, still served
+by a stale replica's watch cache; the guard must reject them) and new ghost
+UIDs (pods that never existed, each request a fresh UID). About 1 % of the
+guard's quorum GETs are answered 500 by the lab (a ``status`` fault with a
+``count`` topped up every second from the guard's own GET counter): those
+requests fail open (counted).
+
+Phase 2, bound (``--flood-uids``): distinct ghost UIDs as fast as the guard
+takes them, to show the ghost cache stays at ``--ghost-cache-size``: the most
+recent UIDs are still cached (no new block when re-sent), the oldest are
+evicted (re-sent, each is blocked anew), and RSS stays flat.
+
+Reports (stdout, and JSON to ``--out``): failed requests (transport errors,
+non-200, malformed replies, live pods rejected, cached ghosts passed: must all
+be 0), p50/p99/max latency, RSS of the guard's worker every 10 s, the fail-open
+count, and the cache-bound check. Needs the ``lab`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+NODE_NAMES = [f"node-{i}" for i in range(50)]
+FILTER_KEYS = {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+
+
+# --- processes -----------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return sorted(out)
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+
+class Guard:
+    def __init__(self, kubeconfig: str, workdir: Path, extra: list[str]) -> None:
+        self.port = free_port()
+        self.log_path = workdir / "guard.log"
+        self.out_path = workdir / "guard.out"
+        cmd = [sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind", f"127.0.0.1:{self.port}",
+               "--kubeconfig", kubeconfig, "--audit-db", str(workdir / "audit.db"), *extra]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GHOST_GUARD_", "PROMETHEUS_MULTIPROC_DIR"))}
+        self.proc = subprocess.Popen(cmd, stdout=open(self.out_path, "wb"), stderr=open(self.log_path, "wb"),
+                                     env=env, start_new_session=True, cwd=REPO)
+        self.cmd = cmd
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"guard exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                status, _ = request(self.port, "GET", "/readyz")
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit(f"guard not ready:\n{self.log_path.read_text()[-3000:]}")
+
+    def worker(self) -> int | None:
+        kids = children(self.proc.pid)
+        return kids[0] if kids else None
+
+    def metrics(self) -> dict[tuple, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        _, body = request(self.port, "GET", "/metrics")
+        out: dict[tuple, float] = {}
+        for family in text_string_to_metric_families(body.decode()):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+
+def metric_sum(samples: dict[tuple, float], name: str, **labels: str) -> float:
+    return sum(v for (n, lab), v in samples.items() if n == name and all(dict(lab).get(k) == x for k, x in labels.items()))
+
+
+def histogram_quantile(before: dict, after: dict, name: str, q: float, **labels: str) -> float | None:
+    """Upper bound (seconds) of the bucket holding quantile ``q`` of a histogram's samples between two scrapes."""
+    buckets: dict[float, float] = {}
+    for (n, lab), v in after.items():
+        d = dict(lab)
+        if n == name + "_bucket" and all(d.get(k) == x for k, x in labels.items()):
+            le = float(d["le"])
+            buckets[le] = buckets.get(le, 0) + v - before.get((n, lab), 0)
+    if not buckets:
+        return None
+    total = buckets[max(buckets)]
+    if total <= 0:
+        return None
+    for le in sorted(buckets):
+        if buckets[le] >= q * total:
+            return le
+    return float("inf")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of these processes and their reaped children (seconds)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15]) / tick
+    return total
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None, conn: http.client.HTTPConnection | None = None
+            ) -> tuple[int, bytes]:
+    own = conn is None
+    c = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        c.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        if own:
+            c.close()
+
+
+# --- the lab ---------------------------------------------------------------------------------------------
+
+
+class LabProcess:
+    def __init__(self, workdir: Path, live: int, ghosts: int) -> None:
+        self.dir = workdir / "lab"
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "soak_lab.py"), str(self.dir),
+                                      "--live", str(live), "--ghosts", str(ghosts)],
+                                     stdout=open(workdir / "lab.out", "wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=REPO)
+        deadline = time.monotonic() + 300
+        state = self.dir / "state.json"
+        while not state.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"lab did not start:\n{(workdir / 'lab.out').read_text()[-3000:]}")
+            time.sleep(0.2)
+        self.state = json.loads(state.read_text())
+        import urllib3
+
+        self.http = urllib3.PoolManager(ca_certs=self.state["ca"], cert_reqs="CERT_REQUIRED", retries=False)
+
+    def add_fault(self, replica: int, fault: dict) -> None:
+        r = self.http.request("POST", self.state["urls"][replica] + "/lab/faults", body=orjson.dumps(fault),
+                              headers={"Authorization": f"Bearer {self.state['token']}",
+                                       "Content-Type": "application/json"}, timeout=5)
+        if r.status != 201:
+            raise RuntimeError(f"lab fault refused: {r.status} {r.data[:200]!r}")
+
+
+# --- load ---------------------------------------------------------------------------------------------------
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.latencies: list[float] = []  # from the scheduled send time
+        self.failures: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}
+        self.kinds: Counter[str] = Counter()
+        self.passed_ghosts = 0  # ghosts passed (fail open on an apiserver error): counted, not failures
+
+    def fail(self, why: str, detail: str) -> None:
+        with self.lock:
+            self.failures[why] += 1
+            self.examples.setdefault(why, detail[:500])
+
+
+def filter_body(namespace: str, name: str, uid: str) -> bytes:
+    return orjson.dumps({"Pod": {"metadata": {"name": name, "namespace": namespace, "uid": uid},
+                                 "spec": {"schedulerName": "default-scheduler"}, "status": {"phase": "Pending"}},
+                         "Nodes": None, "NodeNames": NODE_NAMES})
+
+
+def check_reply(stats: Stats, kind: str, status: int, data: bytes) -> None:
+    if status != 200:
+        stats.fail(f"http-{status}", data.decode(errors="replace"))
+        return
+    try:
+        reply = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        stats.fail("malformed-reply", data.decode(errors="replace"))
+        return
+    if set(reply) != FILTER_KEYS or reply["Nodes"] is not None:
+        stats.fail("malformed-reply", str(reply))
+        return
+    passed = reply["NodeNames"] == NODE_NAMES and not reply["FailedAndUnresolvableNodes"]
+    rejected = reply["NodeNames"] == [] and sorted(reply["FailedAndUnresolvableNodes"]) == sorted(NODE_NAMES)
+    if not (passed or rejected):
+        stats.fail("malformed-reply", str(reply)[:500])
+    elif kind == "live" and rejected:
+        stats.fail("live-pod-rejected", str(reply))
+    elif kind == "ghost" and passed:
+        with stats.lock:
+            stats.passed_ghosts += 1
+
+
+def run_load(port: int, rate: float, seconds: float, pick, stats: Stats, threads: int) -> int:
+    """Open loop: request i is due at start + i/rate; ``threads`` senders take the next due request."""
+    start = time.monotonic() + 0.2
+    total = int(rate * seconds)
+    counter = iter(range(total))
+    counter_lock = threading.Lock()
+
+    def sender() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        while True:
+            with counter_lock:
+                i = next(counter, None)
+            if i is None:
+                break
+            due = start + i / rate
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            kind, body = pick(i)
+            try:
+                status, data = request(port, "POST", "/filter", body, conn)
+            except (OSError, http.client.HTTPException) as e:
+                stats.fail("transport", f"{type(e).__name__}: {e}")
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                continue
+            elapsed = time.monotonic() - due
+            check_reply(stats, kind, status, data)
+            with stats.lock:
+                stats.latencies.append(elapsed)
+                stats.kinds[kind] += 1
+        conn.close()
+
+    workers = [threading.Thread(target=sender, daemon=True) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return total
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
+
+
+# --- main ---------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return {"nproc": os.cpu_count(), "cpu": model, "python": platform.python_version(),
+            "kernel": platform.release(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10.0, help="steady phase length")
+    p.add_argument("--rate", type=float, default=300.0, help="/filter per second (3x ~100 pods/s of one scheduler)")
+    p.add_argument("--mix", default="70,20,10", help="percent live pods, recurring ghosts, new ghost UIDs")
+    p.add_argument("--error-percent", type=float, default=1.0, help="percent of quorum GETs answered 500 by the lab")
+    p.add_argument("--live-pods", type=int, default=2000)
+    p.add_argument("--ghost-pods", type=int, default=50)
+    p.add_argument("--ghost-cache-size", type=int, default=10_000, help="the guard's --ghost-cache-size")
+    p.add_argument("--flood-uids", type=int, default=1_000_000, help="distinct ghost UIDs in phase 2 (0: skip)")
+    p.add_argument("--flood-minutes", type=float, default=15.0, help="phase 2 stops after this long even if short")
+    p.add_argument("--threads", type=int, default=32, help="load-generator connections (requests in flight at most)")
+    p.add_argument("--guard-arg", action="append", default=[], help="extra `ghost-guard serve` argument (repeatable)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "soak_last.json"), help="JSON report path")
+    a = p.parse_args()
+    live_pct, ghost_pct, new_pct = (float(x) for x in a.mix.split(","))
+
+    workdir = Path(tempfile.mkdtemp(prefix="ghost-soak-"))
+    lab = guard = None
+    stop_bg = threading.Event()
+    report: dict = {"machine": machine(), "settings": vars(a)}
+    print(f"soak: {report['machine']}", flush=True)
+    try:
+        lab = LabProcess(workdir, a.live_pods, a.ghost_pods)
+        st = lab.state
+        ns = st["namespace"]
+        guard = Guard(st["kubeconfigs"][0], workdir, ["--ghost-cache-size", str(a.ghost_cache_size), *a.guard_arg])
+        guard.wait_ready()
+        print(f"soak: lab {st['urls']} ({len(st['live'])} live pods, {len(st['ghosts'])} ghosts); guard {guard.cmd[2:]}",
+              flush=True)
+        # Ghosts are decided once before the load: a ghost seen the first time during an injected 500 would pass.
+        for name, uid in st["ghosts"]:
+            status, data = request(guard.port, "POST", "/filter", filter_body(ns, name, uid))
+            assert status == 200 and orjson.loads(data)["FailedAndUnresolvableNodes"], (name, data[:300])
+
+        samples: list[dict] = []
+        t0 = time.monotonic()
+
+        def sampler() -> None:
+            while True:
+                worker = guard.worker()
+                m = guard.metrics()
+                samples.append({
+                    "t": round(time.monotonic() - t0, 1), "worker_rss_mb": round(rss_mb(worker), 1) if worker else None,
+                    "arbiter_rss_mb": round(rss_mb(guard.proc.pid), 1),
+                    "ghosts_blocked": metric_sum(m, "ghost_guard_ghosts_blocked_total"),
+                    "fail_open": metric_sum(m, "ghost_guard_fail_open_total"),
+                    "quorum_gets": metric_sum(m, "ghost_guard_quorum_get_duration_seconds_count"),
+                    "requests": metric_sum(m, "ghost_guard_requests_total", endpoint="/filter"),
+                })
+                s = samples[-1]
+                print(f"  t={s['t']:>6}s worker RSS {s['worker_rss_mb']} MB, /filter {int(s['requests'])}, "
+                      f"quorum GETs {int(s['quorum_gets'])}, fail-open {int(s['fail_open'])}, "
+                      f"ghosts blocked {int(s['ghosts_blocked'])}", flush=True)
+                if stop_bg.wait(10):
+                    return
+
+        injected = {"n": 0}
+
+        def injector() -> None:
+            """Top up a 500 fault so that ~error_percent of the guard's quorum GETs fail."""
+            debt = 0.0
+            last = metric_sum(guard.metrics(), "ghost_guard_quorum_get_duration_seconds_count")
+            while not stop_bg.wait(1.0):
+                now = metric_sum(guard.metrics(), "ghost_guard_quorum_get_duration_seconds_count")
+                debt += (now - last) * a.error_percent / 100
+                last = now
+                k = int(debt)
+                if k >= 1:
+                    lab.add_fault(0, {"action": "status", "status": 500, "method": "GET", "count": k,
+                                      "path": r"/api/v1/namespaces/[^/]+/pods/[^/]+"})
+                    injected["n"] += k
+                    debt -= k
+
+        threads = [threading.Thread(target=sampler, daemon=True)]
+        if a.error_percent > 0:
+            threads.append(threading.Thread(target=injector, daemon=True))
+        for t in threads:
+            t.start()
+
+        # --- phase 1: steady ---------------------------------------------------------------------------
+        rng = random.Random(42)
+        live, ghosts = st["live"], st["ghosts"]
+        cut1, cut2 = live_pct / 100, (live_pct + ghost_pct) / 100
+
+        def pick(i: int) -> tuple[str, bytes]:
+            x = rng.random()
+            if x < cut1:
+                name, uid = rng.choice(live)
+                return "live", filter_body(ns, name, uid)
+            if x < cut2:
+                name, uid = rng.choice(ghosts)
+                return "ghost", filter_body(ns, name, uid)
+            return "new-ghost", filter_body(ns, f"never-{rng.randrange(100)}", str(uuid.uuid4()))
+
+        steady = Stats()
+        print(f"soak: phase 1, {a.rate:g} /filter/s for {a.minutes:g} min, mix {a.mix}, "
+              f"~{a.error_percent:g}% GETs -> 500", flush=True)
+        m0 = guard.metrics()
+        procs = {"guard": lambda: [guard.proc.pid, *children(guard.proc.pid)],
+                 "lab (replicas + etcd)": lambda: [lab.proc.pid, *children(lab.proc.pid)],
+                 "load generator": lambda: [os.getpid()]}
+        cpu0 = {k: cpu_seconds(f()) for k, f in procs.items()}
+        p1_start = time.monotonic()
+        sent = run_load(guard.port, a.rate, a.minutes * 60, pick, steady, a.threads)
+        p1_secs = time.monotonic() - p1_start
+        m1 = guard.metrics()
+        cpu1 = {k: cpu_seconds(f()) for k, f in procs.items()}
+        stop_bg.set()
+        for t in threads[1:]:
+            t.join()
+        lat = steady.latencies
+        report["steady"] = {
+            "requests": sent, "answered": len(lat), "seconds": round(p1_secs, 1),
+            "achieved_rate": round(len(lat) / p1_secs, 1), "by_kind": dict(steady.kinds),
+            "failed": sum(steady.failures.values()), "failures": dict(steady.failures), "examples": steady.examples,
+            "latency_ms": {"p50": round(percentile(lat, 50) * 1000, 2), "p90": round(percentile(lat, 90) * 1000, 2),
+                           "p99": round(percentile(lat, 99) * 1000, 2), "p999": round(percentile(lat, 99.9) * 1000, 2),
+                           "max": round(max(lat) * 1000, 2) if lat else None,
+                           "mean": round(statistics.fmean(lat) * 1000, 2) if lat else None},
+            "injected_500": injected["n"],
+            "quorum_gets": metric_sum(m1, "ghost_guard_quorum_get_duration_seconds_count")
+            - metric_sum(m0, "ghost_guard_quorum_get_duration_seconds_count"),
+            "fail_open": metric_sum(m1, "ghost_guard_fail_open_total") - metric_sum(m0, "ghost_guard_fail_open_total"),
+            "ghosts_passed_by_fail_open": steady.passed_ghosts,
+            "http_500_from_guard": metric_sum(m1, "ghost_guard_requests_total", endpoint="/filter", code="500"),
+            # Inside the guard (its own histogram; bucket upper bounds): excludes client-side queueing.
+            "guard_side_ms": {f"p{q}": round(1000 * (histogram_quantile(
+                m0, m1, "ghost_guard_request_duration_seconds", q / 100, endpoint="/filter") or float("nan")), 2)
+                for q in (50, 90, 99)},
+            "quorum_get_ms": {f"p{q}": round(1000 * (histogram_quantile(
+                m0, m1, "ghost_guard_quorum_get_duration_seconds", q / 100) or float("nan")), 2) for q in (50, 99)},
+            "cpu_share_of_2_cores": {k: round((cpu1[k] - cpu0[k]) / p1_secs / (os.cpu_count() or 1), 3) for k in cpu0},
+        }
+        print(f"soak: phase 1 done: {json.dumps(report['steady'])}", flush=True)
+
+        # --- phase 2: cache bound --------------------------------------------------------------------------
+        if a.flood_uids > 0:
+            stop_bg.clear()
+            threads = [threading.Thread(target=sampler, daemon=True)]
+            threads[0].start()
+            flood = Stats()
+            uids: list[str] = []
+            uid_lock = threading.Lock()
+            deadline = time.monotonic() + a.flood_minutes * 60
+            counter = iter(range(a.flood_uids))
+            c_lock = threading.Lock()
+            before = guard.metrics()
+            f_start = time.monotonic()
+
+            def flooder() -> None:
+                conn = http.client.HTTPConnection("127.0.0.1", guard.port, timeout=10)
+                while time.monotonic() < deadline:
+                    with c_lock:
+                        i = next(counter, None)
+                    if i is None:
+                        break
+                    uid = f"flood-{i:07d}-{uuid.uuid4().hex[:8]}"
+                    t = time.monotonic()
+                    try:
+                        status, data = request(guard.port, "POST", "/filter", filter_body(ns, f"never-{i % 64}", uid), conn)
+                    except (OSError, http.client.HTTPException) as e:
+                        flood.fail("transport", f"{type(e).__name__}: {e}")
+                        conn.close()
+                        conn = http.client.HTTPConnection("127.0.0.1", guard.port, timeout=10)
+                        continue
+                    check_reply(flood, "ghost", status, data)
+                    with flood.lock:
+                        flood.latencies.append(time.monotonic() - t)
+                    with uid_lock:
+                        uids.append((i, uid))
+                conn.close()
+
+            print(f"soak: phase 2, up to {a.flood_uids} distinct ghost UIDs (at most {a.flood_minutes:g} min), "
+                  f"--ghost-cache-size {a.ghost_cache_size}", flush=True)
+            fl = [threading.Thread(target=flooder, daemon=True) for _ in range(a.threads)]
+            for t in fl:
+                t.start()
+            for t in fl:
+                t.join()
+            f_secs = time.monotonic() - f_start
+            uids.sort()
+            after = guard.metrics()
+            # The bound: the most recent UIDs are still cached, the oldest were evicted.
+            k = min(1000, a.ghost_cache_size // 2, len(uids) // 4)
+
+            def resend(sample: list[tuple[int, str]]) -> float:
+                b = metric_sum(guard.metrics(), "ghost_guard_ghosts_blocked_total")
+                for i, uid in sample:
+                    request(guard.port, "POST", "/filter", filter_body(ns, f"never-{i % 64}", uid))
+                return metric_sum(guard.metrics(), "ghost_guard_ghosts_blocked_total") - b
+
+            newest_reblocked = resend(uids[-k:]) if k else None
+            oldest_reblocked = resend(uids[:k]) if k else None
+            stop_bg.set()
+            lat = flood.latencies
+            report["bound"] = {
+                "distinct_uids": len(uids), "seconds": round(f_secs, 1), "rate": round(len(uids) / f_secs, 1),
+                "failed": sum(flood.failures.values()), "failures": dict(flood.failures), "examples": flood.examples,
+                "ghosts_passed_by_fail_open": flood.passed_ghosts,
+                "new_ghosts_blocked": metric_sum(after, "ghost_guard_ghosts_blocked_total")
+                - metric_sum(before, "ghost_guard_ghosts_blocked_total"),
+                "latency_ms": {"p50": round(percentile(lat, 50) * 1000, 2), "p99": round(percentile(lat, 99) * 1000, 2),
+                               "max": round(max(lat) * 1000, 2) if lat else None},
+                "resent": k, "newest_reblocked": newest_reblocked, "oldest_reblocked": oldest_reblocked,
+                "cache_bounded": bool(k) and newest_reblocked == 0 and oldest_reblocked == k,
+            }
+            print(f"soak: phase 2 done: {json.dumps(report['bound'])}", flush=True)
+        time.sleep(0.5)
+        report["rss_samples"] = samples
+        rss = [s["worker_rss_mb"] for s in samples if s["worker_rss_mb"]]
+        report["rss_mb"] = {"first": rss[0] if rss else None, "min": min(rss, default=None),
+                            "max": max(rss, default=None), "last": rss[-1] if rss else None}
+        report["guard_alive"] = guard.proc.poll() is None
+        report["guard_errors_logged"] = sum(1 for line in guard.log_path.read_text(errors="replace").splitlines()
+                                            if '"level":"error"' in line or "Traceback" in line)
+        failed = report["steady"]["failed"] + report.get("bound", {}).get("failed", 0)
+        report["verdict"] = "PASS" if failed == 0 and report["guard_alive"] else "FAIL"
+        Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"soak: {report['verdict']}: failed requests {failed}, steady p50 "
+              f"{report['steady']['latency_ms']['p50']} ms p99 {report['steady']['latency_ms']['p99']} ms, "
+              f"worker RSS {report['rss_mb']}; report in {a.out}", flush=True)
+        return 0 if report["verdict"] == "PASS" else 1
+    finally:
+        stop_bg.set()
+        if guard is not None:
+            stop_group(guard.proc)
+            keep = workdir.parent / (workdir.name + "-guard.log")
+            shutil.copy(guard.log_path, keep)
+            print(f"soak: the guard's log is kept in {keep}", flush=True)
+        if lab is not None:
+            stop_group(lab.proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
