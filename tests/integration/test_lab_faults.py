@@ -166,3 +166,14 @@ def test_stop_closes_kept_alive_connections(lab):
         http.request("GET", url, headers=headers, timeout=5)
     lab.replicas[1].start()
     assert http.request("GET", url, headers=headers, timeout=5).status == 200
+
+
+def test_admin_request_log_and_cache_state(lab):
+    lab.core_v1(2).create_namespaced_pod("default", pod_manifest("p"), _request_timeout=5)
+    assert lab.wait_synced()
+    status, log = raw(lab, 2, "GET", "/lab/requests")
+    assert status == 200
+    assert [(r["method"], r["path"], r["status"]) for r in log["requests"]] == [("POST", "/api/v1/namespaces/default/pods", 201)]
+    status, cache = raw(lab, 2, "GET", "/lab/cache")
+    assert status == 200
+    assert (cache["ready"], cache["resourceVersion"], cache["relists"]) == (True, str(lab.revision()), 1)

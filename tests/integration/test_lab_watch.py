@@ -103,3 +103,17 @@ def test_bookmarks_carry_the_cache_revision(lab_factory):
                        timeout_seconds=1, _request_timeout=10):
         seen.append((ev["type"], ev["raw_object"]["metadata"]["resourceVersion"]))
     assert seen[0] == ("BOOKMARK", str(lab.revision()))
+
+
+def test_send_initial_events_ends_with_an_annotated_bookmark(shared_lab, lab_namespace):
+    """WatchList (KEP-3157): initial ADDED events, then a BOOKMARK marked k8s.io/initial-events-end."""
+    api = shared_lab.core_v1(0)
+    api.create_namespaced_pod(lab_namespace, pod_manifest("a"), _request_timeout=5)
+    assert shared_lab.wait_synced()
+    seen = []
+    for ev in watch.Watch().stream(api.list_namespaced_pod, lab_namespace, send_initial_events=True,
+                                   resource_version_match="NotOlderThan", allow_watch_bookmarks=True,
+                                   timeout_seconds=1, _request_timeout=10):
+        meta = ev["raw_object"]["metadata"]
+        seen.append((ev["type"], meta.get("name"), (meta.get("annotations") or {}).get("k8s.io/initial-events-end")))
+    assert seen[:2] == [("ADDED", "a", None), ("BOOKMARK", None, "true")]
