@@ -126,9 +126,24 @@ def _pod_defaults(pod: Obj) -> None:
     spec.setdefault("dnsPolicy", "ClusterFirst")
     spec.setdefault("priority", 0)
     spec.setdefault("enableServiceLinks", True)
-    status = pod.setdefault("status", {})
-    status.setdefault("phase", "Pending")
-    status.setdefault("qosClass", "BestEffort")
+    # PrepareForCreate: whatever status the client sent is replaced
+    pod["status"] = {"phase": "Pending", "qosClass": _qos_class(spec)}
+
+
+def _qos_class(spec: Obj) -> str:
+    """pkg/apis/core/helper/qos GetPodQOS, for cpu and memory."""
+    requests: list[dict] = []
+    limits: list[dict] = []
+    for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+        res = (c.get("resources") or {}) if isinstance(c, dict) else {}
+        requests.append({k: v for k, v in (res.get("requests") or {}).items() if k in ("cpu", "memory")})
+        limits.append({k: v for k, v in (res.get("limits") or {}).items() if k in ("cpu", "memory")})
+    if not any(requests) and not any(limits):
+        return "BestEffort"
+    for req, lim in zip(requests, limits):
+        if set(lim) != {"cpu", "memory"} or any(req.get(k, lim[k]) != lim[k] for k in lim):
+            return "Burstable"
+    return "Guaranteed"
 
 
 class Registry:

@@ -164,3 +164,18 @@ def test_wrongly_typed_fields_are_400(shared_lab, lab_namespace, method, suffix,
     shared_lab.core_v1(0).create_namespaced_pod(lab_namespace, pod_manifest("p"), _request_timeout=5)
     status, out = raw(shared_lab, 0, method, f"/api/v1/namespaces/{lab_namespace}/pods{suffix}", body=body)
     assert (status, out["reason"], out["message"]) == (400, "BadRequest", message)
+
+
+@pytest.mark.parametrize(("resources", "qos"), [
+    (None, "BestEffort"),
+    ({"requests": {"cpu": "100m"}}, "Burstable"),
+    ({"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}, "Guaranteed"),
+    ({"limits": {"cpu": "1", "memory": "1Gi"}}, "Guaranteed"),
+], ids=["no-resources", "requests-only", "requests-equal-limits", "limits-only"])
+def test_create_replaces_the_status_and_sets_qos(shared_lab, lab_namespace, resources, qos):
+    pod = pod_manifest("p")
+    if resources:
+        pod["spec"]["containers"][0]["resources"] = resources
+    pod["status"] = {"phase": "Running", "nominatedNodeName": "n"}
+    created = shared_lab.core_v1(0).create_namespaced_pod(lab_namespace, pod, _request_timeout=5)
+    assert (created.status.phase, created.status.qos_class, created.status.nominated_node_name) == ("Pending", qos, None)
