@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import select
 import socket
 import ssl
 import tempfile
@@ -174,6 +175,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.replica._serve(self)
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _dispatch
+
+
+def _peer_gone(sock: socket.socket) -> bool:
+    """A watch client sends nothing after its request: a readable socket means it closed (or misbehaves)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def _query(qs: str) -> dict[str, str]:
@@ -652,6 +662,8 @@ class Replica:
                 if item is not None:
                     write(item[0], out(item[1]))
                     last_sent = max(last_sent, int(item[1]["metadata"]["resourceVersion"]))
+                elif _peer_gone(h.connection):
+                    break  # the client hung up: don't hold a watcher until the next event or the timeout
                 elif bookmarks and cache.rv > last_sent and not watcher.closed:
                     last_sent = cache.rv
                     write("BOOKMARK", {"kind": r.kind, "apiVersion": r.api_version,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import ssl
+import time
+
 import pytest
 from kubernetes import watch
 from kubernetes.client import ApiException
@@ -117,3 +121,28 @@ def test_send_initial_events_ends_with_an_annotated_bookmark(shared_lab, lab_nam
         meta = ev["raw_object"]["metadata"]
         seen.append((ev["type"], meta.get("name"), (meta.get("annotations") or {}).get("k8s.io/initial-events-end")))
     assert seen[:2] == [("ADDED", "a", None), ("BOOKMARK", None, "true")]
+
+
+def test_a_watch_whose_client_hung_up_is_released(lab_factory):
+    lab = lab_factory(1, bookmark_interval=0.1)
+    cache = lab.replicas[0].cache
+    ctx = ssl.create_default_context(cafile=lab.ca_path)
+    raw_sock = socket.create_connection(("127.0.0.1", lab.port), timeout=5)
+    conn = ctx.wrap_socket(raw_sock, server_hostname="127.0.0.1")
+    conn.sendall(b"GET /api/v1/pods?watch=true HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                 + lab.token.encode() + b"\r\n\r\n")
+    assert conn.recv(4096).startswith(b"HTTP/1.1 200 ")
+
+    def watchers() -> int:
+        with cache._cond:
+            return len(cache._watchers)
+
+    deadline = time.monotonic() + 5
+    while watchers() != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watchers() == 1
+    conn.close()
+    deadline = time.monotonic() + 5
+    while watchers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watchers() == 0
