@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 

@@ -10,7 +10,7 @@ import pytest
 from kubernetes import watch
 from kubernetes.client import ApiException
 
-from fixtures_lab import make_ghost, pod_manifest
+from fixtures_lab import pod_manifest
 
 
 def events(lab, replica: int, ns: str, **kw) -> list[tuple[str, str, str | None]]:
