@@ -284,11 +284,12 @@ class Replica:
             except EtcdUnavailable:
                 continue
 
-    def stop(self) -> None:
-        """Graceful shutdown: leave the endpoints, stop serving, drop the cache (like a replica going away)."""
+    def stop(self, graceful: bool = True) -> None:
+        """Stop serving and drop the cache. ``graceful``: first leave ``default/kubernetes`` endpoints (a
+        clean shutdown); ``graceful=False`` is a crash: the IP stays listed (the lab has no lease expiry)."""
         if self._server is None:
             return
-        if self._endpoints:
+        if self._endpoints and graceful:
             try:
                 self.registry.reconcile_endpoints(self.ip, self.port, present=False)
             except EtcdUnavailable:

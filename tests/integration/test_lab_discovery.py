@@ -67,3 +67,9 @@ def test_unknown_paths_and_methods_are_status_errors(shared_lab):
     assert (status, body["reason"]) == (405, "MethodNotAllowed")
     status, body = raw(shared_lab, 0, "GET", "/api/v1/pods?resourceVersion=abc")
     assert (status, body["reason"]) == (400, "BadRequest")
+
+
+def test_a_crashed_replica_stays_listed(lab):
+    lab.replicas[2].stop(graceful=False)
+    ep = lab.core_v1(0).read_namespaced_endpoints("kubernetes", "default", _request_timeout=5)
+    assert [a.ip for a in ep.subsets[0].addresses] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
