@@ -29,6 +29,15 @@ from cachetools.keys import hashkey
 from guard.verdict import Decision, QuorumRead
 
 
+class _Ghost:
+    __slots__ = ("decision", "read", "announced")
+
+    def __init__(self, decision: Decision, read: QuorumRead) -> None:
+        self.decision = decision
+        self.read = read
+        self.announced = False
+
+
 class _Prepared:
     __slots__ = ("decision", "first_used")
 
@@ -61,16 +70,27 @@ class VerdictCache:
         if not uid:
             return None
         with self._ghost_lock:
-            return self._ghosts.get(uid)
+            entry = self._ghosts.get(uid)
+            return entry.decision if entry is not None else None
 
-    def remember_ghost(self, uid: str, decision: Decision) -> bool:
-        """Store a ghost verdict; True when this UID was not known yet."""
+    def remember_ghost(self, uid: str, decision: Decision, read: QuorumRead) -> None:
+        """Store a ghost verdict (and the read that proved it), keeping an existing entry."""
         if not uid:
-            return True
+            return
         with self._ghost_lock:
-            new = uid not in self._ghosts
-            self._ghosts[uid] = decision
-            return new
+            if uid not in self._ghosts:
+                self._ghosts[uid] = _Ghost(decision, read)
+
+    def announce(self, uid: str) -> tuple[Decision, QuorumRead, bool] | None:
+        """The ghost's verdict and read, and whether this is the first announcement of it
+        (a ghost found in the background is only announced once something shows it matters)."""
+        with self._ghost_lock:
+            entry = self._ghosts.get(uid)
+            if entry is None:
+                return None
+            first = not entry.announced
+            entry.announced = True
+            return entry.decision, entry.read, first
 
     def prepare(self, uid: str, decision: Decision) -> None:
         """Keep a background-verified ``alive`` verdict for the pod's first scheduling attempt."""

@@ -71,8 +71,7 @@ class Checker:
         cached = self.cache.ghost(pod.uid)
         if cached is not None:
             metrics.CACHE_LOOKUPS.labels("ghosts", "hit").inc()
-            if self.sighting_listeners:
-                self._background.submit(self._notify, self.sighting_listeners, pod, cached)
+            self._scheduled_ghost(pod, cached)
             return cached
         metrics.CACHE_LOOKUPS.labels("ghosts", "miss").inc()
         prepared = self.cache.take_prepared(pod.uid)
@@ -80,33 +79,59 @@ class Checker:
             metrics.VERDICTS_PREPARED.inc()
             return prepared
         metrics.VERDICTS_INLINE.inc()
-        return self._verify(pod)
+        decision, read = self._verify(pod)
+        if decision.is_ghost:
+            self._scheduled_ghost(pod, decision, read)
+        return decision
 
     def verify(self, pod: PodRef, *, prepare: bool = True) -> Decision:
         """Background verification (guard.prepare). With ``prepare``, an ``alive`` verdict is kept
         for the pod's first scheduling attempt; sweeps of already-known pods pass ``prepare=False``.
 
-        Goes through the same single-flight read cache, so a /filter call that
-        arrives while this GET is in flight waits for it instead of sending another.
+        A ghost found here is cached but not announced: most are pods deleted normally
+        before their verification ran. The caller announces it (:meth:`announce`) when a
+        replica still lists it. Goes through the same single-flight read cache, so a
+        /filter call that arrives while this GET is in flight waits for it.
         """
         known = self.cache.ghost(pod.uid)
         if known is not None:
             return known
-        decision = self._verify(pod)
+        decision, _ = self._verify(pod)
         metrics.PREVERIFIED.labels(decision.verdict.value).inc()
         if prepare and decision.verdict is Verdict.ALIVE and pod.uid:
             self.cache.prepare(pod.uid, decision)
         return decision
 
-    def _verify(self, pod: PodRef) -> Decision:
+    def _verify(self, pod: PodRef) -> tuple[Decision, QuorumRead]:
         read, hit = self.cache.read(pod.namespace, pod.name)
         metrics.CACHE_LOOKUPS.labels("reads", "hit" if hit else "miss").inc()
         decision = decide(pod, read)
-        if decision.is_ghost and self.cache.remember_ghost(pod.uid, decision):
-            metrics.GHOSTS_BLOCKED.labels(decision.verdict.value).inc()
-            log.warning("%s", decision.reason)
-            self._background.submit(self._notify, self.listeners, pod, decision, read)
-        return decision
+        if decision.is_ghost:
+            self.cache.remember_ghost(pod.uid, decision, read)
+        return decision, read
+
+    def announce(self, pod: PodRef) -> bool:
+        """A cached ghost matters (a replica still serves it): record it once. True the first time."""
+        entry = self.cache.announce(pod.uid)
+        if entry is None or not entry[2]:
+            return False
+        self._first_sighting(pod, entry[0], entry[1])
+        return True
+
+    def _scheduled_ghost(self, pod: PodRef, decision: Decision, read: QuorumRead | None = None) -> None:
+        """A scheduler (or a binding) tried to place this ghost: announce it once, then count sightings."""
+        entry = self.cache.announce(pod.uid)
+        if entry is None:  # no UID to remember it by: announce every time
+            self._first_sighting(pod, decision, read or QuorumRead.not_found())
+        elif entry[2]:
+            self._first_sighting(pod, entry[0], entry[1])
+        elif self.sighting_listeners:
+            self._background.submit(self._notify, self.sighting_listeners, pod, entry[0])
+
+    def _first_sighting(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
+        metrics.GHOSTS_BLOCKED.labels(decision.verdict.value).inc()
+        log.warning("%s", decision.reason)
+        self._background.submit(self._notify, self.listeners, pod, decision, read)
 
     def _notify(self, listeners: list, pod: PodRef, *args) -> None:
         for listener in listeners:

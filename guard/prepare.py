@@ -89,7 +89,7 @@ class Preverifier:
         self.checker = checker
         self._limiter = RateLimiter(settings.verify_qps)
         self._slots = threading.BoundedSemaphore(settings.verify_concurrency)
-        self._queue: list[tuple[PodRef, bool]] = []
+        self._queue: list[tuple[PodRef, bool]] = []  # (pod, from a sweep)
         self._queue_cond = threading.Condition()
         self._seen: cachetools.TTLCache = cachetools.TTLCache(500_000, settings.prepared_max_age)
         self._lock = threading.Lock()
@@ -193,11 +193,11 @@ class Preverifier:
             if pod.uid in self._seen:
                 return
             self._seen[pod.uid] = True
-        self._enqueue(pod, True)
+        self._enqueue(pod, swept=False)
 
-    def _enqueue(self, pod: PodRef, prepare: bool) -> None:
+    def _enqueue(self, pod: PodRef, *, swept: bool) -> None:
         with self._queue_cond:
-            self._queue.append((pod, prepare))
+            self._queue.append((pod, swept))
             self._queue_cond.notify()
 
     def _verify_loop(self) -> None:
@@ -207,10 +207,15 @@ class Preverifier:
                     self._queue_cond.wait(1.0)
                 if self._stop.is_set():
                     return
-                pod, prepare = self._queue.pop(0)
+                pod, swept = self._queue.pop(0)
             self._limiter.acquire()
             try:
-                self.checker.verify(pod, prepare=prepare)
+                # A new pod gets a prepared verdict for its first attempt. A ghost found then is
+                # usually a pod deleted before its turn came: cached, not announced. One found by
+                # the sweep (a replica has kept listing it) is a stale cache: announced.
+                decision = self.checker.verify(pod, prepare=not swept)
+                if decision.is_ghost and swept:
+                    self.checker.announce(pod)
             except Exception:
                 log.exception("background verification of %s failed", pod)
 
@@ -243,8 +248,10 @@ class Preverifier:
         queued = []
         for pod in persistent:
             if self.checker.cache.ghost(pod.uid) is None:
-                self._enqueue(pod, False)
+                self._enqueue(pod, swept=True)
                 queued.append(pod)
+            else:
+                self.checker.announce(pod)  # verified as gone before, and a replica still lists it
         return queued
 
     def _sweep_loop(self) -> None:

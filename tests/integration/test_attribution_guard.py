@@ -125,3 +125,21 @@ def test_a_prepared_verdict_answers_the_first_call_without_a_get(lab, start_guar
     assert g.post("/filter", body).json()["NodeNames"] == ["n1"]
     assert g.metric("ghost_guard_verdicts_inline_total") == 1
     assert sum(len(r.requests(method="GET", path=path, quorum=True)) for r in lab.replicas) == 2
+
+
+def test_pods_deleted_normally_are_no_incident(lab, start_guard, tmp_path):
+    """Pods that come and go (a Job, a rollout) may be deleted before their background verification
+    runs: that 404 is cached, but nothing is recorded or alerted, since no replica serves them."""
+    db = str(tmp_path / "audit.db")
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", db, *FAST])
+    wait_for(lambda: "apiserver replicas" in g.logs(), what="replica discovery")
+    api = lab.core_v1(0)
+    for i in range(20):
+        api.create_namespaced_pod("default", pod_manifest(f"brief-{i}"), _request_timeout=5)
+        api.delete_namespaced_pod(f"brief-{i}", "default", grace_period_seconds=0, _request_timeout=5)
+    assert lab.wait_synced()
+    wait_for(lambda: g.metric("ghost_guard_preverified_total") >= 20, what="the background verifications")
+    time.sleep(1.5)  # three sweeps
+    assert audit_records(db) == []
+    assert g.metric("ghost_guard_ghosts_blocked_total") == 0
+    assert [e for e in lab.core_v1(0).list_namespaced_event("default").items if e.reason == "GhostPodBlocked"] == []
