@@ -20,15 +20,15 @@ from guard.settings import Settings
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line. Access-log records are already JSON objects and are merged."""
+    """One JSON object per line. An access-log record's fields (``extra={"access": {...}}``) are merged in."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {"time": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name}
-        msg = record.getMessage()
-        if record.name == "guard.access" and msg.startswith("{"):
-            entry.update(orjson.loads(msg))
+        access = getattr(record, "access", None)
+        if access is not None:
+            entry.update(access)
         else:
-            entry["msg"] = msg
+            entry["msg"] = record.getMessage()
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(entry).decode()
@@ -91,6 +91,16 @@ class GuardServer(BaseApplication):
             "keepalive": 30,
             "accesslog": None,
             "errorlog": "-",
+            # gunicorn's own messages in the same JSON lines as ours
+            "logconfig_dict": {
+                "version": 1, "disable_existing_loggers": False,
+                "formatters": {"json": {"()": "guard.server.JsonFormatter"}},
+                "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json",
+                                        "stream": "ext://sys.stderr"}},
+                "root": {"handlers": ["stderr"], "level": s.log_level.upper()},
+                "loggers": {"gunicorn.error": {"handlers": ["stderr"], "level": s.log_level.upper(),
+                                               "propagate": False}},
+            },
             "loglevel": s.log_level,
             "preload_app": False,
             "proc_name": "ghost-guard",

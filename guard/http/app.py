@@ -136,7 +136,7 @@ def create_app(settings: Settings | None = None, readiness_checks: list[Callable
             verdict = g.get("verdict")
             if verdict is not None:
                 entry["verdict"] = verdict
-            access_log.info(orjson.dumps(entry).decode())
+            access_log.info("request", extra={"access": entry})
         return resp
 
     return app
