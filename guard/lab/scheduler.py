@@ -837,6 +837,7 @@ class Scheduler:
             self._move_all_locked()
 
     def _node_event(self, etype: str, node: Obj) -> None:
+        log.debug("node %s %s rv=%s", etype, node["metadata"]["name"], node["metadata"].get("resourceVersion"))
         with self._cond:
             name = node["metadata"]["name"]
             if etype == "DELETED":
@@ -846,6 +847,7 @@ class Scheduler:
             self._move_all_locked()
 
     def _pod_event(self, etype: str, pod: Obj) -> None:
+        log.debug("pod %s %s rv=%s", etype, _key(pod), (pod.get("metadata") or {}).get("resourceVersion"))
         with self._cond:
             self._pod_event_locked(etype, pod)
 
@@ -999,7 +1001,8 @@ class Scheduler:
             if pod is None or not self._responsible(pod):
                 self._done_locked(queued)
                 return
-            if (pod.get("metadata") or {}).get("deletionTimestamp"):  # skipPodSchedule
+            # skipPodSchedule: being deleted, or already assumed (bound, the informer not caught up yet).
+            if (pod.get("metadata") or {}).get("deletionTimestamp") or _uid(pod) in self._assumed:
                 self._done_locked(queued)
                 return
             stats = self._stat(queued.key, _uid(pod))

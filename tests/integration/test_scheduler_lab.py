@@ -210,11 +210,12 @@ def test_ghost_leaves_the_informer_only_when_it_relists(lab, scheduler_on):
     assert sched.wait_for(lambda s: stat(s, "default/web-1").bind_failures.get(404, 0) >= 2, WAIT)
     assert sched.informer_stats()["pods"]["lists"] == 1
 
-    # The replica restarts: its cache is rebuilt from etcd, without the ghost. The
-    # scheduler's WATCH breaks; resuming from its old resourceVersion answers 410 once
-    # etcd has moved on, and only the re-LIST drops the ghost from the informer.
-    lab.replicas[1].restart()
+    # The replica goes down, etcd moves on, the replica comes back with a cache rebuilt from
+    # etcd (no ghost). The scheduler's WATCH resumes from a resourceVersion older than that
+    # cache's history: 410 Gone, and only the re-LIST drops the ghost from the informer.
+    lab.replicas[1].stop()
     create(api, pod_manifest("web-2"))
+    lab.replicas[1].start()
     assert eventually(lambda: "default/web-1" not in sched.informer_pods())
     assert sched.informer_stats()["pods"]["lists"] >= 2
     assert sched.wait_for(lambda s: stat(s, "default/web-2").bound_node == "node-a", WAIT)
