@@ -222,7 +222,8 @@ class GuardChild:
         """The messages the guard logged about stale replicas (logger ``guard.incident``)."""
         import json
 
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         found = []
         for line in self.log_path.read_text(errors="replace").splitlines():
             if '"guard.incident"' in line:
@@ -233,7 +234,8 @@ class GuardChild:
         return found
 
     def logs(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-8000:]
 
     def stop(self) -> None:
@@ -311,6 +313,8 @@ def run_demo(out: IO[str] = sys.stdout, *, seconds: float = PHASE_SECONDS) -> in
                     guard.stop()
     except Exception as e:  # noqa: BLE001 - the demo reports, never tracebacks at the user
         say(f"\ndemo failed: {type(e).__name__}: {e}")
+        if guards and "ghost-guard serve" not in str(e):
+            say("guard log (tail):\n" + guards[0].logs()[-2000:])
         return 2
     elapsed = time.monotonic() - started
     if broke:
