@@ -47,9 +47,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The extender under test (guard or pass-through) runs on its own CPU, as it would in its own pod;
+# the lab (etcd, apiserver replicas) and the client share the other. Same for both extenders.
+EXTENDER_CPUS: set[int] | None = None
+
+
+def pin_harness() -> None:
+    """Put this process (and the lab it starts) on CPU 0, leaving the last CPU to the extender."""
+    global EXTENDER_CPUS
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.sched_setaffinity(0, set(cpus[:-1]))
+        EXTENDER_CPUS = {cpus[-1]}
+
+
 def start(cmd: list[str], port: int, env: dict | None = None) -> subprocess.Popen:
+    pin = (lambda: os.sched_setaffinity(0, EXTENDER_CPUS)) if EXTENDER_CPUS else None
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, **(env or {})}, cwd=REPO)
+                            env={**os.environ, **(env or {})}, cwd=REPO, preexec_fn=pin)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -90,7 +105,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=400, help="calls per case and server")
     ap.add_argument("--block", type=int, default=50, help="calls per block before switching server")
+    ap.add_argument("--no-pin", action="store_true", help="don't give the extender its own CPU")
     args = ap.parse_args()
+    if not args.no_pin:
+        pin_harness()
 
     results = []
     with Lab(replicas=1) as lab, tempfile.TemporaryDirectory() as tmp:
@@ -144,8 +162,9 @@ def main() -> int:
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
+    pinning = f"extender pinned to CPU {sorted(EXTENDER_CPUS)}" if EXTENDER_CPUS else "no CPU pinning"
     print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.calls} calls per cell\n")
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.calls} calls per cell; {pinning}\n")
     print("| nodes | case | guard p50 ms | guard p99 ms | guard calls/s | pass-through p50 ms | pass-through p99 ms "
           "| pass-through calls/s | p50 ratio (guard / pass-through) |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")

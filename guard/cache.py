@@ -53,6 +53,7 @@ class VerdictCache:
         self._timer = timer
         self._prepared: cachetools.TTLCache = cachetools.TTLCache(prepared_size, prepared_max_age, timer=timer)
         self._prepared_lock = threading.Lock()
+        self._asked: cachetools.TTLCache = cachetools.TTLCache(prepared_size, prepared_max_age, timer=timer)
         self._grace = prepared_grace
         self._ghosts: cachetools.TTLCache = cachetools.TTLCache(ghost_size, ghost_ttl, timer=timer)
         self._ghost_lock = threading.Lock()
@@ -108,6 +109,16 @@ class VerdictCache:
     def is_prepared(self, uid: str) -> bool:
         with self._prepared_lock:
             return uid in self._prepared
+
+    def mark_asked(self, uid: str) -> None:
+        """A scheduler has asked about this UID: background verification of it is moot."""
+        if uid:
+            with self._prepared_lock:
+                self._asked[uid] = True
+
+    def was_asked(self, uid: str) -> bool:
+        with self._prepared_lock:
+            return uid in self._asked
 
     def take_prepared(self, uid: str) -> Decision | None:
         """The prepared verdict if this call is the first attempt (or within the grace of it), else None.

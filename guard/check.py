@@ -79,23 +79,27 @@ class Checker:
             metrics.VERDICTS_PREPARED.inc()
             return prepared
         metrics.VERDICTS_INLINE.inc()
+        self.cache.mark_asked(pod.uid)
         decision, read = self._verify(pod)
         if decision.is_ghost:
             self._scheduled_ghost(pod, decision, read)
         return decision
 
-    def verify(self, pod: PodRef, *, prepare: bool = True) -> Decision:
+    def verify(self, pod: PodRef, *, prepare: bool = True) -> Decision | None:
         """Background verification (guard.prepare). With ``prepare``, an ``alive`` verdict is kept
         for the pod's first scheduling attempt; sweeps of already-known pods pass ``prepare=False``.
 
         A ghost found here is cached but not announced: most are pods deleted normally
         before their verification ran. The caller announces it (:meth:`announce`) when a
         replica still lists it. Goes through the same single-flight read cache, so a
-        /filter call that arrives while this GET is in flight waits for it.
+        /filter call that arrives while this GET is in flight waits for it. Returns None,
+        without a GET, for a new pod the scheduler already asked about (verified inline).
         """
         known = self.cache.ghost(pod.uid)
         if known is not None:
             return known
+        if prepare and self.cache.was_asked(pod.uid):
+            return None
         decision, _ = self._verify(pod)
         metrics.PREVERIFIED.labels(decision.verdict.value).inc()
         if prepare and decision.verdict is Verdict.ALIVE and pod.uid:

@@ -214,7 +214,7 @@ class Preverifier:
                 # usually a pod deleted before its turn came: cached, not announced. One found by
                 # the sweep (a replica has kept listing it) is a stale cache: announced.
                 decision = self.checker.verify(pod, prepare=not swept)
-                if decision.is_ghost and swept:
+                if decision is not None and decision.is_ghost and swept:
                     self.checker.announce(pod)
             except Exception:
                 log.exception("background verification of %s failed", pod)

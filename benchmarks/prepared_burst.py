@@ -1,0 +1,203 @@
+"""Pre-verification on the scheduling path: a serial client plays kube-scheduler.
+
+On the lab (real etcd, 3 apiserver replicas): pods are created while a serial
+client, with its own informer on replica 0 (LIST resourceVersion=0, then WATCH),
+makes one ``/filter`` call per pod as soon as the pod appears, like
+kube-scheduler. Run against the guard (pre-verification on) and against the
+minimal pass-through extender, alternating, in one run. The guard is stopped
+while the pass-through runs, so it takes no CPU from it.
+
+Reported per case: share of first calls answered from a prepared verdict (the
+guard's ``ghost_guard_verdicts_prepared_total`` vs ``..._inline_total``),
+``/filter`` p50/p99, quorum GETs per pod (the lab's request logs, all
+replicas), and the serial client's pods/s.
+
+Cases: ``burst`` (500 pods created by 4 threads as fast as the lab takes them)
+and ``trickle`` (10 pods/s).
+
+Run: ``python benchmarks/prepared_burst.py [--pods 500] [--trickle-seconds 20] [--rounds 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import orjson
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from benchmarks import filter_latency  # noqa: E402
+from benchmarks.filter_latency import free_port, pin_harness, start, stop  # noqa: E402
+from fixtures_lab import pod_manifest  # noqa: E402
+
+from guard.lab import Lab  # noqa: E402
+
+NODES = [f"node-{i:03d}" for i in range(100)]
+
+
+class Informer(threading.Thread):
+    """Unscheduled pods of one namespace, from one replica's watch cache, in arrival order."""
+
+    def __init__(self, lab: Lab, namespace: str) -> None:
+        super().__init__(daemon=True)
+        self.api = lab.core_v1(0)
+        self.namespace = namespace
+        self.pods: queue.Queue = queue.Queue()
+        self.ready = threading.Event()
+        self.stopping = False
+
+    def run(self) -> None:
+        lst = self.api.list_namespaced_pod(self.namespace, resource_version="0", _preload_content=False)
+        rv = orjson.loads(lst.data)["metadata"]["resourceVersion"]
+        resp = self.api.list_namespaced_pod(self.namespace, resource_version=rv, watch=True, timeout_seconds=600,
+                                            _preload_content=False)
+        self.ready.set()
+        buf = b""
+        try:
+            for chunk in resp.stream(65536):
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    ev = orjson.loads(line)
+                    if ev["type"] == "ADDED":
+                        self.pods.put((time.perf_counter(), ev["object"]))
+                if self.stopping:
+                    break
+        except Exception:  # the stream is cut when the case ends
+            if not self.stopping:
+                raise
+        finally:
+            resp.release_conn()
+
+
+def metric(url: str, name: str) -> float:
+    text = requests.get(url + "/metrics", timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def run_case(lab: Lab, namespace: str, extender: str, pods: int, rate: float | None) -> dict:
+    lab.core_v1(0).create_namespace({"metadata": {"name": namespace}})
+    informer = Informer(lab, namespace)
+    informer.start()
+    informer.ready.wait(10)
+    api = lab.core_v1(0)
+
+    def create(i: int) -> None:
+        api.create_namespaced_pod(namespace, pod_manifest(f"p-{i:04d}"), _request_timeout=10)
+
+    def creator() -> None:
+        if rate is None:
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(create, range(pods)))
+        else:
+            t0 = time.perf_counter()
+            for i in range(pods):
+                time.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+                create(i)
+
+    since = time.time()
+    threading.Thread(target=creator, daemon=True).start()
+    latencies, first_seen, done_at = [], None, None
+    session = requests.Session()
+    session.trust_env = False
+    for _ in range(pods):
+        seen, pod = informer.pods.get(timeout=60)
+        first_seen = first_seen or seen
+        meta = pod["metadata"]
+        body = orjson.dumps({"Pod": {"metadata": meta, "spec": pod["spec"], "status": pod.get("status", {})},
+                             "Nodes": None, "NodeNames": NODES})
+        t = time.perf_counter()
+        r = session.post(extender + "/filter", data=body, headers={"Content-Type": "application/json"}, timeout=10)
+        latencies.append(time.perf_counter() - t)
+        if r.status_code != 200 or r.json()["NodeNames"] != NODES:
+            raise RuntimeError(f"unexpected reply for {meta['name']}: {r.status_code} {r.text[:300]}")
+        done_at = time.perf_counter()
+    informer.stopping = True
+    gets = sum(len([q for q in rep.requests(method="GET", quorum=True, since=since)
+                    if q.path.startswith(f"/api/v1/namespaces/{namespace}/pods/")]) for rep in lab.replicas)
+    s = sorted(latencies)
+    return {"p50_ms": statistics.median(s) * 1000, "p99_ms": s[min(len(s) - 1, int(len(s) * 0.99))] * 1000,
+            "pods_per_s": pods / (done_at - first_seen), "gets_per_pod": gets / pods}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pods", type=int, default=500)
+    ap.add_argument("--trickle-seconds", type=float, default=20.0)
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of guard and pass-through per case")
+    ap.add_argument("--no-pin", action="store_true", help="don't give the extender its own CPU")
+    ap.add_argument("guard_flags", nargs="*", help="extra flags for ghost-guard serve (after --)")
+    args = ap.parse_args()
+    extra = args.guard_flags
+    if not args.no_pin:
+        pin_harness()
+    rows = []
+    with Lab(replicas=3) as lab, tempfile.TemporaryDirectory() as tmp:
+        cases = [("burst", args.pods, None), ("trickle 10/s", int(args.trickle_seconds * 10), 10.0)]
+        n = 0
+        for case, pods, rate in cases:
+            agg: dict[str, list[dict]] = {"guard": [], "pass-through": []}
+            prepared_share = []
+            for _round in range(args.rounds):
+                for which in ("guard", "pass-through"):
+                    n += 1
+                    port = free_port()
+                    if which == "guard":
+                        proc = start([sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind",
+                                      f"127.0.0.1:{port}", "--kubeconfig", lab.kubeconfig(0), "--no-access-log",
+                                      "--no-events", "--log-level", "warning", "--audit-db", f"{tmp}/{n}.db", *extra], port)
+                        url = f"http://127.0.0.1:{port}"
+                        deadline = time.monotonic() + 20  # wait until its watches run on every replica
+                        while requests.get(url + "/readyz", timeout=2).status_code != 200 and time.monotonic() < deadline:
+                            time.sleep(0.1)
+                        time.sleep(1.0)
+                    else:
+                        proc = start([sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "16", "-w", "1",
+                                      "--no-control-socket", "--log-level", "warning", "-b", f"127.0.0.1:{port}",
+                                      "benchmarks.passthrough_extender:app"], port)
+                        url = f"http://127.0.0.1:{port}"
+                    try:
+                        res = run_case(lab, f"b{n}", url, pods, rate)
+                        if which == "guard":
+                            prepared = metric(url, "ghost_guard_verdicts_prepared_total")
+                            inline = metric(url, "ghost_guard_verdicts_inline_total")
+                            prepared_share.append(prepared / max(1.0, prepared + inline))
+                        agg[which].append(res)
+                    finally:
+                        stop(proc)
+            g = {k: statistics.mean(r[k] for r in agg["guard"]) for k in agg["guard"][0]}
+            p = {k: statistics.mean(r[k] for r in agg["pass-through"]) for k in agg["pass-through"][0]}
+            rows.append((case, pods, statistics.mean(prepared_share), g, p))
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    pinning = (f"extender pinned to CPU {sorted(filter_latency.EXTENDER_CPUS)}" if filter_latency.EXTENDER_CPUS
+               else "no CPU pinning")
+    print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.rounds} rounds per cell, means; {pinning}\n")
+    print("| case | pods | first calls from a prepared verdict | guard p50 ms | guard p99 ms | pass-through p50 ms "
+          "| pass-through p99 ms | quorum GETs per pod | guard pods/s | pass-through pods/s | pods/s ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for case, pods, share, g, p in rows:
+        print(f"| {case} | {pods} | {share:.1%} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} | {p['p50_ms']:.2f} | "
+              f"{p['p99_ms']:.2f} | {g['gets_per_pod']:.2f} | {g['pods_per_s']:.0f} | {p['pods_per_s']:.0f} | "
+              f"{g['pods_per_s'] / p['pods_per_s']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
