@@ -22,6 +22,7 @@ the live pods bound in both phases).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -105,8 +106,6 @@ def _wait(cond: Any, timeout: float, what: str, interval: float = 0.02) -> Any:
 
 def _cached(api: Any, namespace: str, name: str) -> list[dict[str, Any]]:
     """The pod as one replica's watch cache serves it (LIST resourceVersion=0, by name)."""
-    import json
-
     resp = api.list_namespaced_pod(namespace, field_selector=f"metadata.name={name}", resource_version="0",
                                    _preload_content=False, _request_timeout=5)
     return json.loads(resp.data).get("items") or []
@@ -133,8 +132,6 @@ def create_ghost(lab: Any, stale: int, pod: dict[str, Any], *, writer: int = 0, 
     api = lab.core_v1(writer)
     stale_api = lab.core_v1(stale)
     created = api.create_namespaced_pod(namespace, pod, _preload_content=False, _request_timeout=5)
-    import json
-
     uid = json.loads(created.data)["metadata"]["uid"]
     _wait(lambda: _cached(stale_api, namespace, name), timeout, f"{namespace}/{name} in replica {stale}'s cache")
     lab.replicas[stale].faults.drop_deletes(namespace=namespace, name=name)
@@ -220,8 +217,6 @@ class GuardChild:
 
     def incident_lines(self) -> list[str]:
         """The messages the guard logged about stale replicas (logger ``guard.incident``)."""
-        import json
-
         if not self._log.closed:
             self._log.flush()
         found = []
