@@ -8,10 +8,14 @@ real pods (it never reaches /filter, the built-in plugins already failed it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from flask import Blueprint, Response, current_app, g, request
 
 from guard import extender
 from guard.http.app import guard_of, json_error
+from guard.verdict import Decision
 
 bp = Blueprint("extender", __name__)
 
@@ -22,35 +26,27 @@ def read_json_body() -> bytes | Response:
     return request.get_data(cache=False)
 
 
-@bp.post("/filter")
-def filter_nodes() -> Response:
+def _verb(parse: Callable, block: Callable[[Any, Decision], bytes], allow: Callable[[Any], bytes]) -> Response:
+    """Decode, check the pod, encode: the same three steps for both verbs."""
     body = read_json_body()
     if isinstance(body, Response):
         return body
-    args = extender.parse_filter(body)
+    args = parse(body)
     g.pod = args.pod
-    guard = guard_of(current_app)
-    decision = guard.checker.check(args.pod)
+    checker = guard_of(current_app).checker
+    decision = checker.check(args.pod)
     g.verdict = decision.verdict.value
-    if guard.checker.blocks(decision):
-        payload = extender.filter_reject(args, decision.reason)
-    else:
-        payload = extender.filter_pass(args)
+    payload = block(args, decision) if checker.blocks(decision) else allow(args)
     return Response(payload, mimetype="application/json")
+
+
+@bp.post("/filter")
+def filter_nodes() -> Response:
+    """A ghost: every node unresolvable, one reason. Otherwise every node passes, in the request's mode."""
+    return _verb(extender.parse_filter, lambda args, d: extender.filter_reject(args, d.reason), extender.filter_pass)
 
 
 @bp.post("/preempt")
 def preempt() -> Response:
-    body = read_json_body()
-    if isinstance(body, Response):
-        return body
-    args = extender.parse_preempt(body)
-    g.pod = args.pod
-    guard = guard_of(current_app)
-    decision = guard.checker.check(args.pod)
-    g.verdict = decision.verdict.value
-    if guard.checker.blocks(decision):
-        payload = extender.preempt_veto()
-    else:
-        payload = extender.preempt_allow(args)
-    return Response(payload, mimetype="application/json")
+    """A ghost: no node may lose a pod for it. Otherwise every candidate, as meta victims."""
+    return _verb(extender.parse_preempt, lambda args, d: extender.preempt_veto(), extender.preempt_allow)
