@@ -98,6 +98,24 @@ def latest(observations: Iterable[ReplicaObservation]) -> dict[str, ReplicaObser
     return newest
 
 
+def serves_as_pending(items: Iterable[dict], uid: str) -> bool:
+    """Whether a replica's cached copies of one pod name (a LIST's ``items``) would make a scheduler
+    try to place pod ``uid``: a copy with that UID, no ``spec.nodeName`` and no ``deletionTimestamp``.
+
+    This is what "serves the ghost" means for every ghost verdict: deleted or replaced (the
+    old UID is still listed), already bound (the copy is still unbound), terminating (the copy
+    has no deletionTimestamp). A replica that lists the pod bound, or terminating, is consistent.
+    Without a ``uid`` any schedulable copy counts.
+    """
+    for item in items:
+        meta = item.get("metadata") or {}
+        if uid and meta.get("uid") != uid:
+            continue
+        if not (item.get("spec") or {}).get("nodeName") and not meta.get("deletionTimestamp"):
+            return True
+    return False
+
+
 def stale_replicas(observations: Iterable[ReplicaObservation]) -> list[str]:
     """The replicas whose newest observation serves the ghost, sorted by name."""
     return sorted(r for r, obs in latest(observations).items() if obs.serves_ghost is True)

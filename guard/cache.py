@@ -54,6 +54,9 @@ class VerdictCache:
         self._prepared: cachetools.TTLCache = cachetools.TTLCache(prepared_size, prepared_max_age, timer=timer)
         self._prepared_lock = threading.Lock()
         self._asked: cachetools.TTLCache = cachetools.TTLCache(prepared_size, prepared_max_age, timer=timer)
+        # UIDs a replica's watch showed deleted, bound or terminating: facts from etcd's event stream
+        # (a stale cache misses events, it never invents them), so no verdict may call them alive.
+        self._gone: cachetools.TTLCache = cachetools.TTLCache(prepared_size, prepared_max_age, timer=timer)
         self._grace = prepared_grace
         self._ghosts: cachetools.TTLCache = cachetools.TTLCache(ghost_size, ghost_ttl, timer=timer)
         self._ghost_lock = threading.Lock()
@@ -93,18 +96,31 @@ class VerdictCache:
             entry.announced = True
             return entry.decision, entry.read, first
 
-    def prepare(self, uid: str, decision: Decision) -> None:
-        """Keep a background-verified ``alive`` verdict for the pod's first scheduling attempt."""
+    def prepare(self, uid: str, decision: Decision) -> bool:
+        """Keep a background-verified ``alive`` verdict for the pod's first scheduling attempt.
+
+        Refused (False) for a UID already seen gone: its GET may have been answered just before
+        the delete, and the DELETED event may have arrived before this call.
+        """
         with self._prepared_lock:
+            if uid in self._gone:
+                return False
             self._prepared[uid] = _Prepared(decision)
+            return True
 
     def invalidate(self, uid: str, namespace: str, name: str) -> bool:
-        """The pod was deleted, bound or is terminating: drop its prepared verdict and any quorum
-        read of its name still in the burst cache. True if there was a prepared verdict."""
+        """A replica's watch showed the pod deleted, bound or terminating: remember that, drop its
+        prepared verdict and any quorum read of its name in the burst cache. True if there was a
+        prepared verdict."""
         with self._read.cache_lock:
             self._reads.pop(hashkey(namespace, name), None)
         with self._prepared_lock:
+            self._gone[uid] = True
             return self._prepared.pop(uid, None) is not None
+
+    def seen_gone(self, uid: str) -> bool:
+        with self._prepared_lock:
+            return uid in self._gone
 
     def is_prepared(self, uid: str) -> bool:
         with self._prepared_lock:

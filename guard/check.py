@@ -110,6 +110,11 @@ class Checker:
         read, hit = self.cache.read(pod.namespace, pod.name)
         metrics.CACHE_LOOKUPS.labels("reads", "hit" if hit else "miss").inc()
         decision = decide(pod, read)
+        if decision.verdict is Verdict.ALIVE and self.cache.seen_gone(pod.uid):
+            # A read from before the delete (shared in flight or cached) contradicts what a watch
+            # already showed: ask etcd again, past the cache.
+            read = self._timed_get(pod.namespace, pod.name)
+            decision = decide(pod, read)
         if decision.is_ghost:
             self.cache.remember_ghost(pod.uid, decision, read)
         return decision, read

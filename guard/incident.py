@@ -29,9 +29,17 @@ from guard.audit import AuditError, AuditStore
 from guard.kube import Kube, ReplicaClient, emit_event
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
-from guard.verdict import Decision, PodRef, QuorumRead
+from guard.verdict import Decision, PodRef, QuorumRead, Verdict
 
 log = logging.getLogger(__name__)
+
+# What etcd says instead, by verdict: the words of the StaleWatchCache alert.
+_TRUTH = {
+    Verdict.GHOST_DELETED: "no longer has it",
+    Verdict.GHOST_REPLACED: "has another pod (another UID) under that name",
+    Verdict.ALREADY_BOUND: "has it bound to a node",
+    Verdict.TERMINATING: "has it terminating",
+}
 
 
 class IncidentRecorder:
@@ -45,6 +53,7 @@ class IncidentRecorder:
         self._last_probe: dict[str, float] = {}  # uid -> monotonic time of the last probe round
         self._stale: dict[str, set[str]] = {}  # replica address -> ghost UIDs it was confirmed to serve
         self._stale_pods: dict[str, PodRef] = {}  # uid -> pod, for ghosts some replica was confirmed to serve
+        self._verdicts: dict[str, Verdict] = {}  # uid -> its ghost verdict, for the words of the alert
         self._timers: list[threading.Timer] = []
         self._closed = False
 
@@ -56,6 +65,10 @@ class IncidentRecorder:
             "uid": read.uid or None, "node_name": read.node_name or None,
             "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}}
         self._record_block(pod, decision, evidence)
+        with self._lock:
+            if len(self._verdicts) > 100_000:
+                self._verdicts.clear()
+            self._verdicts[pod.uid] = decision.verdict
         self.probe(pod)
         if self.settings.events:
             self._event(pod, "GhostPodBlocked", f"kube-ghost-guard blocked scheduling: {decision.reason}")
@@ -87,7 +100,8 @@ class IncidentRecorder:
             self._later(self.settings.stale_confirm_delay, self._confirm, pod, serving)
         return observations
 
-    def _confirm(self, pod: PodRef, first: list[tuple[ReplicaClient, ReplicaObservation]]) -> None:
+    def _confirm(self, pod: PodRef, first: list[tuple[ReplicaClient, ReplicaObservation]],
+                 decision: Decision | None = None) -> None:
         for client, before in first:
             after = client.probe(pod.namespace, pod.name, pod.uid, at=time.time())
             self._record_probe(pod, after)
@@ -112,9 +126,12 @@ class IncidentRecorder:
         if not new:
             return
         metrics.STALE_REPLICA_DETECTIONS.labels(replica).inc()
-        message = (f"apiserver replica {client.replica} still serves pod {pod} uid {pod.uid} from its watch cache "
-                   f"(cache resourceVersion {obs.cache_resource_version}) although etcd no longer has it{note}; "
-                   f"restart that apiserver replica, then restart kube-scheduler so its informer re-lists")
+        with self._lock:
+            verdict = self._verdicts.get(pod.uid, Verdict.GHOST_DELETED)
+        message = (f"apiserver replica {client.replica} still serves pod {pod} uid {pod.uid} from its watch cache as "
+                   f"waiting to be scheduled (cache resourceVersion {obs.cache_resource_version}) although etcd "
+                   f"{_TRUTH[verdict]}{note}; restart that apiserver replica, then restart kube-scheduler so its "
+                   f"informer re-lists")
         log.warning("%s", message)
         if self.settings.events:
             self._event(pod, "StaleWatchCache", message, key=replica)

@@ -20,7 +20,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from guard.attribution import ReplicaObservation, http_error, transport_error
+from guard.attribution import ReplicaObservation, http_error, serves_as_pending, transport_error
 from guard.settings import Replica
 from guard.verdict import QuorumRead
 
@@ -175,12 +175,11 @@ class ReplicaClient:
         return doc.get("items") or [], str(rv) if rv else None, None
 
     def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
-        """Does this replica's watch cache still serve the ghost with this UID?"""
+        """Does this replica's watch cache still serve the ghost with this UID (as a pod to schedule)?"""
         items, rv, error = self.read_cache(namespace, name)
         if error:
             return ReplicaObservation(self.replica.address, None, None, error, at)
-        serves = any(((i.get("metadata") or {}).get("uid") == uid) if uid else True for i in items)
-        return ReplicaObservation(self.replica.address, serves, rv, None, at)
+        return ReplicaObservation(self.replica.address, serves_as_pending(items, uid), rv, None, at)
 
     def pending_pods(self, *, resource_version: str = "0") -> tuple[str, list[dict]]:
         """LIST unscheduled pods from this replica's cache: (list resourceVersion, items)."""

@@ -117,11 +117,7 @@ def test_ghost_causes_at_most_one_failed_bind_with_the_guard(lab, https_guard, s
 
 
 @pytest.mark.parametrize("guard_first", [
-    pytest.param(True, id="guard-watching", marks=pytest.mark.xfail(strict=False, reason=(
-        "guard race (guard/prepare.py + cache.prepare): the background quorum GET of a pod created and deleted "
-        "within milliseconds can store a prepared 'alive' verdict after the DELETED event already invalidated "
-        "it; the ghost's first /preempt then gets 'alive' and the real victim is evicted (intermittent, "
-        "seen under load)"))),
+    pytest.param(True, id="guard-watching"),
     pytest.param(False, id="guard-started-later"),
 ])
 def test_ghost_evicts_a_real_pod_without_the_guard_and_nobody_with_it(lab, https_guard, scheduler_on, guard_first):
