@@ -11,6 +11,7 @@ answer.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,8 @@ from guard.settings import Settings
 from guard.verdict import Decision, PodRef, QuorumRead, Verdict, decide
 
 log = logging.getLogger(__name__)
+
+FOLLOWUP_BACKLOG = 1000
 
 # Called once per newly seen ghost UID, off the request path.
 GhostListener = Callable[[PodRef, Decision, QuorumRead], None]
@@ -38,6 +41,9 @@ class Checker:
         self.listeners: list[GhostListener] = []
         self.sighting_listeners: list[SightingListener] = []
         self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghost-followup")
+        # Follow-ups (audit, probes, Events) waiting at most; beyond, they are dropped and counted, so a
+        # flood of distinct ghosts can never grow memory without bound. Verdicts are never affected.
+        self._followup_slots = threading.BoundedSemaphore(FOLLOWUP_BACKLOG)
 
     def _timed_get(self, namespace: str, name: str) -> QuorumRead:
         start = time.perf_counter()
@@ -135,12 +141,19 @@ class Checker:
         elif entry[2]:
             self._first_sighting(pod, entry[0], entry[1])
         elif self.sighting_listeners:
-            self._background.submit(self._notify, self.sighting_listeners, pod, entry[0])
+            self._followup(self.sighting_listeners, pod, entry[0])
 
     def _first_sighting(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
         metrics.GHOSTS_BLOCKED.labels(decision.verdict.value).inc()
         log.warning("%s", decision.reason)
-        self._background.submit(self._notify, self.listeners, pod, decision, read)
+        self._followup(self.listeners, pod, decision, read)
+
+    def _followup(self, listeners: list, pod: PodRef, *args) -> None:
+        if not self._followup_slots.acquire(blocking=False):
+            metrics.FOLLOWUPS_DROPPED.inc()
+            return
+        future = self._background.submit(self._notify, listeners, pod, *args)
+        future.add_done_callback(lambda _: self._followup_slots.release())
 
     def _notify(self, listeners: list, pod: PodRef, *args) -> None:
         for listener in listeners:

@@ -26,8 +26,12 @@ VERDICTS_INLINE = Counter("ghost_guard_verdicts_inline", "Scheduler calls that f
                           "and verified the pod inline (quorum GET on the scheduling path, or joined one in flight).")
 PREVERIFIED = Counter("ghost_guard_preverified", "Pods verified in the background (watch of unscheduled pods), "
                       "by verdict.", ["verdict"])
+PREVERIFY_DROPPED = Counter("ghost_guard_preverify_dropped", "New pods not queued for background verification "
+                            "because the queue was full (their first scheduling call verifies inline).")
 WATCH_RESTARTS = Counter("ghost_guard_watch_restarts", "Restarts of the unscheduled-pod watch on a replica, by reason "
                          "(expired = 410 re-list, error).", ["reason"])
+FOLLOWUPS_DROPPED = Counter("ghost_guard_followups_dropped", "Ghost follow-ups (audit record, replica probes, "
+                            "Events) dropped because too many were waiting; verdicts are unaffected.")
 GHOSTS_BLOCKED = Counter("ghost_guard_ghosts_blocked", "Distinct ghost pods (by UID) first blocked, by verdict.",
                          ["verdict"])
 CACHE_LOOKUPS = Counter("ghost_guard_cache_lookups", "Verdict cache lookups, by cache (ghosts, reads) and result.",

@@ -18,6 +18,7 @@ limited). The ``alive`` verdict then waits in the cache for the pod's first
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -33,6 +34,9 @@ from guard.settings import Settings
 from guard.verdict import PodRef
 
 log = logging.getLogger(__name__)
+
+# Pods waiting for background verification at most (a re-list of a huge backlog is rate limited).
+MAX_QUEUE = 100_000
 
 
 class RateLimiter:
@@ -89,7 +93,7 @@ class Preverifier:
         self.checker = checker
         self._limiter = RateLimiter(settings.verify_qps)
         self._slots = threading.BoundedSemaphore(settings.verify_concurrency)
-        self._queue: list[tuple[PodRef, bool]] = []  # (pod, from a sweep)
+        self._queue: collections.deque[tuple[PodRef, bool]] = collections.deque()  # (pod, from a sweep)
         self._queue_cond = threading.Condition()
         self._seen: cachetools.TTLCache = cachetools.TTLCache(500_000, settings.prepared_max_age)
         self._lock = threading.Lock()
@@ -197,6 +201,9 @@ class Preverifier:
 
     def _enqueue(self, pod: PodRef, *, swept: bool) -> None:
         with self._queue_cond:
+            if len(self._queue) >= MAX_QUEUE:  # the scheduler's call still verifies inline
+                metrics.PREVERIFY_DROPPED.inc()
+                return
             self._queue.append((pod, swept))
             self._queue_cond.notify()
 
@@ -207,7 +214,7 @@ class Preverifier:
                     self._queue_cond.wait(1.0)
                 if self._stop.is_set():
                     return
-                pod, swept = self._queue.pop(0)
+                pod, swept = self._queue.popleft()
             self._limiter.acquire()
             try:
                 # A new pod gets a prepared verdict for its first attempt. A ghost found then is
