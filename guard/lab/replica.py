@@ -296,13 +296,15 @@ class Replica:
                 pass
         self._stopping.set()
         server, self._server = self._server, None
-        server.shutdown()
+        if self._thread is not None and self._thread.is_alive():
+            server.shutdown()  # only a running serve_forever() can answer shutdown(); else it waits forever
         server.server_close()
         server.drop_connections()
         if self.cache is not None:
             self.cache.stop()
         if self._thread is not None:
             self._thread.join(5)
+            self._thread = None
 
     def restart(self) -> None:
         """Stop and start again: the new cache is rebuilt from etcd (a rolling restart heals a missed delete)."""

@@ -105,3 +105,18 @@ def test_etcd_dies_with_a_sigkilled_parent(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_run_lab_on_a_taken_port_fails_cleanly(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.2", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = tmp_path / "lab"
+        proc = subprocess.run([sys.executable, "-c", SCRIPT.format(args=f"2, None, {port}, {str(out)!r}")],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("ghost-guard lab: cannot start: [Errno 98] Address already in use"), proc.stderr
+    assert not (out / "etcd").exists()
