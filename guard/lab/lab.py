@@ -27,7 +27,7 @@ class Lab:
 
     def __init__(self, replicas: int = 3, *, port: int | None = None, out_dir: str | None = None,
                  token: str | None = None, bookmark_interval: float = 1.0, history_size: int = 10000,
-                 consistent_read_timeout: float = 3.0) -> None:
+                 consistent_read_timeout: float = 3.0, peer_advertise_address: bool = False) -> None:
         if not 1 <= replicas <= 200:
             raise ValueError("replicas must be between 1 and 200")
         self.n = replicas
@@ -37,7 +37,7 @@ class Lab:
         os.makedirs(self.out_dir, exist_ok=True)
         self.token = token or secrets.token_urlsafe(24)
         self._opts = {"bookmark_interval": bookmark_interval, "history_size": history_size,
-                      "consistent_read_timeout": consistent_read_timeout}
+                      "consistent_read_timeout": consistent_read_timeout, "peer_advertise_address": peer_advertise_address}
         self.ca = CA()
         self.ca_path = os.path.join(self.out_dir, "ca.crt")
         with open(self.ca_path, "wb") as f:

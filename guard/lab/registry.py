@@ -418,8 +418,12 @@ class Registry:
                 if ok:
                     break
 
-    def write_identity_lease(self, hostname: str) -> Obj:
-        """The apiserver identity lease (pkg/controlplane/apiserver/server.go, controller/apiserverleasegc)."""
+    def write_identity_lease(self, hostname: str, peer_address: str | None = None) -> Obj:
+        """The apiserver identity lease (pkg/controlplane/apiserver/server.go, controller/apiserverleasegc).
+
+        ``peer_address`` ("IP:PORT") adds the ``kubernetes.io/peer-advertise-address`` annotation, which
+        only the UnknownVersionInteroperabilityProxy feature gate sets (k8s.io/api/core/v1 well_known_labels).
+        """
         digest = hashlib.sha256(hostname.encode()).digest()[:16]
         lease_name = "apiserver-" + base64.b32encode(digest).decode().rstrip("=").lower()
         r = resource_for("coordination.k8s.io", "v1", "leases")
@@ -427,8 +431,12 @@ class Registry:
         holder = f"{lease_name}_{uuid.uuid4()}"
         spec = {"holderIdentity": holder, "leaseDurationSeconds": 3600, "renewTime": now_micro()}
         labels = {"apiserver.kubernetes.io/identity": "kube-apiserver", "kubernetes.io/hostname": hostname}
+        annotations = {"kubernetes.io/peer-advertise-address": peer_address} if peer_address else {}
+        meta: Obj = {"name": lease_name, "labels": labels}
+        if annotations:
+            meta["annotations"] = annotations
         try:
-            return self.create(r, "kube-system", {"metadata": {"name": lease_name, "labels": labels}, "spec": spec})
+            return self.create(r, "kube-system", {"metadata": meta, "spec": spec})
         except Exception as e:  # noqa: BLE001
             if getattr(e, "reason", "") != "AlreadyExists":
                 raise
@@ -436,6 +444,10 @@ class Registry:
         def change(cur: Obj) -> Obj:
             cur["spec"] = spec
             _meta(cur)["labels"] = labels
+            if annotations:
+                _meta(cur)["annotations"] = annotations
+            else:
+                _meta(cur).pop("annotations", None)
             return cur
 
         return self._guaranteed_update(r, "kube-system", lease_name, change)

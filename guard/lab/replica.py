@@ -209,7 +209,7 @@ class Replica:
 
     def __init__(self, index: int, ip: str, port: int, etcd_url: str, token: str, serving: KeyPair, *,
                  bookmark_interval: float = 1.0, history_size: int = 10000, consistent_read_timeout: float = 3.0,
-                 endpoints: bool = True) -> None:
+                 endpoints: bool = True, peer_advertise_address: bool = False) -> None:
         self.index = index
         self.ip = ip
         self.port = port
@@ -221,6 +221,7 @@ class Replica:
         self.history_size = history_size
         self.consistent_read_timeout = consistent_read_timeout
         self._endpoints = endpoints
+        self._peer_advertise = peer_advertise_address
         self._etcd = EtcdClient(etcd_url)
         self.registry = Registry(self._etcd)
         self.cache: WatchCache | None = None
@@ -273,7 +274,8 @@ class Replica:
                                  name=f"replica-{self.index}-register").start()
 
     def _register(self) -> None:
-        self.identity_lease = self.registry.write_identity_lease(self.hostname)
+        peer = f"{self.ip}:{self.port}" if self._peer_advertise else None
+        self.identity_lease = self.registry.write_identity_lease(self.hostname, peer)
         self.registry.reconcile_endpoints(self.ip, self.port, present=True)
 
     def _register_later(self, stopping: threading.Event) -> None:

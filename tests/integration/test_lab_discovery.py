@@ -73,3 +73,15 @@ def test_a_crashed_replica_stays_listed(lab):
     lab.replicas[2].stop(graceful=False)
     ep = lab.core_v1(0).read_namespaced_endpoints("kubernetes", "default", _request_timeout=5)
     assert [a.ip for a in ep.subsets[0].addresses] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+
+
+def test_identity_leases_carry_the_peer_address_only_when_asked(lab_factory, shared_lab):
+    plain = shared_lab.coordination_v1(0).list_namespaced_lease(
+        "kube-system", label_selector="apiserver.kubernetes.io/identity=kube-apiserver", _request_timeout=5).items
+    assert [l.metadata.annotations for l in plain] == [None, None, None]
+    lab = lab_factory(2, peer_advertise_address=True)
+    leases = lab.coordination_v1(0).list_namespaced_lease(
+        "kube-system", label_selector="apiserver.kubernetes.io/identity=kube-apiserver", _request_timeout=5).items
+    by_host = {l.metadata.labels["kubernetes.io/hostname"]: l.metadata.annotations for l in leases}
+    assert by_host == {f"lab-apiserver-{i}": {"kubernetes.io/peer-advertise-address": f"127.0.0.{i + 1}:{lab.port}"}
+                       for i in range(2)}
