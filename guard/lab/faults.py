@@ -22,7 +22,8 @@ class FaultError(ValueError):
 
 @dataclass
 class FaultRule:
-    """A request fault: requests whose method and path (regex, full match) match it are delayed, failed or hung."""
+    """A request fault: requests whose method, path and raw query string (regexes, full match) match it
+    are delayed, failed or hung (``query="resourceVersion=0.*"``; ``query=""`` only requests without one)."""
 
     id: int
     action: str
@@ -32,15 +33,19 @@ class FaultRule:
     seconds: float | None = None
     count: int | None = None  # how many more requests it applies to; None: until removed
     hits: int = 0
+    query: str | None = None
     _regex: re.Pattern[str] | None = field(default=None, repr=False, compare=False)
+    _query_regex: re.Pattern[str] | None = field(default=None, repr=False, compare=False)
 
-    def matches(self, method: str, path: str) -> bool:
+    def matches(self, method: str, path: str, query: str = "") -> bool:
         if self.method and self.method != method:
+            return False
+        if self._query_regex is not None and self._query_regex.fullmatch(query) is None:
             return False
         return self._regex is None or self._regex.fullmatch(path) is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "action": self.action, "method": self.method, "path": self.path,
+        return {"id": self.id, "action": self.action, "method": self.method, "path": self.path, "query": self.query,
                 "status": self.status, "seconds": self.seconds, "count": self.count, "hits": self.hits}
 
 
@@ -93,7 +98,7 @@ class Faults:
     # --- request faults -----------------------------------------------------
 
     def add(self, action: str, *, method: str | None = None, path: str | None = None, status: int | None = None,
-            seconds: float | None = None, count: int | None = None) -> FaultRule:
+            seconds: float | None = None, count: int | None = None, query: str | None = None) -> FaultRule:
         """Add a request fault. ``action``: "latency" (``seconds``), "status" (``status``, e.g. 429/500), "hang"."""
         if action not in ACTIONS:
             raise FaultError(f"action must be one of {', '.join(ACTIONS)}, not {action!r}")
@@ -107,8 +112,12 @@ class Faults:
             regex = re.compile(path) if path else None
         except re.error as e:
             raise FaultError(f"path is not a valid regex: {e}") from e
+        try:
+            query_regex = re.compile(query) if query is not None else None
+        except re.error as e:
+            raise FaultError(f"query is not a valid regex: {e}") from e
         rule = FaultRule(0, action, method.upper() if method else None, path, int(status) if status else None,
-                         seconds, count, _regex=regex)
+                         seconds, count, query=query, _regex=regex, _query_regex=query_regex)
         with self._lock:
             rule.id = next(self._ids)
             self._rules.append(rule)
@@ -123,11 +132,11 @@ class Faults:
             self._lock.notify_all()
             return before != len(self._rules) + len(self._drops)
 
-    def match(self, method: str, path: str) -> FaultRule | None:
+    def match(self, method: str, path: str, query: str = "") -> FaultRule | None:
         """The first rule matching this request (its count consumed), or None."""
         with self._lock:
             for rule in self._rules:
-                if rule.matches(method, path):
+                if rule.matches(method, path, query):
                     rule.hits += 1
                     if rule.count is not None:
                         rule.count -= 1
@@ -232,7 +241,7 @@ class Faults:
         if not isinstance(body, dict):
             raise FaultError("body must be a JSON object")
         action = body.get("action")
-        allowed = {"action", "method", "path", "status", "seconds", "count", "namespace", "name", "resource"}
+        allowed = {"action", "method", "path", "query", "status", "seconds", "count", "namespace", "name", "resource"}
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise FaultError(f"unknown field(s): {', '.join(unknown)}")
@@ -256,4 +265,5 @@ class Faults:
             raise FaultError("action is required")
         secs = opt("seconds", (int, float))
         return self.add(action, method=opt("method", str), path=opt("path", str), status=opt("status", int),
-                        seconds=float(secs) if secs is not None else None, count=opt("count", int)).to_dict()
+                        seconds=float(secs) if secs is not None else None, count=opt("count", int),
+                        query=opt("query", str)).to_dict()

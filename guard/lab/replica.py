@@ -395,7 +395,7 @@ class Replica:
             raise unauthorized()
 
     def _apply_faults(self, ctx: _Ctx) -> None:
-        rule = self.faults.match(ctx.method, ctx.path)
+        rule = self.faults.match(ctx.method, ctx.path, urllib.parse.urlsplit(ctx.handler.path).query)
         if rule is None:
             return
         if rule.action == "latency":

@@ -62,8 +62,8 @@ def test_hang_until_cleared(shared_lab):
 def test_admin_endpoint_adds_lists_and_removes_faults(shared_lab):
     status, rule = raw(shared_lab, 1, "POST", "/lab/faults", body={"action": "status", "status": 429, "path": "/api/v1/nodes", "count": 1})
     assert status == 201
-    assert rule == {"id": rule["id"], "action": "status", "method": None, "path": "/api/v1/nodes", "status": 429,
-                    "seconds": None, "count": 1, "hits": 0}
+    assert rule == {"id": rule["id"], "action": "status", "method": None, "path": "/api/v1/nodes", "query": None,
+                    "status": 429, "seconds": None, "count": 1, "hits": 0}
     status, drop = raw(shared_lab, 1, "POST", "/lab/faults", body={"action": "drop-deletes", "namespace": "default", "name": "x"})
     assert status == 201
     status, snap = raw(shared_lab, 1, "GET", "/lab/faults")
@@ -177,3 +177,14 @@ def test_admin_request_log_and_cache_state(lab):
     status, cache = raw(lab, 2, "GET", "/lab/cache")
     assert status == 200
     assert (cache["ready"], cache["resourceVersion"], cache["relists"]) == (True, str(lab.revision()), 1)
+
+
+def test_a_query_regex_targets_only_quorum_gets(shared_lab, lab_namespace):
+    """query="" matches requests without a query string: the quorum GET, not the cache read."""
+    shared_lab.core_v1(0).create_namespaced_pod(lab_namespace, pod_manifest("p"), _request_timeout=5)
+    path = f"/api/v1/namespaces/{lab_namespace}/pods/p"
+    status, _ = raw(shared_lab, 1, "POST", "/lab/faults", body={"action": "status", "status": 500, "method": "GET",
+                                                                "path": path, "query": ""})
+    assert status == 201
+    assert raw(shared_lab, 1, "GET", path)[0] == 500
+    assert raw(shared_lab, 1, "GET", path + "?resourceVersion=0")[0] == 200
