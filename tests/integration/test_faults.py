@@ -33,7 +33,7 @@ import pytest
 import requests
 from fixtures_lab import make_ghost, pod_manifest
 
-from conftest import GuardProcess
+from guardproc import GuardProcess
 from guard.lab import Lab
 
 pytestmark = pytest.mark.timeout(180)

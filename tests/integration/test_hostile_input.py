@@ -23,7 +23,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import GuardProcess
+from guardproc import GuardProcess
 
 pytestmark = pytest.mark.timeout(240)
 

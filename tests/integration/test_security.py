@@ -35,7 +35,7 @@ import requests
 import yaml
 from fixtures_lab import make_ghost
 
-from conftest import REPO, GuardProcess
+from guardproc import REPO, GuardProcess
 from guard.certs import generate
 
 pytestmark = pytest.mark.timeout(180)
