@@ -451,16 +451,12 @@ def test_code_calls_are_derived():
     assert ("kube-system", "coordination.k8s.io", "leases", "list") in calls
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="finding F4 (docs/RELIABILITY.md): emit_event reads core events on a 409, "
-                   "the ClusterRole grants events create/patch only")
 def test_rbac_grants_every_call_the_code_makes():
     grants = manifest_grants()
     missing = sorted(c for c in code_calls() if not covered(c, grants))
     assert missing == [], f"called but not granted: {missing}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="finding F5 (docs/RELIABILITY.md): events.k8s.io create/patch, endpoints list, "
-                   "endpointslices get and leases get are granted but never called")
 def test_rbac_grants_nothing_beyond_the_calls():
     calls = code_calls()
     extra = sorted(g for g in manifest_grants() if not any(

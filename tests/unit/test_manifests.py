@@ -171,11 +171,10 @@ def test_every_manifest_file_is_commented():
 EXPECTED_RULES = {
     # (namespace or "*" for cluster-wide, apiGroup, resource, verb)
     ("*", "", "pods", "get"), ("*", "", "pods", "list"), ("*", "", "pods", "watch"),
-    ("*", "", "events", "create"), ("*", "", "events", "patch"),
-    ("*", "events.k8s.io", "events", "create"), ("*", "events.k8s.io", "events", "patch"),
-    ("default", "", "endpoints", "get"), ("default", "", "endpoints", "list"),
-    ("default", "discovery.k8s.io", "endpointslices", "get"), ("default", "discovery.k8s.io", "endpointslices", "list"),
-    ("kube-system", "coordination.k8s.io", "leases", "get"), ("kube-system", "coordination.k8s.io", "leases", "list"),
+    ("*", "", "events", "create"), ("*", "", "events", "get"), ("*", "", "events", "patch"),
+    ("default", "", "endpoints", "get"),
+    ("default", "discovery.k8s.io", "endpointslices", "list"),
+    ("kube-system", "coordination.k8s.io", "leases", "list"),
 }
 
 
