@@ -411,6 +411,7 @@ class Replica:
             raise ApiError(code, "BadRequest", "lab fault")
         elif rule.action == "hang":
             ctx.source = "fault"
+            self._record(ctx)  # logged on arrival: a hung request never gets an answer to log it by
             self.faults.hang(rule, self._stopping)
             raise _Dropped()
 
