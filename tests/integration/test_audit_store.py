@@ -105,7 +105,10 @@ def test_every_acknowledged_record_survives_kill_9_mid_burst(db: str, spawn, kil
         assert line.endswith("\n"), writer.stderr.read()
         acked.append(line.strip())
     os.kill(writer.pid, signal.SIGKILL)  # mid-burst: the writer never stops on its own
-    rest, _ = writer.communicate(timeout=30)
+    # Read the rest through the same buffered stream: communicate() would read the raw pipe and lose the
+    # lines readline() already buffered ahead.
+    rest = writer.stdout.read()
+    writer.wait(timeout=30)
     assert writer.returncode == -signal.SIGKILL
     acked += [line for line in rest.split("\n")[:-1]]  # complete lines only: each was printed after its commit
 
