@@ -21,9 +21,21 @@ bp = Blueprint("extender", __name__)
 
 
 def read_json_body() -> bytes | Response:
+    """The request body, or an error reply: 415 unless JSON, 413 over ``--max-body-bytes``.
+
+    With a Content-Length, werkzeug refuses an oversized body before reading it. A
+    chunked body has none: it is read up to one byte past the limit, so an oversized
+    one is refused instead of being cut at the limit and parsed.
+    """
     if request.mimetype != "application/json":
         return json_error(415, f"Content-Type must be application/json, got {request.mimetype or 'none'!r}")
-    return request.get_data(cache=False)
+    if request.content_length is not None:
+        return request.get_data(cache=False)
+    limit = current_app.config["MAX_CONTENT_LENGTH"]
+    body = request.environ["wsgi.input"].read(limit + 1)
+    if len(body) > limit:
+        return json_error(413, f"request body larger than the limit ({limit} bytes, --max-body-bytes)")
+    return body
 
 
 def _verb(parse: Callable, block: Callable[[Any, Decision], bytes], allow: Callable[[Any], bytes]) -> Response:

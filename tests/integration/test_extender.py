@@ -314,3 +314,14 @@ def test_startup_errors_exit_2_with_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.startswith("ghost-guard serve: cannot load cluster credentials from ")
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_chunked_body_under_the_cap_is_read_whole(guard):
+    """No Content-Length (chunked transfer): read to the end, not cut."""
+    def chunks():
+        yield b'{"Pod": {"metadata": {"name": "p", "namespace": "d", "uid": "u"}}, "Nodes": null, '
+        yield b'"NodeNames": ["node-a", "node-b", "node-c"]}'
+
+    r = guard.post("/filter", chunks())
+    assert r.status_code == 200, r.text
+    assert r.json()["NodeNames"] == NAMES

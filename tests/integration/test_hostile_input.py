@@ -433,8 +433,6 @@ def test_body_over_the_limit(guard):
     assert_error_reply(resp)
 
 
-@pytest.mark.xfail(strict=True, reason="finding F1 (docs/RELIABILITY.md): a chunked body is cut at "
-                   "--max-body-bytes and parsed (400 invalid JSON) instead of answered 413")
 def test_chunked_body_over_the_limit(guard):
     """No Content-Length: the limit holds while reading the stream."""
 
