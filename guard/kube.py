@@ -87,6 +87,8 @@ class Kube:
             # A 404 that is not the apiserver's "pods NAME not found" (a proxy, a wrong path) is
             # no evidence that the pod is gone: treat it as an error and fail open.
             return QuorumRead.failed(f"HTTP {e.status} {reason or 'error'}", http_status=e.status or 0)
+        except urllib3.exceptions.NewConnectionError as e:  # before TimeoutError: urllib3 makes it a subclass
+            return QuorumRead.failed(f"connection error: {type(e).__name__}")
         except (urllib3.exceptions.TimeoutError, TimeoutError):
             return QuorumRead.failed(f"timeout after {self.timeout:g}s")
         except (urllib3.exceptions.HTTPError, OSError) as e:
@@ -165,6 +167,8 @@ class ReplicaClient:
                 return [], None, transport_error("unreachable", "TLS error")
             reason, _ = _status_reason(e)
             return [], None, http_error(e.status, reason)
+        except urllib3.exceptions.NewConnectionError as e:  # before TimeoutError: urllib3 makes it a subclass
+            return [], None, transport_error("unreachable", type(e).__name__)
         except (urllib3.exceptions.TimeoutError, TimeoutError):
             return [], None, transport_error("timeout", f"after {self.timeout:g}s")
         except (urllib3.exceptions.HTTPError, OSError) as e:

@@ -295,9 +295,10 @@ def test_readyz_is_503_when_the_apiserver_is_unreachable(start_guard, tmp_path):
     r = g.session.get(g.url("/readyz"), timeout=5)
     assert r.status_code == 503
     assert r.json()["problems"] == ["apiserver unreachable: NewConnectionError"]
-    # and a scheduling call still answers: fail open
+    # and a scheduling call still answers: fail open, with the cause named (a refusal is not a timeout)
     out = g.post("/filter", filter_body(scheduler_pod("d", "p", "u"), "names")).json()
     assert out["NodeNames"] == NAMES
+    assert "quorum read of pod d/p uid u failed: connection error: NewConnectionError; failing open" in g.logs()
 
 
 def test_startup_errors_exit_2_with_one_line(tmp_path):
