@@ -55,6 +55,7 @@ import orjson
 
 REPO = Path(__file__).resolve().parent.parent
 NODE_NAMES = [f"node-{i}" for i in range(50)]
+SCHEDULER_HTTP_TIMEOUT = 5.0  # kube-scheduler's extender httpTimeout: a later reply is a failed request
 FILTER_KEYS = {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
 
 
@@ -231,6 +232,7 @@ class Stats:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.latencies: list[float] = []  # from the scheduled send time
+        self.service: list[float] = []  # from the actual send
         self.failures: Counter[str] = Counter()
         self.examples: dict[str, str] = {}
         self.kinds: Counter[str] = Counter()
@@ -290,6 +292,7 @@ def run_load(port: int, rate: float, seconds: float, pick, stats: Stats, threads
             if delay > 0:
                 time.sleep(delay)
             kind, body = pick(i)
+            sent_at = time.monotonic()
             try:
                 status, data = request(port, "POST", "/filter", body, conn)
             except (OSError, http.client.HTTPException) as e:
@@ -297,10 +300,13 @@ def run_load(port: int, rate: float, seconds: float, pick, stats: Stats, threads
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
                 continue
-            elapsed = time.monotonic() - due
+            done = time.monotonic()
             check_reply(stats, kind, status, data)
+            if done - sent_at > SCHEDULER_HTTP_TIMEOUT:
+                stats.fail("late", f"answered after {done - sent_at:.2f}s (kube-scheduler gives up at 5s)")
             with stats.lock:
-                stats.latencies.append(elapsed)
+                stats.latencies.append(done - due)
+                stats.service.append(done - sent_at)
                 stats.kinds[kind] += 1
         conn.close()
 
@@ -378,11 +384,12 @@ def main() -> int:
                     "fail_open": metric_sum(m, "ghost_guard_fail_open_total"),
                     "quorum_gets": metric_sum(m, "ghost_guard_quorum_get_duration_seconds_count"),
                     "requests": metric_sum(m, "ghost_guard_requests_total", endpoint="/filter"),
+                    "followups_dropped": metric_sum(m, "ghost_guard_followups_dropped_total"),
                 })
                 s = samples[-1]
                 print(f"  t={s['t']:>6}s worker RSS {s['worker_rss_mb']} MB, /filter {int(s['requests'])}, "
                       f"quorum GETs {int(s['quorum_gets'])}, fail-open {int(s['fail_open'])}, "
-                      f"ghosts blocked {int(s['ghosts_blocked'])}", flush=True)
+                      f"ghosts blocked {int(s['ghosts_blocked'])}, follow-ups dropped {int(s['followups_dropped'])}", flush=True)
                 if stop_bg.wait(10):
                     return
 
@@ -449,11 +456,16 @@ def main() -> int:
                            "p99": round(percentile(lat, 99) * 1000, 2), "p999": round(percentile(lat, 99.9) * 1000, 2),
                            "max": round(max(lat) * 1000, 2) if lat else None,
                            "mean": round(statistics.fmean(lat) * 1000, 2) if lat else None},
+            # From the actual send (excludes the load generator's own backlog when the guard falls behind).
+            "service_ms": {f"p{q}": round(percentile(steady.service, q) * 1000, 2) for q in (50, 90, 99, 99.9)}
+            | {"max": round(max(steady.service) * 1000, 2) if steady.service else None},
             "injected_500": injected["n"],
             "quorum_gets": metric_sum(m1, "ghost_guard_quorum_get_duration_seconds_count")
             - metric_sum(m0, "ghost_guard_quorum_get_duration_seconds_count"),
             "fail_open": metric_sum(m1, "ghost_guard_fail_open_total") - metric_sum(m0, "ghost_guard_fail_open_total"),
             "ghosts_passed_by_fail_open": steady.passed_ghosts,
+            "followups_dropped": metric_sum(m1, "ghost_guard_followups_dropped_total")
+            - metric_sum(m0, "ghost_guard_followups_dropped_total"),
             "http_500_from_guard": metric_sum(m1, "ghost_guard_requests_total", endpoint="/filter", code="500"),
             # Inside the guard (its own histogram; bucket upper bounds): excludes client-side queueing.
             "guard_side_ms": {f"p{q}": round(1000 * (histogram_quantile(
@@ -496,6 +508,8 @@ def main() -> int:
                         conn = http.client.HTTPConnection("127.0.0.1", guard.port, timeout=10)
                         continue
                     check_reply(flood, "ghost", status, data)
+                    if time.monotonic() - t > SCHEDULER_HTTP_TIMEOUT:
+                        flood.fail("late", f"answered after {time.monotonic() - t:.2f}s (kube-scheduler gives up at 5s)")
                     with flood.lock:
                         flood.latencies.append(time.monotonic() - t)
                     with uid_lock:
