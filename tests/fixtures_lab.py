@@ -96,6 +96,20 @@ def pod_manifest(name: str, *, labels: dict[str, str] | None = None, node: str |
     return pod
 
 
+def quorum_pod(api, name: str, namespace: str = "default") -> dict | None:
+    """The pod as etcd has it (GET without resourceVersion), as JSON, or None when it is gone."""
+    import json
+
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return json.loads(api.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=5).data)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
 def cached_names(lab: Lab, replica: int, namespace: str) -> list[str]:
     """Pod names replica ``replica``'s watch cache serves (LIST resourceVersion=0)."""
     items = lab.core_v1(replica).list_namespaced_pod(namespace, resource_version="0", _request_timeout=5).items

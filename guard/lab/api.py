@@ -444,7 +444,7 @@ def apply_patch(content_type: str, target: Obj, body: bytes) -> Obj:
         return merge_patch(target, patch)
     if ct == "application/strategic-merge-patch+json":
         return strategic_merge_patch(target, patch)
-    raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: "
+    raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - accepted media types include: "
                    "application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json")
 
 

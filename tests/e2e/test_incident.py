@@ -14,7 +14,7 @@ import re
 import time
 
 import pytest
-from kubernetes.client.exceptions import ApiException
+from fixtures_lab import quorum_pod
 
 from guard.lab.demo import create_ghost, node_manifest, pod_manifest, run_demo
 from guard.lab.scheduler import PodStats, Scheduler, Timings
@@ -32,15 +32,6 @@ def create(api, obj):
     if obj["kind"] == "Node":
         return json.loads(api.create_node(obj, _preload_content=False, _request_timeout=5).data)
     return json.loads(api.create_namespaced_pod("default", obj, _preload_content=False, _request_timeout=5).data)
-
-
-def quorum_pod(api, name):
-    try:
-        return json.loads(api.read_namespaced_pod(name, "default", _preload_content=False, _request_timeout=5).data)
-    except ApiException as e:
-        if e.status == 404:
-            return None
-        raise
 
 
 def eventually(fn, timeout=WAIT):

@@ -9,7 +9,7 @@ import json
 import time
 
 import pytest
-from kubernetes.client.exceptions import ApiException
+from fixtures_lab import quorum_pod
 
 from guard.lab.demo import create_ghost, node_manifest, pod_manifest
 from guard.lab.scheduler import PodStats, Scheduler, Timings
@@ -33,16 +33,6 @@ def create(api, obj):
     else:
         resp = api.create_namespaced_pod(obj["metadata"]["namespace"], obj, _preload_content=False, _request_timeout=5)
     return json.loads(resp.data)
-
-
-def quorum_pod(api, name, namespace="default"):
-    """The pod as etcd has it (GET without resourceVersion), or None."""
-    try:
-        return json.loads(api.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=5).data)
-    except ApiException as e:
-        if e.status == 404:
-            return None
-        raise
 
 
 def eventually(fn, timeout=WAIT):
