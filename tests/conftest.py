@@ -15,7 +15,7 @@ except ImportError as e:  # pragma: no cover - reported, not hidden
     if "fixtures_lab" not in str(e):
         raise
 
-from guardproc import REPO, GuardProcess, free_port  # noqa: E402,F401  (re-exported for fixtures)
+from guardproc import GuardProcess  # noqa: E402
 
 
 @pytest.fixture
