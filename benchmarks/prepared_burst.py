@@ -1,6 +1,6 @@
 """Pre-verification on the scheduling path: a serial client plays kube-scheduler.
 
-On the lab (real etcd, 3 apiserver replicas): pods are created while a serial
+On the lab (real etcd, 3 apiserver replicas, in its own process): pods are created while a serial
 client, with its own informer on replica 0 (LIST resourceVersion=0, then WATCH),
 makes one ``/filter`` call per pod as soon as the pod appears, like
 kube-scheduler. Run against the guard (pre-verification on) and against the
@@ -12,8 +12,11 @@ guard's ``ghost_guard_verdicts_prepared_total`` vs ``..._inline_total``),
 ``/filter`` p50/p99, quorum GETs per pod (the lab's request logs, all
 replicas), and the serial client's pods/s.
 
-Cases: ``burst`` (500 pods created by 4 threads as fast as the lab takes them)
-and ``trickle`` (10 pods/s).
+Cases: ``burst`` (500 pods created by 4 threads as fast as the lab takes them,
+while the client runs: it keeps pace with creation, so every pod is a race
+between the guard's background GET and the client's call), ``backlog`` (the
+same 500 pods land before the client reaches them, as when the scheduler is
+busy: pre-verification's design case) and ``trickle`` (10 pods/s).
 
 Run: ``python benchmarks/prepared_burst.py [--pods 500] [--trickle-seconds 20] [--rounds 2]``.
 """
@@ -44,15 +47,13 @@ from benchmarks import filter_latency  # noqa: E402
 from benchmarks.filter_latency import free_port, pin_harness, start, stop  # noqa: E402
 from fixtures_lab import pod_manifest  # noqa: E402
 
-from guard.lab import Lab  # noqa: E402
-
 NODES = [f"node-{i:03d}" for i in range(100)]
 
 
 class Informer(threading.Thread):
     """Unscheduled pods of one namespace, from one replica's watch cache, in arrival order."""
 
-    def __init__(self, lab: Lab, namespace: str) -> None:
+    def __init__(self, lab: "LabProcess", namespace: str) -> None:
         super().__init__(daemon=True)
         self.api = lab.core_v1(0)
         self.namespace = namespace
@@ -89,7 +90,57 @@ def metric(url: str, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
-def run_case(lab: Lab, namespace: str, extender: str, pods: int, rate: float | None) -> dict:
+class LabProcess:
+    """The lab in its own process (benchmarks/soak_lab.py), so the lab's replica threads and the serial
+    client do not share one GIL: in a cluster the apiserver and kube-scheduler are separate processes."""
+
+    def __init__(self, workdir: str) -> None:
+        import json
+        import subprocess
+
+        from kubernetes import config
+
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "soak_lab.py"), workdir,
+                                      "--live", "0", "--ghosts", "0"], stdout=subprocess.DEVNULL, cwd=REPO,
+                                     start_new_session=True)
+        state_path = Path(workdir) / "state.json"
+        deadline = time.monotonic() + 60
+        while not state_path.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the lab process did not start")
+            time.sleep(0.1)
+        self.state = json.loads(state_path.read_text())
+        self._clients = [config.new_client_from_config(k) for k in self.state["kubeconfigs"]]
+
+    def core_v1(self, i: int):
+        from kubernetes import client
+
+        return client.CoreV1Api(self._clients[i])
+
+    def kubeconfig(self, i: int) -> str:
+        return self.state["kubeconfigs"][i]
+
+    def quorum_gets(self, namespace: str, since: float) -> int:
+        """Quorum GETs of the namespace's pods, on every replica, from the replicas' request logs."""
+        import urllib3
+
+        http = urllib3.PoolManager(ca_certs=self.state["ca"], cert_reqs="CERT_REQUIRED")
+        total = 0
+        for url in self.state["urls"]:
+            r = http.request("GET", url + "/lab/requests", headers={"Authorization": f"Bearer {self.state['token']}"})
+            total += sum(1 for q in orjson.loads(r.data)["requests"]
+                         if q["quorum"] and q["time"] >= since
+                         and q["path"].startswith(f"/api/v1/namespaces/{namespace}/pods/"))
+        return total
+
+    def close(self) -> None:
+        import signal as _signal
+
+        os.killpg(self.proc.pid, _signal.SIGTERM)
+        self.proc.wait(timeout=30)
+
+
+def run_case(lab: LabProcess, namespace: str, extender: str, pods: int, rate: float | None) -> dict:
     lab.core_v1(0).create_namespace({"metadata": {"name": namespace}})
     informer = Informer(lab, namespace)
     informer.start()
@@ -100,7 +151,7 @@ def run_case(lab: Lab, namespace: str, extender: str, pods: int, rate: float | N
         api.create_namespaced_pod(namespace, pod_manifest(f"p-{i:04d}"), _request_timeout=10)
 
     def creator() -> None:
-        if rate is None:
+        if not rate:
             with ThreadPoolExecutor(4) as pool:
                 list(pool.map(create, range(pods)))
         else:
@@ -110,8 +161,13 @@ def run_case(lab: Lab, namespace: str, extender: str, pods: int, rate: float | N
                 create(i)
 
     since = time.time()
-    threading.Thread(target=creator, daemon=True).start()
     latencies, first_seen, done_at = [], None, None
+    if rate == 0:  # backlog: the burst lands before the scheduler gets to it (it is busy, or restarting)
+        creator()
+        time.sleep(1.0)
+        first_seen = time.perf_counter()
+    else:
+        threading.Thread(target=creator, daemon=True).start()
     session = requests.Session()
     session.trust_env = False
     for _ in range(pods):
@@ -127,8 +183,7 @@ def run_case(lab: Lab, namespace: str, extender: str, pods: int, rate: float | N
             raise RuntimeError(f"unexpected reply for {meta['name']}: {r.status_code} {r.text[:300]}")
         done_at = time.perf_counter()
     informer.stopping = True
-    gets = sum(len([q for q in rep.requests(method="GET", quorum=True, since=since)
-                    if q.path.startswith(f"/api/v1/namespaces/{namespace}/pods/")]) for rep in lab.replicas)
+    gets = lab.quorum_gets(namespace, since)
     s = sorted(latencies)
     return {"p50_ms": statistics.median(s) * 1000, "p99_ms": s[min(len(s) - 1, int(len(s) * 0.99))] * 1000,
             "pods_per_s": pods / (done_at - first_seen), "gets_per_pod": gets / pods}
@@ -146,8 +201,11 @@ def main() -> int:
     if not args.no_pin:
         pin_harness()
     rows = []
-    with Lab(replicas=3) as lab, tempfile.TemporaryDirectory() as tmp:
-        cases = [("burst", args.pods, None), ("trickle 10/s", int(args.trickle_seconds * 10), 10.0)]
+    with tempfile.TemporaryDirectory() as tmp:
+        lab = LabProcess(f"{tmp}/lab")
+        cases = [("burst, created while the client runs", args.pods, None),
+                 ("burst, backlog (created before the client reaches it)", args.pods, 0.0),
+                 ("trickle 10/s", int(args.trickle_seconds * 10), 10.0)]
         n = 0
         for case, pods, rate in cases:
             agg: dict[str, list[dict]] = {"guard": [], "pass-through": []}
@@ -182,6 +240,7 @@ def main() -> int:
             g = {k: statistics.mean(r[k] for r in agg["guard"]) for k in agg["guard"][0]}
             p = {k: statistics.mean(r[k] for r in agg["pass-through"]) for k in agg["pass-through"][0]}
             rows.append((case, pods, statistics.mean(prepared_share), g, p))
+        lab.close()
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())

@@ -75,7 +75,7 @@ def main() -> None:
 @option("--prepared-max-age", type=float, default=300.0, help="Seconds a background-verified verdict stays usable.")
 @option("--prepared-grace", type=float, default=0.5,
         help="Seconds after a pod's first call during which its prepared verdict still answers.")
-@option("--verify-concurrency", type=int, default=4, help="Background quorum GETs in flight at most.")
+@option("--verify-concurrency", type=int, default=16, help="Background quorum GETs in flight at most.")
 @option("--verify-qps", type=float, default=500.0,
         help="Background quorum GETs per second at most (one per new pod; bounds re-list storms).")
 @option("--sweep-interval", type=float, default=30.0,

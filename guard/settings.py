@@ -54,7 +54,7 @@ class Settings:
     prepare: bool = True
     prepared_max_age: float = 300.0
     prepared_grace: float = 0.5
-    verify_concurrency: int = 4
+    verify_concurrency: int = 16
     verify_qps: float = 500.0
     sweep_interval: float = 30.0
 
