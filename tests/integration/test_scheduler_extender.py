@@ -92,6 +92,9 @@ def harness(lab):
 
     def scheduler(rec, **ext):
         config = ExtenderConfig(url_prefix=rec.url, **{"filter_verb": "filter", **ext})
+        # The informer's first LIST (resourceVersion=0) is served by the watch cache: let it catch up
+        # with the nodes the test just created, or the first attempt may see no node at all.
+        assert lab.wait_synced()
         s = Scheduler(lab.kubeconfig(0), extenders=[config], timings=FAST)
         s.start()
         schedulers.append(s)
