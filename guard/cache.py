@@ -122,10 +122,6 @@ class VerdictCache:
         with self._prepared_lock:
             return uid in self._gone
 
-    def is_prepared(self, uid: str) -> bool:
-        with self._prepared_lock:
-            return uid in self._prepared
-
     def mark_asked(self, uid: str) -> None:
         """A scheduler has asked about this UID: background verification of it is moot."""
         if uid:
@@ -165,12 +161,3 @@ class VerdictCache:
         self._local.fetched = False
         result = self._read(namespace, name)
         return result, not self._local.fetched
-
-    def sizes(self) -> dict[str, int]:
-        with self._ghost_lock:
-            ghosts = len(self._ghosts)
-        with self._read.cache_lock:
-            reads = len(self._reads)
-        with self._prepared_lock:
-            prepared = len(self._prepared)
-        return {"ghosts": ghosts, "reads": reads, "prepared": prepared}

@@ -161,7 +161,3 @@ class Checker:
                 listener(pod, *args)
             except Exception:
                 log.exception("ghost follow-up %s failed for %s", getattr(listener, "__name__", listener), pod)
-
-    def close(self) -> None:
-        self._background.shutdown(wait=True, cancel_futures=False)
-

@@ -159,10 +159,6 @@ class IncidentRecorder:
         for pod in due:
             self.probe(pod, confirm=False)
 
-    def stale_replicas(self) -> dict[str, set[str]]:
-        with self._lock:
-            return {r: set(u) for r, u in self._stale.items() if u}
-
     # -- plumbing -------------------------------------------------------------------
 
     def _record_block(self, pod: PodRef, decision: Decision, evidence: dict) -> None:

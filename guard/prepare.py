@@ -226,10 +226,6 @@ class Preverifier:
             except Exception:
                 log.exception("background verification of %s failed", pod)
 
-    def pending(self) -> int:
-        with self._queue_cond:
-            return len(self._queue)
-
     # -- the sweep --------------------------------------------------------------------------
 
     def disagreements(self) -> list[PodRef]:
