@@ -39,8 +39,14 @@ class ProtocolError(ValueError):
 class FilterArgs:
     pod: PodRef
     mode: Mode
-    node_names: list[Any] | None  # as sent (names mode)
+    node_names: list[Any] | None  # as sent (names mode), unless kept as bytes in names_json
     nodes: dict[str, Any] | None  # the NodeList as sent (nodes mode)
+    names_json: bytes | None = None  # names mode from kube-scheduler: the NodeNames array's bytes, not decoded
+
+    def names(self) -> list[Any]:
+        if self.node_names is None and self.names_json is not None:
+            self.node_names = orjson.loads(self.names_json)
+        return self.node_names or []
 
 
 @dataclass(slots=True)
@@ -87,8 +93,69 @@ def pod_ref(pod: Any, field: str = "Pod") -> PodRef:
     return PodRef(namespace=namespace, name=name, uid=uid)
 
 
+# kube-scheduler's body in names mode (nodeCacheCapable: true): Go's encoding/json writes the
+# struct fields in order, so it is {"Pod":{...},"Nodes":null,"NodeNames":["n1",...]}.
+_GO_HEAD = b'{"Pod":'
+_GO_NAMES = b',"Nodes":null,"NodeNames":'
+# Bytes a plain node name may hold, besides the quotes: printable ASCII except the backslash (node
+# names are DNS subdomains), so no escapes, no control characters, no non-ASCII. Else it is decoded.
+_PLAIN = bytes(b for b in range(0x20, 0x7F) if b not in (0x5C, 0x22))
+
+
+def _plain_names_array(data: bytes) -> bool:
+    """Whether ``data`` is a JSON array of plain strings, checked without decoding it.
+
+    With no backslash every quote delimits a string, so the array is well formed
+    exactly when it is ``["`` ... ``"]`` and every quote inside belongs to a
+    ``","`` separator.
+    """
+    if data == b"[]":
+        return True
+    if len(data) < 4 or not data.startswith(b'["') or not data.endswith(b'"]'):
+        return False
+    inner = data[2:-2]
+    quotes = inner.translate(None, _PLAIN)  # what is left must be quotes only
+    return not quotes.strip(b'"') and len(quotes) == 2 * inner.count(b'","')
+
+
+def _split_names_mode(body: bytes) -> tuple[bytes, bytes] | None:
+    """(Pod bytes, NodeNames bytes) of a kube-scheduler-shaped names-mode body, else None.
+
+    The node list is located from the end and checked by a strict shape; the
+    rest must decode as one JSON value. Together that is exactly a valid
+    ``{"Pod": P, "Nodes": null, "NodeNames": [...]}`` (JSON parses one way), so
+    the node list can be copied through without decoding or re-encoding it.
+    """
+    if not body.startswith(_GO_HEAD):
+        return None
+    end = len(body.rstrip(b" \t\r\n"))
+    if end == 0 or body[end - 1] != 0x7D:  # "}"
+        return None
+    split = body.rfind(_GO_NAMES, len(_GO_HEAD), end)
+    if split < 0:
+        return None
+    names = body[split + len(_GO_NAMES):end - 1]
+    if not _plain_names_array(names):
+        return None
+    return body[len(_GO_HEAD):split], names
+
+
 def parse_filter(body: bytes) -> FilterArgs:
-    """Parse ``ExtenderArgs``: ``{"Pod", "Nodes", "NodeNames"}``, exactly one of the last two set."""
+    """Parse ``ExtenderArgs``: ``{"Pod", "Nodes", "NodeNames"}``, exactly one of the last two set.
+
+    kube-scheduler's own names-mode body takes a fast path: only the Pod is
+    decoded, the node names stay bytes for :func:`filter_pass` to copy through.
+    Every other body (and any the fast path cannot prove well-formed) is decoded
+    whole, which also gives the reason for a bad one.
+    """
+    parts = _split_names_mode(body)
+    if parts is not None:
+        try:
+            pod = orjson.loads(parts[0])
+        except orjson.JSONDecodeError:
+            pass  # decoded whole below, for the reason
+        else:
+            return FilterArgs(pod_ref(pod), "names", None, None, parts[1])
     doc = _load_object(body)
     pod = pod_ref(doc.get("Pod"))
     names = doc.get("NodeNames")
@@ -109,7 +176,7 @@ def parse_filter(body: bytes) -> FilterArgs:
 def node_names(args: FilterArgs) -> list[str]:
     """Every node name in the request, validated (only needed when rejecting)."""
     if args.mode == "names":
-        names = args.node_names or []
+        names = args.names()
         for n in names:
             if not isinstance(n, str):
                 raise ProtocolError(f"NodeNames must hold strings, got {_short(n)}")
@@ -124,8 +191,13 @@ def node_names(args: FilterArgs) -> list[str]:
     return out
 
 
+_PASS_TAIL = b',"FailedNodes":{},"FailedAndUnresolvableNodes":{},"Error":""}'
+
+
 def filter_pass(args: FilterArgs) -> bytes:
-    """Every node passes, in the request's own mode."""
+    """Every node passes, in the request's own mode (names kept as bytes are copied through)."""
+    if args.names_json is not None:
+        return b'{"Nodes":null,"NodeNames":' + args.names_json + _PASS_TAIL
     if args.mode == "names":
         result = {"Nodes": None, "NodeNames": args.node_names, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""}
     else:

@@ -121,3 +121,99 @@ def test_preempt_garbage_is_a_protocol_error(req, reason):
     with pytest.raises(ProtocolError) as e:
         extender.parse_preempt(req)
     assert str(e.value).startswith(reason)
+
+
+# --- kube-scheduler's names-mode body: node names copied through as bytes --------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def decoded_whole(req: bytes):
+    """What parse_filter + filter_pass give when the body is decoded whole (the reference)."""
+    doc = orjson.loads(req)
+    args = extender.FilterArgs(extender.pod_ref(doc.get("Pod")), "names", doc["NodeNames"], None)
+    return args.pod, orjson.loads(extender.filter_pass(args))
+
+
+def test_scheduler_shaped_body_keeps_node_names_as_bytes():
+    req = body(Pod=POD, Nodes=None, NodeNames=["n1", "n2"])
+    args = extender.parse_filter(req)
+    assert args.names_json == b'["n1","n2"]'  # the fast path was taken, nothing decoded
+    assert args.node_names is None
+    assert extender.filter_pass(args) == (b'{"Nodes":null,"NodeNames":["n1","n2"],"FailedNodes":{},'
+                                          b'"FailedAndUnresolvableNodes":{},"Error":""}')
+    assert extender.node_names(args) == ["n1", "n2"]  # decoded when a ghost needs every name
+
+
+@pytest.mark.parametrize("names", [["a\\b"], ['a"b'], ["ノード"], ["a\nb"], ["\u007f"]])
+def test_names_that_need_decoding_take_the_whole_path(names):
+    req = body(Pod=POD, Nodes=None, NodeNames=names)
+    args = extender.parse_filter(req)
+    assert args.names_json is None
+    assert orjson.loads(extender.filter_pass(args))["NodeNames"] == names
+
+
+@pytest.mark.parametrize("tail,reason", [
+    (b'["a",,"b"]}', "request body is not valid JSON"),
+    (b'["a""b"]}', "request body is not valid JSON"),
+    (b'["a",x"b"]}', "request body is not valid JSON"),
+    (b'["a"x,"b"]}', "request body is not valid JSON"),
+    (b'["a","b"}', "request body is not valid JSON"),
+    (b'["]}', "request body is not valid JSON"),
+    (b'[""]]}', "request body is not valid JSON"),
+    (b'["a","b"]} x', "request body is not valid JSON"),
+])
+def test_malformed_node_names_are_refused_not_echoed(tail, reason):
+    req = b'{"Pod":' + orjson.dumps(POD) + b',"Nodes":null,"NodeNames":' + tail
+    with pytest.raises(ProtocolError, match=reason):
+        extender.parse_filter(req)
+
+
+def test_a_pod_that_fools_the_split_is_decoded_whole():
+    """A label key ``NodeNames`` inside the Pod: the split from the end still finds the real one."""
+    pod = {"metadata": {"name": "p", "labels": {"Nodes": "null", "NodeNames": "x"}}, "spec": {}}
+    req = b'{"Pod":' + orjson.dumps(pod) + b',"Nodes":null,"NodeNames":["n1"]}'
+    args = extender.parse_filter(req)
+    assert args.pod.name == "p" and args.names_json == b'["n1"]'
+    broken = b'{"Pod":{"metadata":{"name":"p"},"Nodes":null,"NodeNames":["n1"]}'  # Pod never closed
+    with pytest.raises(ProtocolError, match="request body is not valid JSON"):
+        extender.parse_filter(broken)
+
+
+plain_names = st.lists(st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=12), max_size=20)
+any_names = st.lists(st.text(max_size=8), max_size=8)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(names=plain_names | any_names, name=st.text(min_size=1, max_size=20))
+def test_fast_path_agrees_with_decoding_whole(names, name):
+    pod = {"metadata": {"name": name, "namespace": "ns", "uid": "u"}, "spec": {"x": names}}
+    req = b'{"Pod":' + orjson.dumps(pod) + b',"Nodes":null,"NodeNames":' + orjson.dumps(names) + b"}"
+    args = extender.parse_filter(req)
+    assert (args.pod, orjson.loads(extender.filter_pass(args))) == decoded_whole(req)
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(names=plain_names, cut=st.integers(0, 400), junk=st.sampled_from([b'"', b",", b"\\", b"]", b"[", b"}", b"x", b""]))
+def test_corrupted_bodies_are_refused_or_read_exactly(names, cut, junk):
+    """One byte inserted anywhere: invalid JSON is a ProtocolError, valid JSON reads as it decodes whole."""
+    req = body(Pod=POD, Nodes=None, NodeNames=names)
+    cut = min(cut, len(req))
+    bad = req[:cut] + junk + req[cut:]
+    try:
+        doc = orjson.loads(bad)
+    except orjson.JSONDecodeError:
+        with pytest.raises(ProtocolError, match="request body is not valid JSON"):
+            extender.parse_filter(bad)
+        return
+    def outcome(read):
+        try:
+            return read(bad)
+        except ProtocolError as e:
+            return str(e)
+
+    # The inserted byte landed inside a string (or made another valid document): same answer either way.
+    fast = outcome(lambda b: (lambda a: (a.pod, orjson.loads(extender.filter_pass(a))))(extender.parse_filter(b)))
+    whole = outcome(decoded_whole) if isinstance(doc, dict) and isinstance(doc.get("NodeNames"), list) else fast
+    assert fast == whole
