@@ -18,6 +18,11 @@ except ImportError as e:  # pragma: no cover - reported, not hidden
 from guardproc import GuardProcess  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """End-to-end tests run last."""
+    items.sort(key=lambda item: 1 if item.get_closest_marker("e2e") else 0)
+
+
 @pytest.fixture
 def start_guard(request):
     """Factory: ``start_guard(["--kubeconfig", k, ...], tls=..., wait="/readyz")`` -> GuardProcess."""

@@ -20,11 +20,6 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 
 
-def pytest_collection_modifyitems(config, items):
-    """End-to-end tests run last."""
-    items.sort(key=lambda item: 1 if item.get_closest_marker("e2e") else 0)
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
