@@ -25,12 +25,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def start_guard(request):
-    """Factory: ``start_guard(["--kubeconfig", k, ...], tls=..., wait="/readyz")`` -> GuardProcess."""
+    """Factory: ``start_guard(["--kubeconfig", k, ...], tls=..., wait="/readyz")`` -> GuardProcess.
+
+    Other keywords (``port``, ``verbatim``, ``clean_env``, ...) go to :class:`GuardProcess`."""
     started: list[GuardProcess] = []
 
     def start(args: list[str], *, tls: dict | None = None, wait: str | None = "/readyz",
-              env: dict | None = None) -> GuardProcess:
-        g = GuardProcess(args, tls=tls, env=env)
+              env: dict | None = None, **options) -> GuardProcess:
+        g = GuardProcess(args, tls=tls, env=env, **options)
         started.append(g)
         if wait:
             g.wait(wait)

@@ -27,24 +27,37 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class GuardProcess:
-    """``ghost-guard serve`` as a child process (its own process group)."""
+    """``ghost-guard serve`` as a child process (its own process group).
 
-    def __init__(self, args: list[str], *, tls: dict | None = None, env: dict | None = None) -> None:
-        self.port = free_port()
-        self.scheme = "https" if tls else "http"
+    By default ``args`` follow ``serve --bind 127.0.0.1:<free port>``, and ``--insecure-http``
+    (no ``tls``) or the ``tls`` files' flags are added. ``verbatim=True`` runs
+    ``python -m guard *args`` exactly as given (the subcommand, ``--bind`` with ``port``
+    and any TLS flags included, as a manifest spells them). ``clean_env`` drops the
+    caller's ``GHOST_GUARD_*`` variables (``env`` is applied after).
+    """
+
+    def __init__(self, args: list[str], *, tls: dict | None = None, env: dict | None = None,
+                 port: int | None = None, verbatim: bool = False, clean_env: bool = False) -> None:
+        self.port = port or free_port()
+        https = bool(tls) or (verbatim and any(a.split("=", 1)[0] == "--tls-cert" for a in args))
+        self.scheme = "https" if https else "http"
         self.base = f"{self.scheme}://127.0.0.1:{self.port}"
         self.tls = tls or {}
         self.log = tempfile.NamedTemporaryFile(prefix="guard-", suffix=".log", delete=False)
         self.out = tempfile.NamedTemporaryFile(prefix="guard-", suffix=".out", delete=False)
-        cmd = [sys.executable, "-m", "guard", "serve", "--bind", f"127.0.0.1:{self.port}", *args]
-        if not tls:
-            cmd.append("--insecure-http")
+        if verbatim:
+            cmd = [sys.executable, "-m", "guard", *args]
         else:
-            cmd += ["--tls-cert", tls["cert"], "--tls-key", tls["key"]]
-            if tls.get("client_ca"):
-                cmd += ["--client-ca", tls["client_ca"]]
+            cmd = [sys.executable, "-m", "guard", "serve", "--bind", f"127.0.0.1:{self.port}", *args]
+            if not tls:
+                cmd.append("--insecure-http")
+            else:
+                cmd += ["--tls-cert", tls["cert"], "--tls-key", tls["key"]]
+                if tls.get("client_ca"):
+                    cmd += ["--client-ca", tls["client_ca"]]
         self.cmd = cmd
-        full_env = {**os.environ, **(env or {})}
+        base_env = {k: v for k, v in os.environ.items() if not (clean_env and k.startswith("GHOST_GUARD_"))}
+        full_env = {**base_env, **(env or {})}
         full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.log, env=full_env, start_new_session=True)
         self.session = requests.Session()

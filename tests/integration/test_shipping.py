@@ -14,12 +14,10 @@ import http.client
 import json
 import os
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,18 +26,14 @@ import pytest
 import yaml
 from cryptography import x509
 
+from guardproc import GuardProcess, free_port
+
 pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
 TLS_DIR = "/etc/ghost-guard/tls"
 SERVER_NAME = "ghost-guard.ghost-guard.svc"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ghost_guard(*args: str) -> subprocess.CompletedProcess:
@@ -65,47 +59,22 @@ def healthcheck_command() -> list[str]:
     return json.loads(line.split(" CMD ", 1)[1])
 
 
-class Guard:
-    def __init__(self, args: list[str], port: int, audit_db: Path) -> None:
-        self.port = port
-        self.log = tempfile.NamedTemporaryFile(prefix="guard-shipping-", suffix=".log", delete=False)
-        env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith("GHOST_GUARD_")}
-        env["GHOST_GUARD_AUDIT_DB"] = str(audit_db)  # the manifests' /var/lib/ghost-guard, moved
-        self.cmd = [sys.executable, "-m", "guard", *args]
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=self.log, env=env, start_new_session=True)
-
-    def logs(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-6000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-
-
 @pytest.fixture
-def run_guard(request, tmp_path):
-    started: list[Guard] = []
+def run_guard(start_guard, tmp_path):
+    """``run_guard(args, port)``: ``python -m guard *args`` as a manifest spells them (no flag added), with
+    none of the caller's ``GHOST_GUARD_*`` but the audit database (the manifests' /var/lib/ghost-guard) moved."""
+    started = 0
 
-    def start(args: list[str], port: int) -> Guard:
-        g = Guard(args, port, tmp_path / f"audit-{len(started)}.db")
-        started.append(g)
-        return g
+    def start(args: list[str], port: int) -> GuardProcess:
+        nonlocal started
+        env = {"GHOST_GUARD_AUDIT_DB": str(tmp_path / f"audit-{started}.db")}
+        started += 1
+        return start_guard(args, port=port, verbatim=True, clean_env=True, env=env, wait=None)
 
-    yield start
-    failed = getattr(request.node, "rep_call", None)
-    for g in started:
-        g.stop()
-        if failed is not None and failed.failed:
-            print(f"\n--- guard log ({' '.join(g.cmd)}) ---\n{g.logs()}")
+    return start
 
 
-def wait_until(check, what: str, timeout: float = 30.0, guard: Guard | None = None):
+def wait_until(check, what: str, timeout: float = 30.0, guard: GuardProcess | None = None):
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
