@@ -21,6 +21,7 @@ from guard.kube import Kube, load_configuration
 from guard.prepare import Preverifier
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
+from guard.verdict import PodRef
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("guard.access")
@@ -47,6 +48,23 @@ def json_response(payload: object, status: int = 200) -> Response:
 
 def json_error(status: int, reason: str) -> Response:
     return json_response({"error": reason}, status)
+
+
+def record_request(settings: Settings, method: str, path: str, status: int, elapsed: float, remote: str | None,
+                   pod: PodRef | None = None, verdict: str | None = None) -> None:
+    """Metrics and the access-log line of one answered request (both lanes)."""
+    endpoint = path if path in ENDPOINTS else "other"
+    metrics.REQUESTS.labels(endpoint, str(status)).inc()
+    metrics.REQUEST_DURATION.labels(endpoint).observe(elapsed)
+    if settings.access_log and endpoint not in ("/healthz", "/metrics"):
+        entry = {"method": method, "path": path[:200], "status": status, "duration_ms": round(elapsed * 1000, 3),
+                 "remote": remote}
+        if pod is not None:
+            entry["pod"] = str(pod)
+            entry["uid"] = pod.uid
+        if verdict is not None:
+            entry["verdict"] = verdict
+        access_log.info("request", extra={"access": entry})
 
 
 def guard_of(app: Flask) -> Guard:
@@ -122,21 +140,14 @@ def create_app(settings: Settings | None = None, readiness_checks: list[Callable
 
     @app.after_request
     def record(resp: Response) -> Response:
-        elapsed = time.perf_counter() - g.get("start", time.perf_counter())
-        endpoint = request.path if request.path in ENDPOINTS else "other"
-        metrics.REQUESTS.labels(endpoint, str(resp.status_code)).inc()
-        metrics.REQUEST_DURATION.labels(endpoint).observe(elapsed)
-        if settings.access_log and endpoint not in ("/healthz", "/metrics"):
-            entry = {"method": request.method, "path": request.path[:200], "status": resp.status_code,
-                     "duration_ms": round(elapsed * 1000, 3), "remote": request.remote_addr}
-            pod = g.get("pod")
-            if pod is not None:
-                entry["pod"] = str(pod)
-                entry["uid"] = pod.uid
-            verdict = g.get("verdict")
-            if verdict is not None:
-                entry["verdict"] = verdict
-            access_log.info("request", extra={"access": entry})
+        pod = g.get("pod")
+        record_request(settings, request.method, request.path, resp.status_code,
+                       time.perf_counter() - g.get("start", time.perf_counter()), request.remote_addr,
+                       pod, g.get("verdict"))
         return resp
 
+    # /filter and /preempt as kube-scheduler sends them skip Flask (guard.http.filter.FastLane).
+    from guard.http.filter import FastLane
+
+    app.wsgi_app = FastLane(app.wsgi_app, app.extensions["ghost_guard"], settings)  # type: ignore[method-assign]
     return app

@@ -327,3 +327,37 @@ def test_a_chunked_body_under_the_cap_is_read_whole(guard):
     assert r.status_code == 200, r.text
     # d/p does not exist: a ghost, so every node the body named must come back as unresolvable
     assert sorted(r.json()["FailedAndUnresolvableNodes"]) == NAMES
+
+
+@pytest.mark.parametrize("path,doc", [
+    pytest.param("/filter", {"Pod": {"metadata": {"name": "gone", "namespace": "d", "uid": "u-1"}}, "Nodes": None,
+                             "NodeNames": NAMES}, id="filter-ghost"),
+    pytest.param("/filter", {"Pod": {"metadata": {"name": "gone", "namespace": "d", "uid": "u-1"}},
+                             "Nodes": NODE_LIST, "NodeNames": None}, id="filter-ghost-nodes"),
+    pytest.param("/preempt", {"Pod": {"metadata": {"name": "gone", "namespace": "d", "uid": "u-1"}},
+                              "NodeNameToMetaVictims": {"node-a": {"Pods": [{"UID": "v"}]}}}, id="preempt-ghost"),
+    pytest.param("/filter", {"Pod": {"metadata": {"name": "x"}}, "Nodes": None, "NodeNames": [1]}, id="bad-names"),
+    pytest.param("/filter", {"Nodes": None, "NodeNames": NAMES}, id="no-pod"),
+    pytest.param("/preempt", {"Pod": {"metadata": {"name": "x"}}, "NodeNameToMetaVictims": []}, id="bad-victims"),
+])
+def test_both_lanes_answer_alike(guard, path, doc):
+    """With a Content-Length the fast lane answers, chunked goes through Flask: same status, same bytes."""
+    body = orjson.dumps(doc)
+    fast = guard.post(path, body)
+    flask = guard.post(path, iter([body[:10], body[10:]]))
+    assert fast.request.headers.get("Content-Length") and "Content-Length" not in flask.request.headers
+    assert (fast.status_code, fast.content) == (flask.status_code, flask.content)
+    assert fast.headers["Content-Type"] == flask.headers["Content-Type"] == "application/json"
+    assert fast.status_code in (200, 400) and fast.content
+
+
+def test_the_fast_lane_counts_and_logs_its_calls(guard):
+    """A kube-scheduler-shaped call (the fast lane's) is counted and access-logged like any other."""
+    body = orjson.dumps({"Pod": {"metadata": {"name": "lane", "namespace": "d", "uid": "u-lane"}}, "Nodes": None,
+                         "NodeNames": NAMES})
+    before = guard.metric("ghost_guard_requests_total", endpoint="/filter", code="200")
+    assert guard.post("/filter", body).status_code == 200
+    assert guard.metric("ghost_guard_requests_total", endpoint="/filter", code="200") == before + 1
+    line = [ln for ln in guard.logs().splitlines() if '"uid":"u-lane"' in ln][-1]
+    entry = orjson.loads(line)
+    assert (entry["path"], entry["status"], entry["pod"], entry["verdict"]) == ("/filter", 200, "d/lane", "ghost-deleted")
