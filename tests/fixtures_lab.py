@@ -96,6 +96,18 @@ def pod_manifest(name: str, *, labels: dict[str, str] | None = None, node: str |
     return pod
 
 
+def create(api, obj: dict) -> dict:
+    """Create a Node or a Pod (in its ``metadata.namespace``, default ``default``); returns it as JSON."""
+    import json
+
+    if obj["kind"] == "Node":
+        resp = api.create_node(obj, _preload_content=False, _request_timeout=5)
+    else:
+        namespace = obj["metadata"].get("namespace", "default")
+        resp = api.create_namespaced_pod(namespace, obj, _preload_content=False, _request_timeout=5)
+    return json.loads(resp.data)
+
+
 def quorum_pod(api, name: str, namespace: str = "default") -> dict | None:
     """The pod as etcd has it (GET without resourceVersion), as JSON, or None when it is gone."""
     import json

@@ -9,12 +9,11 @@ while live pods still schedule.
 from __future__ import annotations
 
 import io
-import json
 import re
-import time
 
 import pytest
-from fixtures_lab import quorum_pod
+from fixtures_lab import create, quorum_pod
+from polling import eventually
 
 from guard.lab.demo import create_ghost, node_manifest, pod_manifest, run_demo
 from guard.lab.scheduler import PodStats, Scheduler, Timings
@@ -26,21 +25,6 @@ WAIT = 20.0
 FAST = Timings(pod_initial_backoff=0.05, pod_max_backoff=0.5, backoff_flush_period=0.05,
                pod_max_in_unschedulable=60.0, unschedulable_flush_period=5.0, request_timeout=5.0,
                retry_period=0.1, sync_timeout=10.0)
-
-
-def create(api, obj):
-    if obj["kind"] == "Node":
-        return json.loads(api.create_node(obj, _preload_content=False, _request_timeout=5).data)
-    return json.loads(api.create_namespaced_pod("default", obj, _preload_content=False, _request_timeout=5).data)
-
-
-def eventually(fn, timeout=WAIT):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def stat(stats, key):
@@ -104,7 +88,8 @@ def test_ghost_causes_at_most_one_failed_bind_with_the_guard(lab, https_guard, s
     assert guard.process.metric("ghost_guard_verdicts_total", verdict="ghost-deleted") >= 1
     # ... and the guard names the stale replica (replica 2 of 3).
     stale = lab.replicas[1].url.removeprefix("https://")
-    assert eventually(lambda: guard.process.metric("ghost_guard_stale_replica_detections_total", replica=stale) >= 1)
+    assert eventually(lambda: guard.process.metric("ghost_guard_stale_replica_detections_total", replica=stale) >= 1,
+                      WAIT, what="a stale-replica detection")
 
 
 @pytest.mark.parametrize("guard_first", [

@@ -15,6 +15,7 @@ import time
 import orjson
 import pytest
 from fixtures_lab import make_ghost, pod_manifest
+from polling import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,13 +28,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    return eventually(predicate, timeout, what=what, interval=0.2)  # each audit_records() runs the CLI
 
 
 def audit_records(db: str) -> list[dict]:

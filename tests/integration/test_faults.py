@@ -34,6 +34,7 @@ import requests
 from fixtures_lab import make_ghost, pod_manifest
 
 from guardproc import GuardProcess
+from polling import eventually
 from guard.lab import Lab
 
 pytestmark = pytest.mark.timeout(180)
@@ -131,18 +132,12 @@ def readyz(guard: GuardProcess) -> int:
     return guard.session.get(guard.url("/readyz"), timeout=SCHEDULER_HTTP_TIMEOUT).status_code
 
 
-def eventually(what: str, probe, deadline: float = RECOVERY_DEADLINE) -> float:
-    """Poll ``probe()`` until it returns True; returns the seconds it took (measured, not asserted)."""
+def seconds_until(what: str, probe, deadline: float = RECOVERY_DEADLINE) -> float:
+    """Poll ``probe()`` (a failed assertion or request is "not yet") until it returns True; returns the
+    seconds it took (measured, not asserted)."""
     start = time.monotonic()
-    last = None
-    while time.monotonic() - start < deadline:
-        try:
-            if probe():
-                return time.monotonic() - start
-        except (AssertionError, requests.RequestException) as e:
-            last = e
-        time.sleep(0.1)
-    raise AssertionError(f"not recovered after {deadline}s: {what} (last: {last!r})")
+    eventually(probe, deadline, what=what, interval=0.1, ignore=(AssertionError, requests.RequestException))
+    return time.monotonic() - start
 
 
 def make_live(lab: Lab, ns: str, name: str) -> str:
@@ -188,7 +183,7 @@ class Scenario:
         self.fresh = {n: unseen_ghost_uid(n) for n in ("during", "after")}
         # Before the fault: the cached ghost is decided (and remembered), the live pod passes. Polled: a
         # verdict prepared while the pod was alive answers until the guard's watch delivers the DELETE.
-        eventually("the ghost is rejected before the fault", lambda: assert_rejected(
+        seconds_until("the ghost is rejected before the fault", lambda: assert_rejected(
             filter_once(guard, ns, "cached", self.cached_uid), ns, "cached") is None, deadline=5)
         assert_passes(filter_once(guard, ns, "live", self.live_uid))
         assert readyz(guard) == 200
@@ -220,7 +215,7 @@ class Scenario:
             assert_passes(filter_once(g, ns, "live", self.live_uid))
             return readyz(g) == 200
 
-        took = eventually(f"{label}: ghosts rejected, live pod passes, /readyz 200", healthy)
+        took = seconds_until(f"{label}: ghosts rejected, live pod passes, /readyz 200", healthy)
         MEASURED.setdefault(f"{label} (recovery s)", []).append(took)
 
 
@@ -237,7 +232,7 @@ def test_replica_fault(lab, guard, ns, fault, readiness):
     s = Scenario(lab, guard, ns)
     lab.replicas[0].faults.add(method="GET", **fault)  # every GET: pods, /version, the guard's watches
     s.during(f"replica {fault['action']} {fault.get('status') or fault.get('seconds') or ''}".strip())
-    assert eventually("/readyz reflects the fault", lambda: readyz(guard) == readiness) >= 0
+    assert seconds_until("/readyz reflects the fault", lambda: readyz(guard) == readiness) >= 0
     lab.replicas[0].faults.clear()
     s.recovered(f"replica {fault['action']} {fault.get('status') or ''}".strip())
 
@@ -246,7 +241,7 @@ def test_replica_stopped_and_restarted(lab, guard, ns):
     s = Scenario(lab, guard, ns)
     lab.replicas[0].stop()
     s.during("replica stopped")
-    eventually("/readyz 503 while the replica is down", lambda: readyz(guard) == 503)
+    seconds_until("/readyz 503 while the replica is down", lambda: readyz(guard) == 503)
     body = guard.session.get(guard.url("/readyz"), timeout=5).json()
     assert body["status"] == "not ready"
     assert any(p.startswith("apiserver unreachable: ") for p in body["problems"]), body
@@ -279,7 +274,7 @@ def test_worker_killed_mid_request(lab, guard, ns):
 
     t = threading.Thread(target=in_flight)
     t.start()
-    eventually("the GET is in flight", lambda: lab.replicas[0].requests(
+    seconds_until("the GET is in flight", lambda: lab.replicas[0].requests(
         method="GET", path=f"/api/v1/namespaces/{ns}/pods/during"), deadline=5)
     os.kill(worker, signal.SIGKILL)
     t.join(SCHEDULER_HTTP_TIMEOUT + 1)
@@ -287,7 +282,7 @@ def test_worker_killed_mid_request(lab, guard, ns):
     # The request in flight is lost with its connection (kube-scheduler retries the pod), never answered wrongly.
     assert "error" in outcome or outcome["reply"]["FailedAndUnresolvableNodes"] == {}, outcome
     lab.replicas[0].faults.clear()
-    took = eventually("a new worker serves", lambda: worker_pids(guard.proc.pid) not in ([], [worker])
+    took = seconds_until("a new worker serves", lambda: worker_pids(guard.proc.pid) not in ([], [worker])
                       and guard.session.get(guard.url("/healthz"), timeout=2).status_code == 200)
     MEASURED.setdefault("worker SIGKILL (new worker serving, s)", []).append(took)
     assert guard.proc.poll() is None
@@ -312,7 +307,7 @@ def test_worker_killed_mid_request(lab, guard, ns):
 ])
 def test_ghost_reject_path_with_hostile_node_lists(lab, guard, ns, body_nodes, status):
     uid = make_ghost(lab, ns, "g")
-    eventually("the ghost is decided", lambda: assert_rejected(filter_once(guard, ns, "g", uid), ns, "g") is None,
+    seconds_until("the ghost is decided", lambda: assert_rejected(filter_once(guard, ns, "g", uid), ns, "g") is None,
                deadline=5)
     body = {"Pod": scheduler_pod(ns, "g", uid), **body_nodes}
     resp = guard.post("/filter", orjson.dumps(body), timeout=SCHEDULER_HTTP_TIMEOUT)

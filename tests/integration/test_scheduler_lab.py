@@ -5,11 +5,9 @@ Real etcd, real replicas, the official client; fast timings (backoff 0.05 s -> 0
 
 from __future__ import annotations
 
-import json
-import time
-
 import pytest
-from fixtures_lab import quorum_pod
+from fixtures_lab import create, quorum_pod
+from polling import eventually
 
 from guard.lab.demo import create_ghost, node_manifest, pod_manifest
 from guard.lab.scheduler import PodStats, Scheduler, Timings
@@ -25,23 +23,6 @@ FAST = Timings(
     sync_timeout=10.0,
 )
 WAIT = 20.0
-
-
-def create(api, obj):
-    if obj["kind"] == "Node":
-        resp = api.create_node(obj, _preload_content=False, _request_timeout=5)
-    else:
-        resp = api.create_namespaced_pod(obj["metadata"]["namespace"], obj, _preload_content=False, _request_timeout=5)
-    return json.loads(resp.data)
-
-
-def eventually(fn, timeout=WAIT):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.02)
 
 
 def pod_scheduled(api, name):
@@ -124,7 +105,7 @@ def test_unschedulable_pod_waits_then_requeues_on_node_add(lab, scheduler_on):
     assert sched.wait_for(lambda s: stat(s, "default/big").unschedulable >= 1, WAIT)
     assert sched.queue()["default/big"] == "unschedulable"
     assert stat(sched.stats(), "default/big").bind_attempts == 0
-    cond = eventually(lambda: pod_scheduled(api, "big"))
+    cond = eventually(lambda: pod_scheduled(api, "big"), WAIT, what="a PodScheduled condition for big")
     assert (cond["status"], cond["reason"]) == ("False", "Unschedulable")
     assert cond["message"].startswith("0/1 nodes are available: 1 Insufficient cpu.")
 
@@ -206,7 +187,7 @@ def test_ghost_leaves_the_informer_only_when_it_relists(lab, scheduler_on):
     lab.replicas[1].stop()
     create(api, pod_manifest("web-2"))
     lab.replicas[1].start()
-    assert eventually(lambda: "default/web-1" not in sched.informer_pods())
+    assert eventually(lambda: "default/web-1" not in sched.informer_pods(), WAIT, what="web-1 gone from the informer")
     assert sched.informer_stats()["pods"]["lists"] >= 2
     assert sched.wait_for(lambda s: stat(s, "default/web-2").bound_node == "node-a", WAIT)
     assert "default/web-1" not in sched.queue()  # the loop is over

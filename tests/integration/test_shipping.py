@@ -27,6 +27,7 @@ import yaml
 from cryptography import x509
 
 from guardproc import GuardProcess, free_port
+from polling import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -74,20 +75,9 @@ def run_guard(start_guard, tmp_path):
     return start
 
 
-def wait_until(check, what: str, timeout: float = 30.0, guard: GuardProcess | None = None):
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        if guard is not None and guard.proc.poll() is not None:
-            raise AssertionError(f"guard exited with {guard.proc.returncode} before {what}:\n{guard.logs()}")
-        try:
-            result = check()
-            if result:
-                return result
-        except OSError as e:
-            last = e
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached in {timeout}s (last error: {last!r})")
+def wait_until(check, what: str, guard: GuardProcess | None = None):
+    """Poll ``check`` for 30 s; connection errors mean "not yet"; the guard must stay up."""
+    return eventually(check, 30.0, what=what, ignore=(OSError,), process=guard)
 
 
 def https_request(port: int, path: str, ctx: ssl.SSLContext, *, method: str = "GET", body: bytes | None = None,
