@@ -84,9 +84,9 @@ class Checker:
         if prepared is not None:
             metrics.VERDICTS_PREPARED.inc()
             return prepared
-        metrics.VERDICTS_INLINE.inc()
         self.cache.mark_asked(pod.uid)
-        decision, read = self._verify(pod)
+        decision, read, shared = self._verify(pod)
+        (metrics.VERDICTS_SHARED if shared else metrics.VERDICTS_INLINE).inc()
         if decision.is_ghost:
             self._scheduled_ghost(pod, decision, read)
         return decision
@@ -106,24 +106,25 @@ class Checker:
             return known
         if prepare and self.cache.was_asked(pod.uid):
             return None
-        decision, _ = self._verify(pod)
+        decision, _, _ = self._verify(pod)
         metrics.PREVERIFIED.labels(decision.verdict.value).inc()
         if prepare and decision.verdict is Verdict.ALIVE and pod.uid:
             self.cache.prepare(pod.uid, decision)
         return decision
 
-    def _verify(self, pod: PodRef) -> tuple[Decision, QuorumRead]:
+    def _verify(self, pod: PodRef) -> tuple[Decision, QuorumRead, bool]:
+        """The verdict, the read behind it, and whether that read was shared (no GET of this call's own)."""
         read, hit = self.cache.read(pod.namespace, pod.name)
         metrics.CACHE_LOOKUPS.labels("reads", "hit" if hit else "miss").inc()
         decision = decide(pod, read)
         if decision.verdict is Verdict.ALIVE and self.cache.seen_gone(pod.uid):
             # A read from before the delete (shared in flight or cached) contradicts what a watch
             # already showed: ask etcd again, past the cache.
-            read = self._timed_get(pod.namespace, pod.name)
+            read, hit = self._timed_get(pod.namespace, pod.name), False
             decision = decide(pod, read)
         if decision.is_ghost:
             self.cache.remember_ghost(pod.uid, decision, read)
-        return decision, read
+        return decision, read, hit
 
     def announce(self, pod: PodRef) -> bool:
         """A cached ghost matters (a replica still serves it): record it once. True the first time."""

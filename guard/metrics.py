@@ -23,7 +23,10 @@ VERDICTS = Counter("ghost_guard_verdicts", "Verdicts handed out, by verdict.", [
 VERDICTS_PREPARED = Counter("ghost_guard_verdicts_prepared", "Scheduler calls answered from a verdict verified in "
                             "the background before the call (no apiserver round trip on the scheduling path).")
 VERDICTS_INLINE = Counter("ghost_guard_verdicts_inline", "Scheduler calls that found no cached or prepared verdict "
-                          "and verified the pod inline (quorum GET on the scheduling path, or joined one in flight).")
+                          "and made a quorum GET of their own on the scheduling path.")
+VERDICTS_SHARED = Counter("ghost_guard_verdicts_shared_read", "Scheduler calls that found no prepared verdict but "
+                          "shared a quorum read already in flight or just made (by the background verification or "
+                          "another call): they waited for it instead of a GET of their own.")
 PREVERIFIED = Counter("ghost_guard_preverified", "Pods verified in the background (watch of unscheduled pods), "
                       "by verdict.", ["verdict"])
 PREVERIFY_DROPPED = Counter("ghost_guard_preverify_dropped", "New pods not queued for background verification "
