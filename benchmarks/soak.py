@@ -54,33 +54,16 @@ from pathlib import Path
 import orjson
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from guardproc import GuardProcess, child_pids, metric_sum, parse_metrics  # noqa: E402
+
 NODE_NAMES = [f"node-{i}" for i in range(50)]
 SCHEDULER_HTTP_TIMEOUT = 5.0  # kube-scheduler's extender httpTimeout: a later reply is a failed request
 FILTER_KEYS = {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
 
 
 # --- processes -----------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return sorted(out)
 
 
 def rss_mb(pid: int) -> float:
@@ -106,49 +89,28 @@ def stop_group(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-class Guard:
+class Guard(GuardProcess):
+    """``ghost-guard serve`` over plain HTTP, none of the caller's ``GHOST_GUARD_*``, logs in the work directory.
+    /metrics is scraped with ``request()`` (a fresh http.client connection each time), like the load itself."""
+
     def __init__(self, kubeconfig: str, workdir: Path, extra: list[str]) -> None:
-        self.port = free_port()
-        self.log_path = workdir / "guard.log"
-        self.out_path = workdir / "guard.out"
-        cmd = [sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind", f"127.0.0.1:{self.port}",
-               "--kubeconfig", kubeconfig, "--audit-db", str(workdir / "audit.db"), *extra]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("GHOST_GUARD_", "PROMETHEUS_MULTIPROC_DIR"))}
-        self.proc = subprocess.Popen(cmd, stdout=open(self.out_path, "wb"), stderr=open(self.log_path, "wb"),
-                                     env=env, start_new_session=True, cwd=REPO)
-        self.cmd = cmd
+        super().__init__(["--kubeconfig", kubeconfig, "--audit-db", str(workdir / "audit.db"), *extra],
+                         clean_env=True, cwd=REPO, logdir=workdir)
+        self.log_path = Path(self.log.name)
 
     def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"guard exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                status, _ = request(self.port, "GET", "/readyz")
-                if status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"guard not ready:\n{self.log_path.read_text()[-3000:]}")
+        try:
+            self.wait("/readyz", timeout)
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
 
     def worker(self) -> int | None:
-        kids = children(self.proc.pid)
+        kids = self.workers()
         return kids[0] if kids else None
 
     def metrics(self) -> dict[tuple, float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
         _, body = request(self.port, "GET", "/metrics")
-        out: dict[tuple, float] = {}
-        for family in text_string_to_metric_families(body.decode()):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
-
-
-def metric_sum(samples: dict[tuple, float], name: str, **labels: str) -> float:
-    return sum(v for (n, lab), v in samples.items() if n == name and all(dict(lab).get(k) == x for k, x in labels.items()))
+        return parse_metrics(body.decode())
 
 
 def histogram_quantile(before: dict, after: dict, name: str, q: float, **labels: str) -> float | None:
@@ -435,8 +397,8 @@ def main() -> int:
         print(f"soak: phase 1, {a.rate:g} /filter/s for {a.minutes:g} min, mix {a.mix}, "
               f"~{a.error_percent:g}% GETs -> 500", flush=True)
         m0 = guard.metrics()
-        procs = {"guard": lambda: [guard.proc.pid, *children(guard.proc.pid)],
-                 "lab (replicas + etcd)": lambda: [lab.proc.pid, *children(lab.proc.pid)],
+        procs = {"guard": lambda: [guard.proc.pid, *child_pids(guard.proc.pid)],
+                 "lab (replicas + etcd)": lambda: [lab.proc.pid, *child_pids(lab.proc.pid)],
                  "load generator": lambda: [os.getpid()]}
         cpu0 = {k: cpu_seconds(f()) for k, f in procs.items()}
         p1_start = time.monotonic()

@@ -1,7 +1,8 @@
 """Real guard processes for tests and benchmarks: ``ghost-guard serve`` over real HTTP(S).
 
-Import it as ``from guardproc import GuardProcess`` (tests/ is on sys.path): a test module
-must never import ``conftest``, whose name is shared by every conftest.py in the tree.
+Import it as ``from guardproc import GuardProcess`` (tests/ is on sys.path; a benchmark
+puts it there): a test module must never import ``conftest``, whose name is shared by
+every conftest.py in the tree.
 """
 
 from __future__ import annotations
@@ -26,6 +27,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a guard's gunicorn workers, a lab's replicas), sorted."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return sorted(out)
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse_metrics(text: str) -> Samples:
+    """A Prometheus text exposition as {(sample name, sorted label items): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric_sum(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels`` (0 when none)."""
+    return sum(v for (n, lab), v in samples.items() if n == name and all(dict(lab).get(k) == x for k, x in labels.items()))
+
+
 class GuardProcess:
     """``ghost-guard serve`` as a child process (its own process group).
 
@@ -33,18 +67,21 @@ class GuardProcess:
     (no ``tls``) or the ``tls`` files' flags are added. ``verbatim=True`` runs
     ``python -m guard *args`` exactly as given (the subcommand, ``--bind`` with ``port``
     and any TLS flags included, as a manifest spells them). ``clean_env`` drops the
-    caller's ``GHOST_GUARD_*`` variables (``env`` is applied after).
+    caller's ``GHOST_GUARD_*`` variables (``env`` is applied after). ``cwd``: the
+    process's working directory. ``logdir``: where the stderr (``.log``) and stdout
+    (``.out``) files go (default: the temp dir).
     """
 
     def __init__(self, args: list[str], *, tls: dict | None = None, env: dict | None = None,
-                 port: int | None = None, verbatim: bool = False, clean_env: bool = False) -> None:
+                 port: int | None = None, verbatim: bool = False, clean_env: bool = False,
+                 cwd: str | Path | None = None, logdir: str | Path | None = None) -> None:
         self.port = port or free_port()
         https = bool(tls) or (verbatim and any(a.split("=", 1)[0] == "--tls-cert" for a in args))
         self.scheme = "https" if https else "http"
         self.base = f"{self.scheme}://127.0.0.1:{self.port}"
         self.tls = tls or {}
-        self.log = tempfile.NamedTemporaryFile(prefix="guard-", suffix=".log", delete=False)
-        self.out = tempfile.NamedTemporaryFile(prefix="guard-", suffix=".out", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix="guard-", suffix=".log", delete=False, dir=logdir)
+        self.out = tempfile.NamedTemporaryFile(prefix="guard-", suffix=".out", delete=False, dir=logdir)
         if verbatim:
             cmd = [sys.executable, "-m", "guard", *args]
         else:
@@ -59,7 +96,8 @@ class GuardProcess:
         base_env = {k: v for k, v in os.environ.items() if not (clean_env and k.startswith("GHOST_GUARD_"))}
         full_env = {**base_env, **(env or {})}
         full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.log, env=full_env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.log, env=full_env, start_new_session=True,
+                                     cwd=cwd)
         self.session = requests.Session()
         # requests lets REQUESTS_CA_BUNDLE override a Session's verify (psf/requests#3829): ignore the environment.
         self.session.trust_env = False
@@ -92,17 +130,17 @@ class GuardProcess:
         headers = kw.pop("headers", {"Content-Type": "application/json"})
         return self.session.post(self.url(path), data=body, headers=headers, timeout=kw.pop("timeout", 10), **kw)
 
+    def metrics(self) -> Samples:
+        """One scrape of /metrics: {(sample name, sorted label items): value}."""
+        return parse_metrics(self.session.get(self.url("/metrics"), timeout=5).text)
+
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples matching the labels (0 when absent)."""
-        from prometheus_client.parser import text_string_to_metric_families
+        return metric_sum(self.metrics(), name, **labels)
 
-        text = self.session.get(self.url("/metrics"), timeout=5).text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    total += sample.value
-        return total
+    def workers(self) -> list[int]:
+        """The gunicorn workers (the arbiter's children), sorted."""
+        return child_pids(self.proc.pid)
 
     def logs(self) -> str:
         self.log.flush()

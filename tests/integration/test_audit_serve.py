@@ -31,11 +31,6 @@ def filter_body(namespace: str, name: str, uid: str) -> dict:
     return {"Pod": pod, "Nodes": None, "NodeNames": NODES}
 
 
-def workers(master: int) -> list[int]:
-    with open(f"/proc/{master}/task/{master}/children") as f:
-        return [int(p) for p in f.read().split()]
-
-
 def announced(guard) -> list[dict]:
     lines = []
     for line in guard.stdout().splitlines():
@@ -54,9 +49,9 @@ def test_kill_9_of_a_worker_mid_burst_loses_no_acknowledged_record(shared_lab, l
     guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--workers", "2", "--threads", "4",
                          "--audit-db", db, "--no-prepare", "--no-events"])
     deadline = time.monotonic() + 20
-    while len(workers(guard.proc.pid)) < 2 and time.monotonic() < deadline:
+    while len(guard.workers()) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    victims = workers(guard.proc.pid)
+    victims = guard.workers()
     assert len(victims) == 2
 
     ns, total = lab_namespace, 150
@@ -115,7 +110,7 @@ def test_kill_9_of_a_worker_mid_burst_loses_no_acknowledged_record(shared_lab, l
         assert line["first_seen"] == time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.first_seen))
 
     # The killed worker was replaced and the guard still answers.
-    assert victims[0] not in workers(guard.proc.pid)
+    assert victims[0] not in guard.workers()
     assert session.get(guard.url("/readyz"), timeout=5).status_code == 200
     session.close()
 

@@ -150,19 +150,6 @@ def unseen_ghost_uid(name: str) -> str:
     return f"{name}-{uuid.uuid4()}"
 
 
-def worker_pids(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return sorted(out)
-
-
 def print_measurements() -> None:
     if not MEASURED:
         return
@@ -262,7 +249,7 @@ def test_etcd_stopped_and_restarted(lab, guard, ns):
 def test_worker_killed_mid_request(lab, guard, ns):
     """SIGKILL the gunicorn worker while a /filter waits on a hung GET: the arbiter boots a new one."""
     s = Scenario(lab, guard, ns)
-    (worker,) = worker_pids(guard.proc.pid)
+    (worker,) = guard.workers()
     lab.replicas[0].faults.add("hang", method="GET", path=rf"/api/v1/namespaces/{ns}/pods/during")
     outcome: dict = {}
 
@@ -282,11 +269,11 @@ def test_worker_killed_mid_request(lab, guard, ns):
     # The request in flight is lost with its connection (kube-scheduler retries the pod), never answered wrongly.
     assert "error" in outcome or outcome["reply"]["FailedAndUnresolvableNodes"] == {}, outcome
     lab.replicas[0].faults.clear()
-    took = seconds_until("a new worker serves", lambda: worker_pids(guard.proc.pid) not in ([], [worker])
+    took = seconds_until("a new worker serves", lambda: guard.workers() not in ([], [worker])
                       and guard.session.get(guard.url("/healthz"), timeout=2).status_code == 200)
     MEASURED.setdefault("worker SIGKILL (new worker serving, s)", []).append(took)
     assert guard.proc.poll() is None
-    (new_worker,) = worker_pids(guard.proc.pid)
+    (new_worker,) = guard.workers()
     assert new_worker != worker
     # The new worker starts with empty caches: the cached ghost is read again and still rejected.
     assert_rejected(filter_once(guard, ns, "cached", s.cached_uid, "after worker SIGKILL"), ns, "cached")
