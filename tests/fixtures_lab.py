@@ -6,6 +6,8 @@
   write objects; faults are cleared and stopped replicas restarted after each
   test. Use ``lab_namespace`` to keep objects apart.
 - ``lab_factory``: ``lab_factory(replicas=1, **options)`` for other shapes.
+- ``lab_scheduler``: ``lab_scheduler(kubeconfig, timings=..., extenders=...)`` starts the
+  scheduler simulator (``guard.lab.scheduler.Scheduler``), stopped after the test.
 
 On failure, the etcd log tail is printed (uses ``rep_call``, set by the
 ``pytest_runtest_makereport`` hook in tests/conftest.py).
@@ -21,7 +23,7 @@ import pytest
 from guard.lab import Lab
 
 
-__all__ = ["lab", "lab_factory", "lab_namespace", "shared_lab", "_shared_lab_session"]
+__all__ = ["lab", "lab_factory", "lab_namespace", "lab_scheduler", "shared_lab", "_shared_lab_session"]
 
 
 def _report(lab: Lab, request: pytest.FixtureRequest) -> None:
@@ -63,12 +65,34 @@ def shared_lab(_shared_lab_session: Lab, request: pytest.FixtureRequest) -> Iter
     lab = _shared_lab_session
     yield lab
     _report(lab, request)
+    mend(lab)
+
+
+def mend(lab: Lab) -> None:
+    """Undo what a test broke: etcd and stopped replicas started again, every replica's faults cleared."""
     if not lab.etcd.running:
         lab.etcd.start()
     for r in lab.replicas:
         r.faults.clear()
         if not r.running:
             r.start()
+
+
+@pytest.fixture
+def lab_scheduler() -> Iterator[Callable[..., object]]:
+    from guard.lab.scheduler import Scheduler
+
+    started: list[Scheduler] = []
+
+    def start(kubeconfig: str, **options: object) -> Scheduler:
+        s = Scheduler(kubeconfig, **options)  # type: ignore[arg-type]
+        s.start()
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
 
 
 @pytest.fixture

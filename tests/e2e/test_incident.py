@@ -8,6 +8,7 @@ while live pods still schedule.
 
 from __future__ import annotations
 
+import functools
 import io
 import re
 
@@ -16,7 +17,7 @@ from fixtures_lab import create, quorum_pod
 from polling import eventually
 
 from guard.lab.demo import create_ghost, node_manifest, pod_manifest, run_demo
-from guard.lab.scheduler import PodStats, Scheduler, Timings
+from guard.lab.scheduler import PodStats, Timings
 
 pytestmark = pytest.mark.e2e
 
@@ -32,18 +33,8 @@ def stat(stats, key):
 
 
 @pytest.fixture
-def scheduler_on():
-    started = []
-
-    def start(kubeconfig, extenders=()):
-        s = Scheduler(kubeconfig, extenders=extenders, timings=FAST)
-        s.start()
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.stop()
+def scheduler_on(lab_scheduler):
+    return functools.partial(lab_scheduler, timings=FAST)
 
 
 @pytest.mark.parametrize("guard_first", [True, False], ids=["guard-watching", "guard-started-later"])
@@ -57,7 +48,7 @@ def test_ghost_causes_at_most_one_failed_bind_with_the_guard(lab, https_guard, s
     create_ghost(lab, 1, pod_manifest("web-1"))
     guard = guard or https_guard()
 
-    sched = scheduler_on(lab.kubeconfig(1), [guard.extender(node_cache_capable=node_cache_capable)])
+    sched = scheduler_on(lab.kubeconfig(1), extenders=[guard.extender(node_cache_capable=node_cache_capable)])
     create(api, pod_manifest("web-2"))
     assert sched.wait_for(lambda s: stat(s, "default/web-2").bound_node
                           and stat(s, "default/web-1").unschedulable >= 1, WAIT)
@@ -112,7 +103,7 @@ def test_ghost_evicts_a_real_pod_without_the_guard_and_nobody_with_it(lab, https
     # With the guard (filter + preempt): the preempt verb vetoes every candidate.
     victim = create(api, pod_manifest("batch-2", cpu="1500m", priority=0, node_name="node-a"))
     guard = guard or https_guard()
-    guarded = scheduler_on(lab.kubeconfig(1), [guard.extender()])
+    guarded = scheduler_on(lab.kubeconfig(1), extenders=[guard.extender()])
     assert guarded.wait_for(lambda s: stat(s, "default/web-1").preempt_calls >= 1
                             and stat(s, "default/web-1").unschedulable >= 1, WAIT)
     create(api, pod_manifest("live", cpu="100m", priority=0))  # an event: the ghost is tried again

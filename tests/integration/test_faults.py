@@ -31,7 +31,7 @@ from pathlib import Path
 import orjson
 import pytest
 import requests
-from fixtures_lab import make_ghost, pod_manifest
+from fixtures_lab import make_ghost, mend, pod_manifest
 
 from guardproc import GuardProcess
 from polling import eventually
@@ -85,12 +85,7 @@ def heal(lab, guard, request):
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
         print(f"\n--- guard log ---\n{guard.logs()}")
-    if not lab.etcd.running:
-        lab.etcd.start()
-    for r in lab.replicas:
-        r.faults.clear()
-        if not r.running:
-            r.start()
+    mend(lab)
     lab.wait_synced(timeout=10)
 
 

@@ -5,12 +5,14 @@ Real etcd, real replicas, the official client; fast timings (backoff 0.05 s -> 0
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from fixtures_lab import create, quorum_pod
 from polling import eventually
 
 from guard.lab.demo import create_ghost, node_manifest, pod_manifest
-from guard.lab.scheduler import PodStats, Scheduler, Timings
+from guard.lab.scheduler import PodStats, Timings
 
 FAST = Timings(
     pod_initial_backoff=0.05,
@@ -36,18 +38,8 @@ def stat(stats, key):
 
 
 @pytest.fixture
-def scheduler_on():
-    started = []
-
-    def start(kubeconfig, **kwargs):
-        s = Scheduler(kubeconfig, timings=kwargs.pop("timings", FAST), **kwargs)
-        s.start()
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.stop()
+def scheduler_on(lab_scheduler):
+    return functools.partial(lab_scheduler, timings=FAST)
 
 
 def test_ghost_loops_on_bind_404_while_live_pods_schedule(lab, scheduler_on):
