@@ -70,6 +70,8 @@ class GuardProcess:
     caller's ``GHOST_GUARD_*`` variables (``env`` is applied after). ``cwd``: the
     process's working directory. ``logdir``: where the stderr (``.log``) and stdout
     (``.out``) files go (default: the temp dir).
+
+    As a context manager it is stopped on exit (``with GuardProcess(args) as g: g.wait(); ...``).
     """
 
     def __init__(self, args: list[str], *, tls: dict | None = None, env: dict | None = None,
@@ -149,6 +151,12 @@ class GuardProcess:
     def stdout(self) -> str:
         self.out.flush()
         return Path(self.out.name).read_text(errors="replace")
+
+    def __enter__(self) -> GuardProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

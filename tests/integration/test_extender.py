@@ -54,13 +54,10 @@ def guard(_shared_lab_session):
     """One guard for the module, reading the shared lab through replica 0 (no pre-verification,
     so every GET counted here is the scheduling path's)."""
     db = tempfile.mktemp(prefix="audit-", suffix=".db")
-    g = GuardProcess(["--kubeconfig", _shared_lab_session.kubeconfig(0), "--audit-db", db, "--no-prepare",
-                      "--no-events"])
-    try:
+    with GuardProcess(["--kubeconfig", _shared_lab_session.kubeconfig(0), "--audit-db", db, "--no-prepare",
+                       "--no-events"]) as g:
         g.wait()
         yield g
-    finally:
-        g.stop()
 
 
 def make_pod(lab, ns: str, name: str, **kw) -> str:

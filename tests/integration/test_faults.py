@@ -59,13 +59,12 @@ def lab():
 @pytest.fixture(scope="module")
 def guard(lab):
     db = tempfile.mktemp(prefix="faults-audit-", suffix=".db")
-    g = GuardProcess(["--kubeconfig", lab.kubeconfig(0), "--get-timeout", str(GET_TIMEOUT), "--audit-db", db,
-                      "--no-events"])
     try:
-        g.wait()
-        yield g
+        with GuardProcess(["--kubeconfig", lab.kubeconfig(0), "--get-timeout", str(GET_TIMEOUT), "--audit-db", db,
+                           "--no-events"]) as g:
+            g.wait()
+            yield g
     finally:
-        g.stop()
         for suffix in ("", "-wal", "-shm"):
             Path(db + suffix).unlink(missing_ok=True)
         print_measurements()

@@ -47,22 +47,6 @@ def dead_apiserver_kubeconfig(path: Path, token: str) -> str:
     return str(path)
 
 
-def worker_pids(pid: int) -> list[int]:
-    """The gunicorn workers: children of the arbiter (the process the test started)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
-            out.append(int(entry.name))
-    return sorted(out)
-
-
 def rss_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -74,22 +58,19 @@ def rss_kb(pid: int) -> int:
 def guard(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
     kubeconfig = dead_apiserver_kubeconfig(tmp / "kubeconfig", TOKEN)
-    g = GuardProcess(["--kubeconfig", kubeconfig, "--get-timeout", "0.2", "--max-body-bytes", str(MAX_BODY),
-                      "--audit-db", str(tmp / "audit.db")])
-    try:
+    with GuardProcess(["--kubeconfig", kubeconfig, "--get-timeout", "0.2", "--max-body-bytes", str(MAX_BODY),
+                       "--audit-db", str(tmp / "audit.db")]) as g:
         g.wait("/healthz")
-        g.workers = worker_pids(g.proc.pid)
-        assert len(g.workers) == 1, g.workers
+        g.first_workers = g.workers()
+        assert len(g.first_workers) == 1, g.first_workers
         yield g
-    finally:
-        g.stop()
 
 
 @pytest.fixture(autouse=True)
 def alive_after_each_test(request, guard):
     yield
     assert guard.proc.poll() is None, f"guard exited with {guard.proc.returncode}:\n{guard.logs()}"
-    assert worker_pids(guard.proc.pid) == guard.workers, f"the worker was replaced (died):\n{guard.logs()}"
+    assert guard.workers() == guard.first_workers, f"the worker was replaced (died):\n{guard.logs()}"
 
 
 # --- reply checks ------------------------------------------------------------
@@ -452,7 +433,7 @@ def test_memory_bounded_and_token_never_logged(guard):
     for _ in range(20):  # the largest accepted shapes again
         doc = valid_filter_doc(100_000)
         assert send(guard, "/filter", doc).status_code == 200
-    (worker,) = guard.workers
+    (worker,) = guard.first_workers
     rss = rss_kb(worker)
     print(f"\nworker RSS after the hostile-input run: {rss / 1024:.1f} MiB")
     assert rss < RSS_LIMIT_KB, f"worker RSS {rss} kB"

@@ -67,12 +67,9 @@ def mtls_guard(pki, dead_kubeconfig, tmp_path_factory):
     tls = {"cert": str(ours.tls_cert), "key": str(ours.tls_key), "client_ca": str(ours.ca_cert),
            "ca": str(ours.ca_cert), "client_cert": str(ours.client_cert), "client_key": str(ours.client_key)}
     db = tmp_path_factory.mktemp("mtls") / "audit.db"
-    g = GuardProcess(["--kubeconfig", dead_kubeconfig, "--audit-db", str(db), "--get-timeout", "0.2"], tls=tls)
-    try:
+    with GuardProcess(["--kubeconfig", dead_kubeconfig, "--audit-db", str(db), "--get-timeout", "0.2"], tls=tls) as g:
         g.wait("/healthz")
         yield g
-    finally:
-        g.stop()
 
 
 def client_hello(version: int) -> bytes:
