@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from polling import eventually
+
 from guard.audit import AuditStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,9 +50,7 @@ def test_kill_9_of_a_worker_mid_burst_loses_no_acknowledged_record(shared_lab, l
     db = str(tmp_path / "audit.db")
     guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--workers", "2", "--threads", "4",
                          "--audit-db", db, "--no-prepare", "--no-events"])
-    deadline = time.monotonic() + 20
-    while len(guard.workers()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    eventually(lambda: len(guard.workers()) >= 2, 20, what="two gunicorn workers")
     victims = guard.workers()
     assert len(victims) == 2
 

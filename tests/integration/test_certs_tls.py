@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+from polling import eventually
+
 from guard.certs import CertError, ReloadingTLS, generate
 
 pytestmark = pytest.mark.timeout(120)
@@ -300,9 +302,7 @@ def test_in_place_renewal_and_broken_pair_keep_serving(tmp_path, certs, serve):
         # half a renewal: the new certificate without its key. Kept serving the old pair.
         shutil.copy2(other / "tls.crt", d / "tls.crt")
         load.wait_requests(10)
-        end = time.monotonic() + 10
-        while tls.check() is None and time.monotonic() < end:
-            time.sleep(0.02)
+        eventually(lambda: tls.check() is not None, 10, what="the half renewal reported", interval=0.02)
         reason = tls.check()
         load.wait_requests(10)
         # the key arrives: the pair loads
@@ -318,9 +318,8 @@ def test_in_place_renewal_and_broken_pair_keep_serving(tmp_path, certs, serve):
 
     # ghost-guard certs --renew in place (atomic replace of the files) is picked up too
     generate(d, renew=True)
-    end = time.monotonic() + 10
-    while get(srv, ctx)[1] != serial(d / "tls.crt") and time.monotonic() < end:
-        time.sleep(0.02)
+    eventually(lambda: get(srv, ctx)[1] == serial(d / "tls.crt"), 10, what="the renewed certificate served",
+               interval=0.02)
     assert get(srv, ctx) == (200, serial(d / "tls.crt"))
     assert tls.reloads == 2
 

@@ -12,6 +12,8 @@ import time
 import pytest
 from kubernetes import client, config
 
+from polling import eventually
+
 from guard.lab.commands import DropSpec, parse_drop_deletes
 
 SCRIPT = "import sys; from guard.lab.commands import run_lab; sys.exit(run_lab({args}))"
@@ -69,10 +71,7 @@ def test_run_lab_serves_until_sigterm_and_cleans_up(tmp_path):
         assert api.list_namespaced_pod("default", _request_timeout=5).items == []
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
-        deadline = time.monotonic() + 5
-        while _pid_alive(etcd_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _pid_alive(etcd_pid)
+        eventually(lambda: not _pid_alive(etcd_pid), 5, what="etcd gone")
         assert not (out / "etcd").exists()
     finally:
         if proc.poll() is None:
@@ -97,10 +96,7 @@ def test_etcd_dies_with_a_sigkilled_parent(tmp_path):
         etcd_pid = int(subprocess.check_output(["pgrep", "-f", "--", f"{out}/etcd/data"], text=True).split()[0])
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(5)
-        deadline = time.monotonic() + 5
-        while _pid_alive(etcd_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _pid_alive(etcd_pid)
+        eventually(lambda: not _pid_alive(etcd_pid), 5, what="etcd gone")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import socket
 import ssl
-import time
 
 import pytest
 from kubernetes import watch
 from kubernetes.client import ApiException
 
 from fixtures_lab import pod_manifest
+from polling import eventually
 
 
 def events(lab, replica: int, ns: str, **kw) -> list[tuple[str, str, str | None]]:
@@ -137,12 +137,6 @@ def test_a_watch_whose_client_hung_up_is_released(lab_factory):
         with cache._cond:
             return len(cache._watchers)
 
-    deadline = time.monotonic() + 5
-    while watchers() != 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert watchers() == 1
+    eventually(lambda: watchers() == 1, 5, what="one watcher registered")
     conn.close()
-    deadline = time.monotonic() + 5
-    while watchers() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert watchers() == 0
+    eventually(lambda: watchers() == 0, 5, what="the watcher gone")
