@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import collections
 import copy
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import orjson
 
 from guard.lab.api import Obj, Resource, gone, resource_for_key, split_key
 from guard.lab.faults import DroppedEvent, Faults
@@ -39,7 +40,7 @@ class CacheEvent:
 
 
 def decode(value: bytes, rv: int) -> Obj:
-    obj = json.loads(value)
+    obj = orjson.loads(value)
     obj.setdefault("metadata", {})["resourceVersion"] = str(rv)
     return obj
 

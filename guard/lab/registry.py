@@ -12,10 +12,11 @@ import base64
 import copy
 import datetime
 import hashlib
-import json
 import random
 import uuid
 from typing import Any
+
+import orjson
 
 from guard.lab.api import (
     ApiError, Obj, Resource, already_exists, apply_patch, bad_request, conflict, invalid, modified_conflict, not_found,
@@ -30,9 +31,10 @@ assert PODS is not None
 
 
 def encode(obj: Obj) -> bytes:
-    out = copy.deepcopy(obj)
-    out.get("metadata", {}).pop("resourceVersion", None)
-    return json.dumps(out, separators=(",", ":"), sort_keys=True).encode()
+    out = dict(obj)
+    if isinstance(out.get("metadata"), dict):
+        out["metadata"] = {k: v for k, v in out["metadata"].items() if k != "resourceVersion"}
+    return orjson.dumps(out, option=orjson.OPT_SORT_KEYS)
 
 
 def storage_form(r: Resource, obj: Obj) -> Obj:

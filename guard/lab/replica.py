@@ -10,7 +10,6 @@ Requests pass through the replica's faults first, and every request is logged.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import select
 import socket
@@ -22,6 +21,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import orjson
 
 from guard.lab.api import (
     RESOURCES, ApiError, FieldRequirement, Obj, Resource, Selector, bad_request, gone, internal_error,
@@ -93,7 +94,7 @@ class _Ctx:
 
     def json(self) -> Any:
         try:
-            return json.loads(self.body() or b"null")
+            return orjson.loads(self.body() or b"null")
         except ValueError as e:
             raise bad_request(f"the body of the request could not be decoded: {e}") from e
 
@@ -417,7 +418,7 @@ class Replica:
 
     def _send(self, ctx: _Ctx, code: int, body: Any, headers: dict[str, str] | None = None,
               content_type: str = "application/json") -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+        data = body if isinstance(body, bytes) else orjson.dumps(body)
         h = ctx.handler
         if ctx.method in ("POST", "PUT", "PATCH") and ctx.body_cache is None:
             try:
@@ -632,7 +633,7 @@ class Replica:
         self._record(ctx)
 
         def write(typ: str, obj: Obj) -> None:
-            line = json.dumps({"type": typ, "object": obj}, separators=(",", ":")).encode() + b"\n"
+            line = orjson.dumps({"type": typ, "object": obj}) + b"\n"
             h.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
             h.wfile.flush()
 

@@ -8,11 +8,11 @@ with progress notifications.
 from __future__ import annotations
 
 import base64
-import json
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import urllib3
 
 
@@ -79,7 +79,7 @@ class EtcdClient:
     def _post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         try:
             r = self._http.request(
-                "POST", self.url + path, body=json.dumps(body).encode(),
+                "POST", self.url + path, body=orjson.dumps(body),
                 headers={"Content-Type": "application/json"},
                 timeout=urllib3.Timeout(total=timeout or self.timeout),
             )
@@ -87,7 +87,7 @@ class EtcdClient:
             raise EtcdUnavailable(f"etcd {path}: {e}") from e
         if r.status != 200:
             raise EtcdUnavailable(f"etcd {path}: HTTP {r.status}: {r.data[:300]!r}")
-        return json.loads(r.data)
+        return orjson.loads(r.data)
 
     # --- reads ------------------------------------------------------------
 
@@ -180,7 +180,7 @@ class EtcdWatch:
         self._cancelled = False
         try:
             self._resp = client._http.request(
-                "POST", client.url + "/v3/watch", body=json.dumps(body).encode(),
+                "POST", client.url + "/v3/watch", body=orjson.dumps(body),
                 headers={"Content-Type": "application/json"}, preload_content=False,
                 timeout=urllib3.Timeout(connect=client.timeout, read=None),
             )
@@ -211,7 +211,7 @@ class EtcdWatch:
                 raise EtcdUnavailable("etcd watch stream ended")
             if not line.strip():
                 continue
-            d = json.loads(line)
+            d = orjson.loads(line)
             if "error" in d:
                 raise EtcdUnavailable(f"etcd watch: {d['error']}")
             res = d.get("result") or {}
