@@ -7,10 +7,13 @@ kube-scheduler. Run against the guard (pre-verification on) and against the
 minimal pass-through extender, alternating, in one run. The guard is stopped
 while the pass-through runs, so it takes no CPU from it.
 
-Reported per case: share of first calls answered from a prepared verdict (the
-guard's ``ghost_guard_verdicts_prepared_total`` vs ``..._inline_total``),
-``/filter`` p50/p99, quorum GETs per pod (the lab's request logs, all
-replicas), and the serial client's pods/s.
+Reported per case: how first calls were answered (the guard's
+``ghost_guard_verdicts_prepared_total``: from a verdict ready before the call;
+``..._shared_read_total``: waited on the background GET still in flight;
+``..._inline_total``: a GET of its own), ``/filter`` p50/p99, quorum GETs per
+pod (the lab's request logs, all replicas), the serial client's pods/s, the
+share of the client's time spent waiting on ``/filter`` (busy), and the lab's
+pod creation rate in that run (the client cannot go faster than pods appear).
 
 Cases: ``burst`` (500 pods created by 4 threads as fast as the lab takes them,
 while the client runs: it keeps pace with creation, so every pod is a race
@@ -150,24 +153,28 @@ def run_case(lab: LabProcess, namespace: str, extender: str, pods: int, rate: fl
     def create(i: int) -> None:
         api.create_namespaced_pod(namespace, pod_manifest(f"p-{i:04d}"), _request_timeout=10)
 
+    created: list[float] = []
+
     def creator() -> None:
+        t0 = time.perf_counter()
         if not rate:
             with ThreadPoolExecutor(4) as pool:
                 list(pool.map(create, range(pods)))
         else:
-            t0 = time.perf_counter()
             for i in range(pods):
                 time.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
                 create(i)
+        created.append(pods / (time.perf_counter() - t0))
 
     since = time.time()
     latencies, first_seen, done_at = [], None, None
+    creating = threading.Thread(target=creator, daemon=True)
     if rate == 0:  # backlog: the burst lands before the scheduler gets to it (it is busy, or restarting)
-        creator()
+        creating.run()
         time.sleep(1.0)
         first_seen = time.perf_counter()
     else:
-        threading.Thread(target=creator, daemon=True).start()
+        creating.start()
     session = requests.Session()
     session.trust_env = False
     for _ in range(pods):
@@ -183,10 +190,14 @@ def run_case(lab: LabProcess, namespace: str, extender: str, pods: int, rate: fl
             raise RuntimeError(f"unexpected reply for {meta['name']}: {r.status_code} {r.text[:300]}")
         done_at = time.perf_counter()
     informer.stopping = True
+    if creating.ident is not None:
+        creating.join(60)
     gets = lab.quorum_gets(namespace, since)
     s = sorted(latencies)
     return {"p50_ms": statistics.median(s) * 1000, "p99_ms": s[min(len(s) - 1, int(len(s) * 0.99))] * 1000,
-            "pods_per_s": pods / (done_at - first_seen), "gets_per_pod": gets / pods}
+            "pods_per_s": pods / (done_at - first_seen), "gets_per_pod": gets / pods,
+            # the share of the client's time spent waiting on /filter, and the lab's creation rate
+            "busy": sum(latencies) / (done_at - first_seen), "created_per_s": created[0]}
 
 
 def main() -> int:
@@ -231,15 +242,17 @@ def main() -> int:
                     try:
                         res = run_case(lab, f"b{n}", url, pods, rate)
                         if which == "guard":
-                            prepared = metric(url, "ghost_guard_verdicts_prepared_total")
-                            inline = metric(url, "ghost_guard_verdicts_inline_total")
-                            prepared_share.append(prepared / max(1.0, prepared + inline))
+                            counts = [metric(url, f"ghost_guard_verdicts_{k}_total")
+                                      for k in ("prepared", "shared_read", "inline")]
+                            prepared_share.append([c / max(1.0, sum(counts)) for c in counts])
                         agg[which].append(res)
+                        print(f"{case}, {which}: {res}", file=sys.stderr, flush=True)
                     finally:
                         stop(proc)
             g = {k: statistics.mean(r[k] for r in agg["guard"]) for k in agg["guard"][0]}
             p = {k: statistics.mean(r[k] for r in agg["pass-through"]) for k in agg["pass-through"][0]}
-            rows.append((case, pods, statistics.mean(prepared_share), g, p))
+            shares = [statistics.mean(r[i] for r in prepared_share) for i in range(3)]
+            rows.append((case, pods, shares, g, p))
         lab.close()
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -248,13 +261,15 @@ def main() -> int:
                else "no CPU pinning")
     print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.rounds} rounds per cell, means; {pinning}\n")
-    print("| case | pods | first calls from a prepared verdict | guard p50 ms | guard p99 ms | pass-through p50 ms "
-          "| pass-through p99 ms | quorum GETs per pod | guard pods/s | pass-through pods/s | pods/s ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for case, pods, share, g, p in rows:
-        print(f"| {case} | {pods} | {share:.1%} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} | {p['p50_ms']:.2f} | "
-              f"{p['p99_ms']:.2f} | {g['gets_per_pod']:.2f} | {g['pods_per_s']:.0f} | {p['pods_per_s']:.0f} | "
-              f"{g['pods_per_s'] / p['pods_per_s']:.2f} |")
+    print("| case | pods | first calls: prepared / shared read in flight / own GET | guard p50 ms | guard p99 ms "
+          "| pass-through p50 ms | pass-through p99 ms | quorum GETs per pod | guard pods/s | pass-through pods/s "
+          "| pods/s ratio | client busy (guard / pass-through) | pods created/s (guard / pass-through) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for case, pods, shares, g, p in rows:
+        print(f"| {case} | {pods} | {shares[0]:.1%} / {shares[1]:.1%} / {shares[2]:.1%} | {g['p50_ms']:.2f} "
+              f"| {g['p99_ms']:.2f} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} | {g['gets_per_pod']:.2f} "
+              f"| {g['pods_per_s']:.0f} | {p['pods_per_s']:.0f} | {g['pods_per_s'] / p['pods_per_s']:.2f} "
+              f"| {g['busy']:.0%} / {p['busy']:.0%} | {g['created_per_s']:.0f} / {p['created_per_s']:.0f} |")
     return 0
 
 
