@@ -206,6 +206,7 @@ def main() -> int:
     ap.add_argument("--trickle-seconds", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=2, help="alternations of guard and pass-through per case")
     ap.add_argument("--no-pin", action="store_true", help="don't give the extender its own CPU")
+    ap.add_argument("--cases", default="burst,backlog,trickle", help="which cases to run (comma-separated)")
     ap.add_argument("guard_flags", nargs="*", help="extra flags for ghost-guard serve (after --)")
     args = ap.parse_args()
     extra = args.guard_flags
@@ -214,9 +215,13 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         lab = LabProcess(f"{tmp}/lab")
-        cases = [("burst, created while the client runs", args.pods, None),
-                 ("burst, backlog (created before the client reaches it)", args.pods, 0.0),
-                 ("trickle 10/s", int(args.trickle_seconds * 10), 10.0)]
+        cases = {"burst": ("burst, created while the client runs", args.pods, None),
+                 "backlog": ("burst, backlog (created before the client reaches it)", args.pods, 0.0),
+                 "trickle": ("trickle 10/s", int(args.trickle_seconds * 10), 10.0)}
+        try:
+            cases = [cases[c.strip()] for c in args.cases.split(",")]
+        except KeyError as e:
+            ap.error(f"unknown case {e}; choose from burst, backlog, trickle")
         n = 0
         for case, pods, rate in cases:
             agg: dict[str, list[dict]] = {"guard": [], "pass-through": []}
@@ -233,7 +238,13 @@ def main() -> int:
                         deadline = time.monotonic() + 20  # wait until its watches run on every replica
                         while requests.get(url + "/readyz", timeout=2).status_code != 200 and time.monotonic() < deadline:
                             time.sleep(0.1)
-                        time.sleep(1.0)
+                        # A fresh guard verifies every pending pod it lists (the earlier cases' pods too):
+                        # start the case once that is done, as for a guard that has been running.
+                        settled, last = 0, -1.0
+                        while settled < 4 and time.monotonic() < deadline + 60:
+                            time.sleep(0.25)
+                            now = metric(url, "ghost_guard_preverified_total")
+                            settled, last = (settled + 1 if now == last else 0), now
                     else:
                         proc = start([sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "16", "-w", "1",
                                       "--no-control-socket", "--log-level", "warning", "-b", f"127.0.0.1:{port}",
