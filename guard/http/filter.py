@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from http import HTTPStatus
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +68,8 @@ def answer(guard: Guard, path: str, body: bytes) -> tuple[bytes, PodRef, Decisio
 
 # --- the fast lane ---------------------------------------------------------------------------------
 
-_JSON_HEADERS = "application/json"
+_JSON = "application/json"
+_STATUS_LINES = {code: f"{code} {HTTPStatus(code).phrase}" for code in (200, 400, 500)}
 
 
 class FastLane:
@@ -84,7 +86,7 @@ class FastLane:
         if environ.get("REQUEST_METHOD") != "POST" or environ.get("PATH_INFO") not in VERBS:
             return None
         ctype = environ.get("CONTENT_TYPE", "")
-        if ctype != _JSON_HEADERS and ctype.split(";", 1)[0].strip().lower() != _JSON_HEADERS:
+        if ctype != _JSON and ctype.split(";", 1)[0].strip().lower() != _JSON:
             return None
         length = environ.get("CONTENT_LENGTH", "")
         if not length.isdigit() or int(length) > self.limit:
@@ -107,9 +109,7 @@ class FastLane:
         except Exception:
             log.exception("unhandled error on POST %s", path)
             payload, status = orjson.dumps({"error": "internal error; see the guard's log"}), 500
-        start_response("200 OK" if status == 200 else ("400 BAD REQUEST" if status == 400 else
-                                                        "500 INTERNAL SERVER ERROR"),
-                       [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
+        start_response(_STATUS_LINES[status], [("Content-Type", _JSON), ("Content-Length", str(len(payload)))])
         record_request(self.settings, "POST", path, status, time.perf_counter() - start,
                        environ.get("REMOTE_ADDR"), pod, verdict)
         return [payload]
