@@ -89,7 +89,7 @@ class FastLane:
         if ctype != _JSON and ctype.split(";", 1)[0].strip().lower() != _JSON:
             return None
         length = environ.get("CONTENT_LENGTH", "")
-        if not length.isdigit() or int(length) > self.limit:
+        if not (length.isascii() and length.isdigit()) or int(length) > self.limit:
             return None
         return int(length)
 
@@ -101,7 +101,11 @@ class FastLane:
         path = environ["PATH_INFO"]
         pod = verdict = None
         try:
-            payload, pod, decision = answer(self.guard, path, environ["wsgi.input"].read(length))
+            try:
+                body = environ["wsgi.input"].read(length)
+            except Exception as e:  # the client went away or stalled mid-body
+                raise ProtocolError(f"could not read the request body: {type(e).__name__}") from e
+            payload, pod, decision = answer(self.guard, path, body)
             verdict = decision.verdict.value
             status = 200
         except ProtocolError as e:
