@@ -358,3 +358,22 @@ def test_the_fast_lane_counts_and_logs_its_calls(guard):
     line = [ln for ln in guard.logs().splitlines() if '"uid":"u-lane"' in ln][-1]
     entry = orjson.loads(line)
     assert (entry["path"], entry["status"], entry["pod"], entry["verdict"]) == ("/filter", 200, "d/lane", "ghost-deleted")
+
+
+def test_a_body_shorter_than_its_content_length_is_a_400(guard):
+    """The client promises 200 bytes, sends 20 and stops writing: a clear 400, the worker carries on."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(guard.url("/filter"))
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(b"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 200\r\nConnection: close\r\n\r\n" + b'{"Pod":{"metadata":')
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply[:300]
+    assert orjson.loads(body)["error"]
+    assert guard.session.get(guard.url("/healthz"), timeout=5).status_code == 200
