@@ -98,6 +98,12 @@ def latest(observations: Iterable[ReplicaObservation]) -> dict[str, ReplicaObser
     return newest
 
 
+def is_pending(obj: dict) -> bool:
+    """Whether a pod object is one a scheduler would try to place: no ``spec.nodeName``, no
+    ``deletionTimestamp``."""
+    return not (obj.get("spec") or {}).get("nodeName") and not (obj.get("metadata") or {}).get("deletionTimestamp")
+
+
 def serves_as_pending(items: Iterable[dict], uid: str) -> bool:
     """Whether a replica's cached copies of one pod name (a LIST's ``items``) would make a scheduler
     try to place pod ``uid``: a copy with that UID, no ``spec.nodeName`` and no ``deletionTimestamp``.
@@ -107,13 +113,7 @@ def serves_as_pending(items: Iterable[dict], uid: str) -> bool:
     has no deletionTimestamp). A replica that lists the pod bound, or terminating, is consistent.
     Without a ``uid`` any schedulable copy counts.
     """
-    for item in items:
-        meta = item.get("metadata") or {}
-        if uid and meta.get("uid") != uid:
-            continue
-        if not (item.get("spec") or {}).get("nodeName") and not meta.get("deletionTimestamp"):
-            return True
-    return False
+    return any(is_pending(item) for item in items if not uid or (item.get("metadata") or {}).get("uid") == uid)
 
 
 def stale_replicas(observations: Iterable[ReplicaObservation]) -> list[str]:

@@ -100,8 +100,7 @@ class IncidentRecorder:
             self._later(self.settings.stale_confirm_delay, self._confirm, pod, serving)
         return observations
 
-    def _confirm(self, pod: PodRef, first: list[tuple[ReplicaClient, ReplicaObservation]],
-                 decision: Decision | None = None) -> None:
+    def _confirm(self, pod: PodRef, first: list[tuple[ReplicaClient, ReplicaObservation]]) -> None:
         for client, before in first:
             after = client.probe(pod.namespace, pod.name, pod.uid, at=time.time())
             self._record_probe(pod, after)

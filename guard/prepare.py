@@ -27,6 +27,7 @@ from collections.abc import Callable
 import cachetools
 
 from guard import metrics
+from guard.attribution import is_pending
 from guard.check import Checker
 from guard.kube import ReplicaClient, WatchExpired
 from guard.replicas import ReplicaPool
@@ -68,8 +69,7 @@ def _pod_of(obj: dict) -> tuple[PodRef | None, bool]:
     if not uid or not name:
         return None, False
     pod = PodRef(meta.get("namespace") or "default", name, uid)
-    schedulable = not meta.get("deletionTimestamp") and not (obj.get("spec") or {}).get("nodeName")
-    return pod, schedulable
+    return pod, is_pending(obj)
 
 
 class ReplicaView:
@@ -92,7 +92,6 @@ class Preverifier:
         self.pool = pool
         self.checker = checker
         self._limiter = RateLimiter(settings.verify_qps)
-        self._slots = threading.BoundedSemaphore(settings.verify_concurrency)
         self._queue: collections.deque[tuple[PodRef, bool]] = collections.deque()  # (pod, from a sweep)
         self._queue_cond = threading.Condition()
         self._seen: cachetools.TTLCache = cachetools.TTLCache(500_000, settings.prepared_max_age)

@@ -140,10 +140,9 @@ def create_app(settings: Settings | None = None, readiness_checks: list[Callable
 
     @app.after_request
     def record(resp: Response) -> Response:
-        pod = g.get("pod")
         record_request(settings, request.method, request.path, resp.status_code,
                        time.perf_counter() - g.get("start", time.perf_counter()), request.remote_addr,
-                       pod, g.get("verdict"))
+                       g.get("pod"), g.get("verdict"))
         return resp
 
     # /filter and /preempt as kube-scheduler sends them skip Flask (guard.http.filter.FastLane).

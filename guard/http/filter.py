@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from http import HTTPStatus
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import orjson
