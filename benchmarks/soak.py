@@ -40,7 +40,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from guardproc import GuardProcess, child_pids, metric_sum, parse_metrics  # noqa: E402
+
+from guard.lab.demo import stop_group as lab_stop_group  # noqa: E402
 
 NODE_NAMES = [f"node-{i}" for i in range(50)]
 SCHEDULER_HTTP_TIMEOUT = 5.0  # kube-scheduler's extender httpTimeout: a later reply is a failed request
@@ -77,16 +78,7 @@ def rss_mb(pid: int) -> float:
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
+    lab_stop_group(proc, term_timeout=20, kill_timeout=10)
 
 
 class Guard(GuardProcess):

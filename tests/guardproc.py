@@ -8,7 +8,6 @@ every conftest.py in the tree.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import time
 from pathlib import Path
 
 import requests
+
+from guard.lab.demo import stop_group
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -159,11 +160,5 @@ class GuardProcess:
         self.stop()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
+        stop_group(self.proc)
         self.session.close()

@@ -38,7 +38,8 @@ from kubernetes.client.exceptions import ApiException
 
 from guard.lab.scheduler import ExtenderConfig, PodStats, Scheduler, Timings, TLSConfig
 
-__all__ = ["DEMO_TIMINGS", "create_ghost", "node_manifest", "pod_manifest", "run_demo", "start_guard_process"]
+__all__ = ["DEMO_TIMINGS", "create_ghost", "node_manifest", "pod_manifest", "run_demo", "start_guard_process",
+           "stop_group"]
 
 # Fast but shaped like the real ones (1 s -> 10 s backoff, 1 s flush), scaled down 10x.
 DEMO_TIMINGS = Timings(
@@ -234,17 +235,23 @@ class GuardChild:
         return self.log_path.read_text(errors="replace")[-8000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
+        stop_group(self.proc)
         self._log.close()
+
+
+def stop_group(proc: subprocess.Popen, term_timeout: float = 10.0, kill_timeout: float = 5.0) -> None:
+    """Stop a child started in its own session: SIGTERM to its process group, SIGKILL if it lingers."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=term_timeout)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=kill_timeout)
 
 
 def start_guard_process(kubeconfig: str, workdir: Path, extra_args: list[str] | None = None) -> GuardChild:
