@@ -44,6 +44,10 @@ def main() -> None:
 @option("--threads", type=int, default=16, help="Threads per worker (gthread); also the apiserver connection pool size.")
 @option("--get-timeout", type=float, default=1.0,
         help="Seconds allowed for one quorum GET; must stay below kube-scheduler's httpTimeout (5s).")
+@option("--request-budget", type=float, default=2.0,
+        help="Seconds within which every /filter, /preempt and /validate/binding answer is ready (all quorum GETs "
+             "and waits included); past it the pod passes (fails open; closed with --fail-closed), counted. "
+             "At most 60% of the callers' timeouts (kube-scheduler httpTimeout 5s, webhook timeoutSeconds 5s).")
 @option("--ghost-ttl", type=float, default=3600.0, help="Seconds a ghost verdict is remembered (by pod UID).")
 @option("--ghost-cache-size", type=int, default=100_000, help="Most ghost verdicts remembered.")
 @option("--alive-ttl", type=float, default=0.5,

@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 
 # kube-scheduler's default extender httpTimeout; every request must answer well below it.
 SCHEDULER_HTTP_TIMEOUT = 5.0
+# The validating webhook's timeoutSeconds in manifests/webhook (a test keeps them equal).
+WEBHOOK_TIMEOUT_SECONDS = 5.0
 
 
 class SettingsError(ValueError):
@@ -30,6 +32,11 @@ class Settings:
     workers: int = 1
     threads: int = 16
     get_timeout: float = 1.0
+    # Every /filter, /preempt and /validate/binding answer is ready within this many seconds from
+    # its arrival at the app (all quorum GETs and waits included); past it the guard fails open
+    # (or closed with --fail-closed), counted. Clearly below the callers' timeouts: kube-scheduler's
+    # httpTimeout (5 s) and the webhook's timeoutSeconds (WEBHOOK_TIMEOUT_SECONDS).
+    request_budget: float = 2.0
     ghost_ttl: float = 3600.0
     ghost_cache_size: int = 100_000
     alive_ttl: float = 0.5
@@ -83,6 +90,13 @@ class Settings:
         if not 0 < self.get_timeout < SCHEDULER_HTTP_TIMEOUT:
             raise SettingsError(f"--get-timeout must be between 0 and the scheduler's httpTimeout "
                                 f"({SCHEDULER_HTTP_TIMEOUT:g}s), got {self.get_timeout:g}")
+        caller = min(SCHEDULER_HTTP_TIMEOUT, WEBHOOK_TIMEOUT_SECONDS)
+        if not 0 < self.request_budget <= caller * 0.6:
+            raise SettingsError(f"--request-budget must be positive and at most 60% of the callers' timeout "
+                                f"({caller * 0.6:g}s of {caller:g}s), got {self.request_budget:g}")
+        if self.get_timeout > self.request_budget:
+            raise SettingsError(f"--get-timeout ({self.get_timeout:g}s) must not exceed --request-budget "
+                                f"({self.request_budget:g}s)")
         for flag, value in (("--workers", self.workers), ("--threads", self.threads),
                             ("--ghost-cache-size", self.ghost_cache_size), ("--read-cache-size", self.read_cache_size),
                             ("--max-body-bytes", self.max_body_bytes)):
