@@ -22,6 +22,7 @@ API_VERSION = "admission.k8s.io/v1"
 class BindingReview:
     uid: str  # the AdmissionReview request UID, echoed in the response
     pod: PodRef | None  # None: not a pods/binding CREATE, allow without a check
+    dry_run: bool = False  # request.dryRun: answer, but record nothing (sideEffects: NoneOnDryRun)
 
 
 def parse_review(body: bytes) -> BindingReview:
@@ -51,7 +52,10 @@ def parse_review(body: bytes) -> BindingReview:
     binding = {"metadata": {"name": meta.get("name") or req.get("name"),
                             "namespace": meta.get("namespace") or req.get("namespace") or "default",
                             "uid": meta.get("uid") or ""}}
-    return BindingReview(uid, pod_ref(binding, field="Binding"))
+    dry_run = req.get("dryRun", False)
+    if not isinstance(dry_run, bool):
+        raise ProtocolError("AdmissionReview.request.dryRun must be a boolean")
+    return BindingReview(uid, pod_ref(binding, field="Binding"), dry_run)
 
 
 def build_response(uid: str, *, allowed: bool, message: str = "") -> bytes:

@@ -1,32 +1,67 @@
-"""Verdict caches (cachetools), thread-safe, with per-key single flight.
+"""Verdict state, thread-safe: every verdict belongs to one pod identity.
 
-Two rooms:
+A pod identity is (namespace, name, UID): a :class:`~guard.verdict.PodRef`.
+Every piece of verdict state here (ghost verdicts, prepared verdicts, asked
+marks, the watch's gone marks) is keyed by all three, so a call that names a
+UID under another name (a recreated StatefulSet pod, a hostile caller) never
+reuses it.
 
-- **ghosts**, by pod UID, long TTL, bounded: a ghost verdict is permanent for
-  its UID (a deleted UID never comes back), so a looping ghost costs no
+The rooms:
+
+- **ghosts**, by identity, long TTL, bounded: a ghost verdict is permanent
+  for its identity (a deleted UID never comes back, ``nodeName`` is never
+  unset, a ``deletionTimestamp`` never removed), so a looping ghost costs no
   apiserver call.
 - **reads**, quorum-read results by namespace/name, short TTL (default 0.5 s,
-  below kube-scheduler's 1 s initial backoff): it absorbs bursts (50 concurrent
-  calls for one pod make one GET) but a pod that comes back on a later
-  scheduling attempt is read again, because coming back means its bind may have
-  failed.
-- **prepared**, ``alive`` verdicts made in the background before the scheduler
-  asks (guard.prepare), by UID, bounded age. One serves the pod's *first*
-  scheduling attempt, and calls within ``grace`` seconds of it; a later
-  attempt means a bind may have failed, so it is verified again. A DELETED
-  seen on any replica drops it at once.
+  below kube-scheduler's 1 s initial backoff), with single flight: 50
+  concurrent calls for one pod make one GET. A read is *of a name*, not a
+  verdict. The watch drops a name's reads when it shows that name ADDED or
+  DELETED; a read that was in flight then is handed to those already waiting
+  for it but never stored.
+- **prepared**, ``alive`` verdicts made in the background before the
+  scheduler asks (guard.prepare), by identity, bounded age. One serves the
+  pod's *first* scheduling attempt, and calls within ``grace`` seconds of it;
+  a later attempt means a bind may have failed, so it is verified again. A
+  DELETED seen on any replica drops it at once.
+
+**The invariant** (docs/ARCHITECTURE.md): a ghost is condemned only by a read
+that *began after the guard knew that UID* (the call's arrival, or the watch
+event that showed the UID). Reads carry the tick at which they began
+(:meth:`VerdictCache.tick`, a logical clock: strictly increasing, so "after"
+is exact and needs no wall clock); a read from before may pass a pod, never
+condemn it, and :meth:`VerdictCache.remember_ghost` refuses one.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import cachetools
-from cachetools.keys import hashkey
 
-from guard.verdict import Decision, QuorumRead
+from guard.verdict import Decision, PodRef, QuorumRead, ReadStatus
+
+# fetch(namespace, name, timeout_seconds) -> QuorumRead
+Fetch = Callable[[str, str, float], QuorumRead]
+
+
+class Read(NamedTuple):
+    """A quorum read of a name, when it began (a tick), and whether this caller made the GET itself."""
+
+    read: QuorumRead
+    started: int
+    own: bool
+
+
+class Announcement(NamedTuple):
+    """A cached ghost: its verdict, the read that proved it, and whether this is its first announcement."""
+
+    decision: Decision
+    read: QuorumRead
+    first: bool
 
 
 class _Ghost:
@@ -46,103 +81,146 @@ class _Prepared:
         self.first_used: float | None = None
 
 
+class _Stored:
+    __slots__ = ("read", "started")
+
+    def __init__(self, read: QuorumRead, started: int) -> None:
+        self.read = read
+        self.started = started
+
+
+class _Flight:
+    """One quorum GET in flight for a name; ``valid`` goes False when the watch invalidates the name."""
+
+    __slots__ = ("done", "result", "started", "valid")
+
+    def __init__(self, started: int) -> None:
+        self.done = threading.Event()
+        self.result: QuorumRead | None = None
+        self.started = started
+        self.valid = True
+
+
+def budget_exhausted(budget: float) -> QuorumRead:
+    """The read of a call whose request budget ran out before etcd answered."""
+    return QuorumRead.failed(f"request budget exhausted (no quorum read answered within {budget:g}s)")
+
+
 class VerdictCache:
-    def __init__(self, fetch: Callable[[str, str], QuorumRead], *, ghost_ttl: float, ghost_size: int,
-                 read_ttl: float, read_size: int, prepared_max_age: float = 300.0, prepared_size: int = 100_000,
-                 prepared_grace: float = 0.5, timer: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, fetch: Fetch, *, ghost_ttl: float, ghost_size: int, read_ttl: float, read_size: int,
+                 prepared_max_age: float = 300.0, prepared_size: int = 100_000, prepared_grace: float = 0.5,
+                 timer: Callable[[], float] = time.monotonic) -> None:
+        self._fetch = fetch
         self._timer = timer
+        self._ticks = itertools.count(1)
+        self._tick_lock = threading.Lock()
         self._prepared: cachetools.TTLCache = cachetools.TTLCache(prepared_size, prepared_max_age, timer=timer)
         self._prepared_lock = threading.Lock()
         self._asked: cachetools.TTLCache = cachetools.TTLCache(prepared_size, prepared_max_age, timer=timer)
-        # UIDs a replica's watch showed deleted, bound or terminating: facts from etcd's event stream
+        # Identities a replica's watch showed deleted, bound or terminating: facts from etcd's event stream
         # (a stale cache misses events, it never invents them), so no verdict may call them alive.
         self._gone: cachetools.TTLCache = cachetools.TTLCache(prepared_size, prepared_max_age, timer=timer)
         self._grace = prepared_grace
         self._ghosts: cachetools.TTLCache = cachetools.TTLCache(ghost_size, ghost_ttl, timer=timer)
         self._ghost_lock = threading.Lock()
         self._reads: cachetools.TTLCache = cachetools.TTLCache(read_size, read_ttl, timer=timer)
-        self._local = threading.local()
-        cond = threading.Condition()
+        self._flights: dict[tuple[str, str], _Flight] = {}
+        self._read_lock = threading.Lock()
 
-        def fetch_and_mark(namespace: str, name: str) -> QuorumRead:
-            self._local.fetched = True
-            return fetch(namespace, name)
+    # -- the logical clock --------------------------------------------------------------------
 
-        self._read = cachetools.cached(self._reads, key=hashkey, lock=cond, condition=cond)(fetch_and_mark)
+    def tick(self) -> int:
+        """A point in the guard's order of events: taken when a UID becomes known and when a read begins."""
+        with self._tick_lock:
+            return next(self._ticks)
 
-    def ghost(self, uid: str) -> Decision | None:
-        if not uid:
+    # -- ghosts ----------------------------------------------------------------------------
+
+    def ghost(self, pod: PodRef) -> Decision | None:
+        if not pod.uid:
             return None
         with self._ghost_lock:
-            entry = self._ghosts.get(uid)
+            entry = self._ghosts.get(pod)
             return entry.decision if entry is not None else None
 
-    def remember_ghost(self, uid: str, decision: Decision, read: QuorumRead) -> None:
-        """Store a ghost verdict (and the read that proved it), keeping an existing entry."""
-        if not uid:
-            return
-        with self._ghost_lock:
-            if uid not in self._ghosts:
-                self._ghosts[uid] = _Ghost(decision, read)
+    def remember_ghost(self, pod: PodRef, decision: Decision, read: Read, known_at: int) -> bool:
+        """Store a ghost verdict and the read that proved it (an existing entry is kept).
 
-    def announce(self, uid: str) -> tuple[Decision, QuorumRead, bool] | None:
+        Refused (False) unless the read began after ``known_at``, the tick at which the guard knew
+        the UID: a read from before (cached, or in flight) may have answered for a pod that had
+        that name before this one.
+        """
+        if not pod.uid or read.started <= known_at:
+            return False
+        with self._ghost_lock:
+            if pod not in self._ghosts:
+                self._ghosts[pod] = _Ghost(decision, read.read)
+        return True
+
+    def forget_ghost(self, pod: PodRef) -> bool:
+        """Withdraw a ghost verdict (etcd showed the identity pending after all). True if there was one."""
+        with self._ghost_lock:
+            return self._ghosts.pop(pod, None) is not None
+
+    def announce(self, pod: PodRef) -> Announcement | None:
         """The ghost's verdict and read, and whether this is the first announcement of it
         (a ghost found in the background is only announced once something shows it matters)."""
         with self._ghost_lock:
-            entry = self._ghosts.get(uid)
+            entry = self._ghosts.get(pod)
             if entry is None:
                 return None
             first = not entry.announced
             entry.announced = True
-            return entry.decision, entry.read, first
+            return Announcement(entry.decision, entry.read, first)
 
-    def prepare(self, uid: str, decision: Decision) -> bool:
+    # -- prepared verdicts, asked and gone marks ---------------------------------------------
+
+    def prepare(self, pod: PodRef, decision: Decision) -> bool:
         """Keep a background-verified ``alive`` verdict for the pod's first scheduling attempt.
 
-        Refused (False) for a UID already seen gone: its GET may have been answered just before
-        the delete, and the DELETED event may have arrived before this call.
+        Refused (False) for an identity already seen gone: its GET may have been answered just
+        before the delete, and the DELETED event may have arrived before this call.
         """
         with self._prepared_lock:
-            if uid in self._gone:
+            if pod in self._gone:
                 return False
-            self._prepared[uid] = _Prepared(decision)
+            self._prepared[pod] = _Prepared(decision)
             return True
 
-    def invalidate(self, uid: str, namespace: str, name: str) -> bool:
-        """A replica's watch showed the pod deleted, bound or terminating: remember that, drop its
-        prepared verdict and any quorum read of its name in the burst cache. True if there was a
-        prepared verdict."""
-        with self._read.cache_lock:
-            self._reads.pop(hashkey(namespace, name), None)
+    def gone(self, pod: PodRef) -> bool:
+        """A replica's watch showed this pod deleted, bound or terminating: remember that, drop its
+        prepared verdict and the name's quorum reads. True if there was a prepared verdict."""
+        self.invalidate_name(pod.namespace, pod.name)
+        seen = self.tick()
         with self._prepared_lock:
-            self._gone[uid] = True
-            return self._prepared.pop(uid, None) is not None
+            self._gone.setdefault(pod, seen)
+            return self._prepared.pop(pod, None) is not None
 
-    def seen_gone(self, uid: str) -> bool:
+    def gone_since(self, pod: PodRef) -> int:
+        """The tick at which a watch first showed this pod gone, or 0."""
         with self._prepared_lock:
-            return uid in self._gone
+            return self._gone.get(pod, 0)
 
-    def mark_asked(self, uid: str) -> None:
-        """A scheduler has asked about this UID: background verification of it is moot."""
-        if uid:
+    def mark_asked(self, pod: PodRef) -> None:
+        """A scheduler has asked about this pod: background verification of it is moot."""
+        if pod.uid:
             with self._prepared_lock:
-                self._asked[uid] = True
+                self._asked[pod] = True
 
-    def was_asked(self, uid: str) -> bool:
+    def was_asked(self, pod: PodRef) -> bool:
         with self._prepared_lock:
-            return uid in self._asked
+            return pod in self._asked
 
-    def take_prepared(self, uid: str) -> Decision | None:
+    def take_prepared(self, pod: PodRef) -> Decision | None:
         """The prepared verdict if this call is the first attempt (or within the grace of it), else None.
 
-        A call after the grace is a later attempt: the entry is dropped so the
-        caller verifies again.
+        A call after the grace is a later attempt: the entry is dropped so the caller verifies again.
         """
-        if not uid:
+        if not pod.uid:
             return None
         now = self._timer()
         with self._prepared_lock:
-            entry = self._prepared.get(uid)
+            entry = self._prepared.get(pod)
             if entry is None:
                 return None
             if entry.first_used is None:
@@ -150,14 +228,54 @@ class VerdictCache:
                 return entry.decision
             if now - entry.first_used <= self._grace:
                 return entry.decision
-            del self._prepared[uid]
+            del self._prepared[pod]
             return None
 
-    def read(self, namespace: str, name: str) -> tuple[QuorumRead, bool]:
-        """The quorum read of namespace/name and whether it came from the cache.
+    # -- quorum reads by name ------------------------------------------------------------------
 
-        Concurrent misses for one key wait for a single fetch (single flight).
+    def invalidate_name(self, namespace: str, name: str) -> None:
+        """The watch showed this name ADDED or DELETED: drop its cached read, and let a read in flight
+        finish for those waiting on it without being stored."""
+        key = (namespace, name)
+        with self._read_lock:
+            self._reads.pop(key, None)
+            flight = self._flights.pop(key, None)
+            if flight is not None:
+                flight.valid = False
+
+    def read(self, namespace: str, name: str, *, timeout: float, not_before: int = 0) -> Read:
+        """The quorum read of namespace/name: a cached one, one in flight (waited for, at most
+        ``timeout`` seconds), or a GET of this caller's own (single flight per name).
+
+        Only a read that began after tick ``not_before`` is reused; pass the tick at which the UID
+        became known to get a read that may condemn it.
         """
-        self._local.fetched = False
-        result = self._read(namespace, name)
-        return result, not self._local.fetched
+        key = (namespace, name)
+        with self._read_lock:
+            stored = self._reads.get(key)
+            if stored is not None and stored.started > not_before:
+                return Read(stored.read, stored.started, False)
+            flight = self._flights.get(key)
+            own = flight is None or flight.started <= not_before
+            if own:
+                flight = _Flight(self.tick())
+                self._flights[key] = flight
+        assert flight is not None
+        if not own:
+            if not flight.done.wait(max(timeout, 0.0)) or flight.result is None:
+                return Read(budget_exhausted(timeout), flight.started, False)
+            return Read(flight.result, flight.started, False)
+        try:
+            result = self._fetch(namespace, name, timeout) if timeout > 0 else budget_exhausted(timeout)
+        except Exception as e:  # the fetch translates client errors; anything else must not strand waiters
+            result = QuorumRead.failed(f"internal error: {type(e).__name__}")
+        with self._read_lock:
+            flight.result = result
+            if self._flights.get(key) is flight:
+                del self._flights[key]
+            if flight.valid and result.status is not ReadStatus.ERROR:
+                stored = self._reads.get(key)
+                if stored is None or stored.started < flight.started:
+                    self._reads[key] = _Stored(result, flight.started)
+        flight.done.set()
+        return Read(result, flight.started, True)

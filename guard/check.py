@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from guard import metrics
-from guard.cache import VerdictCache
+from guard.cache import Read, VerdictCache
 from guard.settings import Settings
 from guard.verdict import Decision, PodRef, QuorumRead, Verdict, decide
 
@@ -32,28 +32,43 @@ SightingListener = Callable[[PodRef, Decision], None]
 
 
 class Checker:
-    def __init__(self, settings: Settings, quorum_get: Callable[[str, str], QuorumRead]) -> None:
+    def __init__(self, settings: Settings, quorum_get: Callable[[str, str, float], QuorumRead], *,
+                 timer: Callable[[], float] = time.monotonic, background: bool = True) -> None:
         self.settings = settings
         self._quorum_get = quorum_get
+        self._timer = timer
         self.cache = VerdictCache(self._timed_get, ghost_ttl=settings.ghost_ttl, ghost_size=settings.ghost_cache_size,
                                   read_ttl=settings.alive_ttl, read_size=settings.read_cache_size,
-                                  prepared_max_age=settings.prepared_max_age, prepared_grace=settings.prepared_grace)
+                                  prepared_max_age=settings.prepared_max_age, prepared_grace=settings.prepared_grace,
+                                  timer=timer)
         self.listeners: list[GhostListener] = []
         self.sighting_listeners: list[SightingListener] = []
-        self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghost-followup")
+        # Follow-ups run on two background threads; background=False runs them inline (deterministic tests).
+        self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghost-followup") if background else None
         # Follow-ups (audit, probes, Events) waiting at most; beyond, they are dropped and counted, so a
         # flood of distinct ghosts can never grow memory without bound. Verdicts are never affected.
         self._followup_slots = threading.BoundedSemaphore(FOLLOWUP_BACKLOG)
 
-    def _timed_get(self, namespace: str, name: str) -> QuorumRead:
+    def _timed_get(self, namespace: str, name: str, timeout: float) -> QuorumRead:
         start = time.perf_counter()
-        read = self._quorum_get(namespace, name)
+        read = self._quorum_get(namespace, name, timeout)
         metrics.QUORUM_GET_DURATION.labels(read.status.value).observe(time.perf_counter() - start)
         return read
 
-    def check(self, pod: PodRef) -> Decision:
+    def deadline(self, arrived: float | None = None) -> float:
+        """The time (on this checker's timer) by which a request that arrived at ``arrived`` must be answered."""
+        return (self._timer() if arrived is None else arrived) + self.settings.request_budget
+
+    def check(self, pod: PodRef, *, deadline: float | None = None, record: bool = True) -> Decision:
+        """The verdict for ``pod``, ready before ``deadline`` (default: the request budget from now).
+
+        ``record=False`` (a dry-run admission review) has no side effects beyond the guard's own
+        caches: no audit record, no Event, no incident.
+        """
+        if deadline is None:
+            deadline = self.deadline()
         try:
-            decision = self._check(pod)
+            decision = self._check(pod, deadline, record)
         except Exception:  # a bug of ours must never block a real pod
             log.exception("internal error while checking pod %s; failing open", pod)
             decision = Decision(Verdict.UNKNOWN, f"internal error while checking pod {pod}")
@@ -62,7 +77,7 @@ class Checker:
             return decision
         metrics.VERDICTS.labels(decision.verdict.value).inc()
         if decision.verdict is Verdict.UNKNOWN:
-            self._count_undecided("apiserver")
+            self._count_undecided("budget" if self._timer() >= deadline else "apiserver")
             log.warning("%s; %s", decision.reason, "failing closed" if self.settings.fail_closed else "failing open")
         return decision
 
@@ -73,27 +88,30 @@ class Checker:
     def _count_undecided(self, reason: str) -> None:
         (metrics.FAIL_CLOSED if self.settings.fail_closed else metrics.FAIL_OPEN).labels(reason).inc()
 
-    def _check(self, pod: PodRef) -> Decision:
-        cached = self.cache.ghost(pod.uid)
+    def _check(self, pod: PodRef, deadline: float, record: bool) -> Decision:
+        known_at = self.cache.tick()  # the guard knows this identity from here on
+        cached = self.cache.ghost(pod)
         if cached is not None:
             metrics.CACHE_LOOKUPS.labels("ghosts", "hit").inc()
-            self._scheduled_ghost(pod, cached)
+            if record:
+                self._scheduled_ghost(pod, cached)
             return cached
         metrics.CACHE_LOOKUPS.labels("ghosts", "miss").inc()
-        prepared = self.cache.take_prepared(pod.uid)
+        prepared = self.cache.take_prepared(pod)
         if prepared is not None:
             metrics.VERDICTS_PREPARED.inc()
             return prepared
-        self.cache.mark_asked(pod.uid)
-        decision, read, shared = self._verify(pod)
-        (metrics.VERDICTS_SHARED if shared else metrics.VERDICTS_INLINE).inc()
-        if decision.is_ghost:
-            self._scheduled_ghost(pod, decision, read)
+        self.cache.mark_asked(pod)
+        decision, read = self._verify(pod, known_at, deadline)
+        (metrics.VERDICTS_INLINE if read.own else metrics.VERDICTS_SHARED).inc()
+        if decision.is_ghost and record:
+            self._scheduled_ghost(pod, decision, read.read)
         return decision
 
-    def verify(self, pod: PodRef, *, prepare: bool = True) -> Decision | None:
-        """Background verification (guard.prepare). With ``prepare``, an ``alive`` verdict is kept
-        for the pod's first scheduling attempt; sweeps of already-known pods pass ``prepare=False``.
+    def verify(self, pod: PodRef, known_at: int, *, prepare: bool = True) -> Decision | None:
+        """Background verification (guard.prepare) of a pod the guard has known since tick ``known_at``
+        (the watch event that showed it). With ``prepare``, an ``alive`` verdict is kept for the pod's
+        first scheduling attempt; sweeps of already-known pods pass ``prepare=False``.
 
         A ghost found here is cached but not announced: most are pods deleted normally
         before their verification ran. The caller announces it (:meth:`announce`) when a
@@ -101,48 +119,69 @@ class Checker:
         /filter call that arrives while this GET is in flight waits for it. Returns None,
         without a GET, for a new pod the scheduler already asked about (verified inline).
         """
-        known = self.cache.ghost(pod.uid)
+        known = self.cache.ghost(pod)
         if known is not None:
             return known
-        if prepare and self.cache.was_asked(pod.uid):
+        if prepare and self.cache.was_asked(pod):
             return None
-        decision, _, _ = self._verify(pod)
+        decision, _ = self._verify(pod, known_at, self._timer() + self.settings.get_timeout)
         metrics.PREVERIFIED.labels(decision.verdict.value).inc()
         if prepare and decision.verdict is Verdict.ALIVE and pod.uid:
-            self.cache.prepare(pod.uid, decision)
+            self.cache.prepare(pod, decision)
         return decision
 
-    def _verify(self, pod: PodRef) -> tuple[Decision, QuorumRead, bool]:
-        """The verdict, the read behind it, and whether that read was shared (no GET of this call's own)."""
-        read, hit = self.cache.read(pod.namespace, pod.name)
-        metrics.CACHE_LOOKUPS.labels("reads", "hit" if hit else "miss").inc()
-        decision = decide(pod, read)
-        if decision.verdict is Verdict.ALIVE and self.cache.seen_gone(pod.uid):
+    def _verify(self, pod: PodRef, known_at: int, deadline: float) -> tuple[Decision, Read]:
+        """The verdict and the read behind it. A ghost is only decided by a read that began after
+        ``known_at`` (the tick at which the guard knew this UID): a read cached or in flight from
+        before may pass the pod, never condemn it, so the name is read again past every cache."""
+        read = self.cache.read(pod.namespace, pod.name, timeout=self._left(deadline))
+        metrics.CACHE_LOOKUPS.labels("reads", "miss" if read.own else "hit").inc()
+        decision = decide(pod, read.read)
+        gone_at = self.cache.gone_since(pod) if decision.verdict is Verdict.ALIVE else 0
+        if gone_at and read.started <= gone_at:
             # A read from before the delete (shared in flight or cached) contradicts what a watch
-            # already showed: ask etcd again, past the cache.
-            read, hit = self._timed_get(pod.namespace, pod.name), False
-            decision = decide(pod, read)
-        if decision.is_ghost:
-            self.cache.remember_ghost(pod.uid, decision, read)
-        return decision, read, hit
+            # already showed: ask etcd again with a read that began after the watch showed it.
+            read = self.cache.read(pod.namespace, pod.name, timeout=self._left(deadline), not_before=gone_at)
+            decision = decide(pod, read.read)
+        elif decision.is_ghost and read.started <= known_at:
+            # The read began before the guard knew this UID (a 404 of the pod that had this name
+            # before, a generation of another UID): it may not condemn. Ghosts are rare; one more GET.
+            read = self.cache.read(pod.namespace, pod.name, timeout=self._left(deadline), not_before=known_at)
+            decision = decide(pod, read.read)
+        if decision.is_ghost and not self.cache.remember_ghost(pod, decision, read, known_at):
+            if pod.uid:  # cannot happen by construction; if it did, pass the pod rather than condemn it
+                log.error("ghost verdict for %s uid %s from a read older than the UID refused", pod, pod.uid)
+                decision = Decision(Verdict.UNKNOWN, f"internal error: stale read for pod {pod}")
+        return decision, read
+
+    def _left(self, deadline: float) -> float:
+        return deadline - self._timer()
+
+    def retract(self, pod: PodRef) -> bool:
+        """Etcd shows this identity pending after all: withdraw its ghost verdict at once. True if there was one."""
+        withdrawn = self.cache.forget_ghost(pod)
+        if withdrawn:
+            metrics.VERDICTS_RETRACTED.inc()
+            log.error("ghost verdict for %s uid %s withdrawn: etcd has it pending", pod, pod.uid)
+        return withdrawn
 
     def announce(self, pod: PodRef) -> bool:
         """A cached ghost matters (a replica still serves it): record it once. True the first time."""
-        entry = self.cache.announce(pod.uid)
-        if entry is None or not entry[2]:
+        entry = self.cache.announce(pod)
+        if entry is None or not entry.first:
             return False
-        self._first_sighting(pod, entry[0], entry[1])
+        self._first_sighting(pod, entry.decision, entry.read)
         return True
 
     def _scheduled_ghost(self, pod: PodRef, decision: Decision, read: QuorumRead | None = None) -> None:
         """A scheduler (or a binding) tried to place this ghost: announce it once, then count sightings."""
-        entry = self.cache.announce(pod.uid)
+        entry = self.cache.announce(pod)
         if entry is None:  # no UID to remember it by: announce every time
             self._first_sighting(pod, decision, read or QuorumRead.not_found())
-        elif entry[2]:
-            self._first_sighting(pod, entry[0], entry[1])
+        elif entry.first:
+            self._first_sighting(pod, entry.decision, entry.read)
         elif self.sighting_listeners:
-            self._followup(self.sighting_listeners, pod, entry[0])
+            self._followup(self.sighting_listeners, pod, entry.decision)
 
     def _first_sighting(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
         metrics.GHOSTS_BLOCKED.labels(decision.verdict.value).inc()
@@ -152,6 +191,12 @@ class Checker:
     def _followup(self, listeners: list, pod: PodRef, *args) -> None:
         if not self._followup_slots.acquire(blocking=False):
             metrics.FOLLOWUPS_DROPPED.inc()
+            return
+        if self._background is None:
+            try:
+                self._notify(listeners, pod, *args)
+            finally:
+                self._followup_slots.release()
             return
         future = self._background.submit(self._notify, listeners, pod, *args)
         future.add_done_callback(lambda _: self._followup_slots.release())

@@ -72,10 +72,14 @@ class Kube:
         self.version = client.VersionApi(self.api_client)
         self.host = configuration.host
 
-    def quorum_get(self, namespace: str, name: str) -> QuorumRead:
-        """GET the pod with no resourceVersion: served by etcd (linearizable), never by a watch cache."""
+    def quorum_get(self, namespace: str, name: str, timeout: float | None = None) -> QuorumRead:
+        """GET the pod with no resourceVersion: served by etcd (linearizable), never by a watch cache.
+
+        ``timeout`` (seconds, total) is what is left of the caller's request budget, capped at
+        ``--get-timeout``."""
+        timeout = self.timeout if timeout is None else min(timeout, self.timeout)
         try:
-            resp = self.core.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=self.timeout)
+            resp = self.core.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=timeout)
             obj = orjson.loads(resp.data)
         except ApiException as e:
             if not e.status:  # the REST layer wraps TLS failures as status 0
@@ -90,7 +94,7 @@ class Kube:
         except urllib3.exceptions.NewConnectionError as e:  # before TimeoutError: urllib3 makes it a subclass
             return QuorumRead.failed(f"connection error: {type(e).__name__}")
         except (urllib3.exceptions.TimeoutError, TimeoutError):
-            return QuorumRead.failed(f"timeout after {self.timeout:g}s")
+            return QuorumRead.failed(f"timeout after {timeout:g}s")
         except (urllib3.exceptions.HTTPError, OSError) as e:
             return QuorumRead.failed(f"connection error: {type(e).__name__}")
         except (orjson.JSONDecodeError, ValueError) as e:

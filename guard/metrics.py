@@ -37,6 +37,8 @@ FOLLOWUPS_DROPPED = Counter("ghost_guard_followups_dropped", "Ghost follow-ups (
                             "Events) dropped because too many were waiting; verdicts are unaffected.")
 GHOSTS_BLOCKED = Counter("ghost_guard_ghosts_blocked", "Distinct ghost pods (by UID) first blocked, by verdict.",
                          ["verdict"])
+VERDICTS_RETRACTED = Counter("ghost_guard_verdicts_retracted", "Ghost verdicts withdrawn because a quorum read "
+                             "showed the pod pending after all (its audit record is marked retracted). Should stay 0.")
 CACHE_LOOKUPS = Counter("ghost_guard_cache_lookups", "Verdict cache lookups, by cache (ghosts, reads) and result.",
                         ["cache", "result"])
 QUORUM_GET_DURATION = Histogram("ghost_guard_quorum_get_duration_seconds",

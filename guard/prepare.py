@@ -92,12 +92,13 @@ class Preverifier:
         self.pool = pool
         self.checker = checker
         self._limiter = RateLimiter(settings.verify_qps)
-        self._queue: collections.deque[tuple[PodRef, bool]] = collections.deque()  # (pod, from a sweep)
+        # (pod, from a sweep, the tick at which the guard knew it)
+        self._queue: collections.deque[tuple[PodRef, bool, int]] = collections.deque()
         self._queue_cond = threading.Condition()
         self._seen: cachetools.TTLCache = cachetools.TTLCache(500_000, settings.prepared_max_age)
         self._lock = threading.Lock()
         self._views: dict[str, ReplicaView] = {}
-        self._suspects: set[str] = set()
+        self._suspects: set[PodRef] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         pool.on_change(self._replicas_changed)
@@ -157,7 +158,7 @@ class Preverifier:
                 for event in view.client.watch_pending(view.resource_version, timeout_seconds=240):
                     if self._stop.is_set() or view.stop.is_set():
                         return
-                    self._apply(view, event)
+                    self.apply_event(view, event)
                 backoff = 0.5
             except WatchExpired:
                 metrics.WATCH_RESTARTS.labels("expired").inc()
@@ -171,7 +172,8 @@ class Preverifier:
                 view.stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
 
-    def _apply(self, view: ReplicaView, event: dict) -> None:
+    def apply_event(self, view: ReplicaView, event: dict) -> None:
+        """One watch event from one replica's view of unscheduled pods."""
         kind = event.get("type")
         obj = event.get("object") or {}
         rv = (obj.get("metadata") or {}).get("resourceVersion")
@@ -183,9 +185,13 @@ class Preverifier:
         if pod is None:
             return
         if kind == "DELETED" or not schedulable:
+            # Gone from etcd's event stream (a stale cache misses events, it never invents them):
+            # no verdict may call this identity alive, and the name's cached reads are dropped.
             view.pods.pop(pod.uid, None)
-            self.checker.cache.invalidate(pod.uid, pod.namespace, pod.name)
+            self.checker.cache.gone(pod)
             return
+        if kind == "ADDED":  # the name has a new pod: a cached read of it may be of the one before
+            self.checker.cache.invalidate_name(pod.namespace, pod.name)
         view.pods[pod.uid] = pod
         self._seen_pod(pod)
 
@@ -193,37 +199,43 @@ class Preverifier:
 
     def _seen_pod(self, pod: PodRef) -> None:
         with self._lock:
-            if pod.uid in self._seen:
+            if pod in self._seen:
                 return
-            self._seen[pod.uid] = True
+            self._seen[pod] = True
         self._enqueue(pod, swept=False)
 
     def _enqueue(self, pod: PodRef, *, swept: bool) -> None:
+        known_at = self.checker.cache.tick()  # the guard knows this identity from here on
         with self._queue_cond:
             if len(self._queue) >= MAX_QUEUE:  # the scheduler's call still verifies inline
                 metrics.PREVERIFY_DROPPED.inc()
                 return
-            self._queue.append((pod, swept))
+            self._queue.append((pod, swept, known_at))
             self._queue_cond.notify()
 
     def _verify_loop(self) -> None:
         while not self._stop.is_set():
-            with self._queue_cond:
-                while not self._queue and not self._stop.is_set():
-                    self._queue_cond.wait(1.0)
-                if self._stop.is_set():
-                    return
-                pod, swept = self._queue.popleft()
-            self._limiter.acquire()
-            try:
-                # A new pod gets a prepared verdict for its first attempt. A ghost found then is
-                # usually a pod deleted before its turn came: cached, not announced. One found by
-                # the sweep (a replica has kept listing it) is a stale cache: announced.
-                decision = self.checker.verify(pod, prepare=not swept)
-                if decision is not None and decision.is_ghost and swept:
-                    self.checker.announce(pod)
-            except Exception:
-                log.exception("background verification of %s failed", pod)
+            self.verify_next(wait=1.0)
+
+    def verify_next(self, *, wait: float = 0.0) -> bool:
+        """Verify the next queued pod (waiting up to ``wait`` seconds for one). False if there was none."""
+        with self._queue_cond:
+            if not self._queue and wait > 0 and not self._stop.is_set():
+                self._queue_cond.wait(wait)
+            if not self._queue or self._stop.is_set():
+                return False
+            pod, swept, known_at = self._queue.popleft()
+        self._limiter.acquire()
+        try:
+            # A new pod gets a prepared verdict for its first attempt. A ghost found then is
+            # usually a pod deleted before its turn came: cached, not announced. One found by
+            # the sweep (a replica has kept listing it) is a stale cache: announced.
+            decision = self.checker.verify(pod, known_at, prepare=not swept)
+            if decision is not None and decision.is_ghost and swept:
+                self.checker.announce(pod)
+        except Exception:
+            log.exception("background verification of %s failed", pod)
+        return True
 
     # -- the sweep --------------------------------------------------------------------------
 
@@ -244,12 +256,12 @@ class Preverifier:
         Requiring two sweeps in a row keeps mere watch lag (milliseconds) from
         looking like a stale cache.
         """
-        current = {pod.uid: pod for pod in self.disagreements()}
-        persistent = [pod for uid, pod in current.items() if uid in self._suspects]
-        self._suspects = set(current)
+        current = set(self.disagreements())
+        persistent = [pod for pod in current if pod in self._suspects]
+        self._suspects = current
         queued = []
         for pod in persistent:
-            if self.checker.cache.ghost(pod.uid) is None:
+            if self.checker.cache.ghost(pod) is None:
                 self._enqueue(pod, swept=True)
                 queued.append(pod)
             else:

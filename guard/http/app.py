@@ -89,7 +89,7 @@ def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | No
     checker = Checker(settings, kube.quorum_get)
     audit, audit_check = open_audit(settings)
     pool = ReplicaPool(settings, kube)
-    incidents = IncidentRecorder(settings, kube, pool, audit)
+    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract)
     checker.listeners.append(incidents.new_ghost)
     checker.sighting_listeners.append(incidents.sighting)
     preverifier = None
@@ -137,6 +137,7 @@ def create_app(settings: Settings | None = None, readiness_checks: list[Callable
     @app.before_request
     def start_timer() -> None:
         g.start = time.perf_counter()
+        g.arrived = time.monotonic()  # starts the request budget (Checker.deadline)
 
     @app.after_request
     def record(resp: Response) -> Response:

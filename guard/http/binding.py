@@ -2,7 +2,8 @@
 
 Same verdict engine and caches as ``/filter``. A ghost's binding is denied with
 the verdict's reason; anything else is allowed; the guard's own trouble fails
-open (the webhook is registered with ``failurePolicy: Ignore`` as well).
+open (the webhook is registered with ``failurePolicy: Ignore`` as well). A dry-run review
+(``request.dryRun``) is answered the same way but records nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def validate_binding() -> Response:
         return Response(admission.build_response(review.uid, allowed=True), mimetype="application/json")
     g.pod = review.pod
     guard = guard_of(current_app)
-    decision = guard.checker.check(review.pod)
+    # A dry run has no side effects (the webhook declares sideEffects: NoneOnDryRun): no audit
+    # record, no Event, no incident; the verdict caches are the guard's own state.
+    decision = guard.checker.check(review.pod, deadline=guard.checker.deadline(g.arrived), record=not review.dry_run)
     g.verdict = decision.verdict.value
     blocked = guard.checker.blocks(decision)
     payload = admission.build_response(review.uid, allowed=not blocked, message=decision.reason if blocked else "")

@@ -57,11 +57,14 @@ VERBS: dict[str, tuple[Callable[[bytes], Any], Callable[[Any, Decision], bytes],
 }
 
 
-def answer(guard: Guard, path: str, body: bytes) -> tuple[bytes, PodRef, Decision]:
-    """Decode, check the pod, encode: the same three steps for both verbs. Raises ProtocolError."""
+def answer(guard: Guard, path: str, body: bytes, arrived: float) -> tuple[bytes, PodRef, Decision]:
+    """Decode, check the pod, encode: the same three steps for both verbs. Raises ProtocolError.
+
+    ``arrived`` (time.monotonic) starts the request budget: the answer is ready within
+    ``--request-budget`` of it, whatever the apiserver does."""
     parse, block, allow = VERBS[path]
     args = parse(body)
-    decision = guard.checker.check(args.pod)
+    decision = guard.checker.check(args.pod, deadline=guard.checker.deadline(arrived))
     payload = block(args, decision) if guard.checker.blocks(decision) else allow(args)
     return payload, args.pod, decision
 
@@ -98,6 +101,7 @@ class FastLane:
         if length is None:
             return self.app(environ, start_response)
         start = time.perf_counter()
+        arrived = time.monotonic()
         path = environ["PATH_INFO"]
         pod = verdict = None
         try:
@@ -105,7 +109,7 @@ class FastLane:
                 body = environ["wsgi.input"].read(length)
             except Exception as e:  # the client went away or stalled mid-body
                 raise ProtocolError(f"could not read the request body: {type(e).__name__}") from e
-            payload, pod, decision = answer(self.guard, path, body)
+            payload, pod, decision = answer(self.guard, path, body, arrived)
             verdict = decision.verdict.value
             status = 200
         except ProtocolError as e:
@@ -144,7 +148,7 @@ def _verb() -> Response:
     body = read_json_body()
     if isinstance(body, Response):
         return body
-    payload, g.pod, decision = answer(guard_of(current_app), request.path, body)
+    payload, g.pod, decision = answer(guard_of(current_app), request.path, body, g.arrived)
     g.verdict = decision.verdict.value
     return Response(payload, mimetype="application/json")
 

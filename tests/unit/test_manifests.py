@@ -11,6 +11,7 @@ identical, so the renderer is checked against the real thing.
 
 from __future__ import annotations
 
+from guard.settings import WEBHOOK_TIMEOUT_SECONDS
 import base64
 import copy
 import re
@@ -319,7 +320,7 @@ def test_webhook(rendered):
     assert wh["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
                             "resources": ["pods/binding"], "scope": "Namespaced"}]
     assert (wh["failurePolicy"], wh["timeoutSeconds"], wh["sideEffects"], wh["admissionReviewVersions"]) == \
-        ("Ignore", 2, "None", ["v1"])
+        ("Ignore", WEBHOOK_TIMEOUT_SECONDS, "NoneOnDryRun", ["v1"])
     assert wh["namespaceSelector"] == {"matchExpressions": [
         {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [NAMESPACE]}]}
     svc = one(rendered["base"], "Service")
