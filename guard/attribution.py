@@ -21,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from guard.verdict import QuorumRead, ReadStatus
+
 STALE: Final = "stale"
 """The replica's cache serves the ghost."""
 CONSISTENT: Final = "consistent"
@@ -114,6 +116,14 @@ def serves_as_pending(items: Iterable[dict], uid: str) -> bool:
     Without a ``uid`` any schedulable copy counts.
     """
     return any(is_pending(item) for item in items if not uid or (item.get("metadata") or {}).get("uid") == uid)
+
+
+def pending_in_etcd(read: QuorumRead, uid: str) -> bool:
+    """Whether a quorum read of a pod's name shows pod ``uid`` pending (found, same UID, no
+    ``nodeName``, no ``deletionTimestamp``): then it is no ghost, and a replica serving it serves
+    the truth. A failed read says nothing (False); the caller must not blame on it either."""
+    return (read.status is ReadStatus.FOUND and bool(uid) and read.uid == uid
+            and not read.node_name and not read.deletion_timestamp)
 
 
 def stale_replicas(observations: Iterable[ReplicaObservation]) -> list[str]:

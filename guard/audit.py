@@ -45,7 +45,7 @@ VERDICTS: Final = tuple(v.value for v in Verdict)
 """Every verdict string (``guard.verdict.Verdict``); the store accepts only these."""
 
 APPLICATION_ID: Final = 0x47474144  # "GGAD": marks the file as a ghost-guard audit store
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2  # 2: ghosts.retracted_at
 BUSY_TIMEOUT_SECONDS: Final = 5.0
 CHECK_BUSY_TIMEOUT_SECONDS: Final = 1.0
 PRUNE_EVERY_WRITES: Final = 1000
@@ -71,7 +71,8 @@ CREATE TABLE IF NOT EXISTS ghosts (
     evidence      TEXT NOT NULL,
     first_seen    REAL NOT NULL,
     last_seen     REAL NOT NULL,
-    times_blocked INTEGER NOT NULL
+    times_blocked INTEGER NOT NULL,
+    retracted_at  REAL
 );
 CREATE INDEX IF NOT EXISTS ghosts_last_seen ON ghosts (last_seen);
 CREATE INDEX IF NOT EXISTS ghosts_namespace ON ghosts (namespace, last_seen);
@@ -96,6 +97,12 @@ class AuditError(Exception):
 
 class UnknownGhostError(AuditError, LookupError):
     """A probe for a UID the store has no record of (``record_block`` first)."""
+
+
+class IdentityConflictError(AuditError):
+    """A block of a UID the store has recorded under another namespace/name. A verdict belongs to
+    one pod identity: the record is never moved or merged (only a forged call names a UID under a
+    name that is not its own)."""
 
 
 class AuditPathError(AuditError):
@@ -149,6 +156,7 @@ class AuditRecord:
     last_seen: float
     times_blocked: int
     replicas: tuple[ReplicaState, ...] = field(default=())
+    retracted_at: float | None = None  # the verdict was withdrawn: etcd showed the pod pending after all
 
     @property
     def stale_replicas(self) -> list[str]:
@@ -219,7 +227,11 @@ class AuditStore:
         conn = self._connection()
         try:
             with _immediate(conn):
-                row = conn.execute("SELECT evidence, last_seen FROM ghosts WHERE uid = ?", (uid,)).fetchone()
+                row = conn.execute("SELECT evidence, last_seen, namespace, name FROM ghosts WHERE uid = ?",
+                                   (uid,)).fetchone()
+                if row is not None and (row[2], row[3]) != (namespace, name):
+                    raise IdentityConflictError(f"uid {uid} is recorded as {row[2]}/{row[3]}, not {namespace}/{name}: "
+                                                f"not recorded")
                 if row is None:
                     conn.execute(
                         "INSERT INTO ghosts (uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked)"
@@ -232,12 +244,12 @@ class AuditStore:
                     merged = {**stored, **evidence} if newest else {**evidence, **stored}
                     merged_json = _evidence_json(merged, strict=False) or (evidence_json if newest else row[0])
                     conn.execute(
-                        "UPDATE ghosts SET namespace = ?, name = ?,"
+                        "UPDATE ghosts SET retracted_at = NULL,"
                         " verdict = CASE WHEN ? THEN ? ELSE verdict END, evidence = ?,"
                         " first_seen = min(first_seen, ?), last_seen = max(last_seen, ?),"
                         " times_blocked = times_blocked + 1"
                         " WHERE uid = ?",
-                        (namespace, name, newest, verdict, merged_json, at, at, uid),
+                        (newest, verdict, merged_json, at, at, uid),
                     )
         except sqlite3.Error as e:
             raise AuditError(f"cannot record block of {namespace}/{name} in {self.path}: {e}") from e
@@ -247,7 +259,27 @@ class AuditStore:
         self._maybe_prune(at)
         return new
 
-    def record_probe(self, *, uid: str, replica: str, serves: bool | None, cache_resource_version: str | None, error: str | None, at: float) -> None:
+    def retract(self, *, uid: str, at: float, namespace: str | None = None, name: str | None = None) -> bool:
+        """Mark ghost ``uid``'s record retracted at ``at`` (etcd showed the pod pending after all) and
+        forget its replica probes, so that no report names a replica for it. True if there was a record.
+        A later block of the same UID (a new, proven verdict) clears the mark. With ``namespace`` and
+        ``name``, only a record of that identity is touched."""
+        _check_text("uid", uid, MAX_UID)
+        at = _check_time("at", at)
+        conn = self._connection()
+        try:
+            with _immediate(conn):
+                row = conn.execute("SELECT namespace, name FROM ghosts WHERE uid = ?", (uid,)).fetchone()
+                if row is None or (namespace is not None and tuple(row) != (namespace, name)):
+                    return False
+                found = conn.execute("UPDATE ghosts SET retracted_at = ? WHERE uid = ?", (at, uid)).rowcount
+                conn.execute("DELETE FROM replica_observations WHERE uid = ?", (uid,))
+        except sqlite3.Error as e:
+            raise AuditError(f"cannot retract the record of {uid} in {self.path}: {e}") from e
+        return bool(found)
+
+    def record_probe(self, *, uid: str, replica: str, serves: bool | None, cache_resource_version: str | None, error: str | None, at: float,
+                     namespace: str | None = None, name: str | None = None) -> None:
         """Record one probe of ``replica``'s watch cache for ghost ``uid``.
 
         Keeps the newest probe per (uid, replica): a probe older than the one
@@ -256,9 +288,11 @@ class AuditStore:
         probe that answered finds it no longer serving it. A failed probe
         (``serves=None``) changes neither. ``error`` is clipped to 512
         characters. Raises :class:`UnknownGhostError` (an :class:`AuditError`
-        and a :class:`LookupError`) if ``uid`` has no record.
+        and a :class:`LookupError`) if ``uid`` has no record. With ``namespace``
+        and ``name``, a record of another identity is left alone (no error).
         """
-        self._write_probes(uid, [_probe_row(replica, serves, cache_resource_version, error, at)])
+        self._write_probes(uid, [_probe_row(replica, serves, cache_resource_version, error, at)],
+                           identity=(namespace, name) if namespace is not None else None)
 
     def record_observations(self, uid: str, observations: Iterable[ReplicaObservation]) -> None:
         """:meth:`record_probe` for each observation (one probe round), in one transaction (one disk sync)."""
@@ -268,13 +302,19 @@ class AuditStore:
         if rows:
             self._write_probes(uid, rows)
 
-    def _write_probes(self, uid: str, rows: list[tuple[str, int | None, str | None, str | None, float]]) -> None:
+    def _write_probes(self, uid: str, rows: list[tuple[str, int | None, str | None, str | None, float]],
+                      identity: tuple[str, str | None] | None = None) -> None:
         _check_text("uid", uid, MAX_UID)
         conn = self._connection()
         try:
             with _immediate(conn):
-                if conn.execute("SELECT 1 FROM ghosts WHERE uid = ?", (uid,)).fetchone() is None:
+                row = conn.execute("SELECT retracted_at, namespace, name FROM ghosts WHERE uid = ?", (uid,)).fetchone()
+                if row is None:
                     raise UnknownGhostError(f"no audit record for uid {uid!r}: record_block first")
+                if row[0] is not None:  # withdrawn: a probe finishing late names no replica
+                    return
+                if identity is not None and (row[1], row[2]) != identity:  # another pod's record
+                    return
                 conn.executemany(
                     "INSERT INTO replica_observations"
                     " (uid, replica, serves, cache_resource_version, error, last_checked, first_seen_serving, healed_at)"
@@ -327,14 +367,16 @@ class AuditStore:
         replica: str | None = None,
         since: float | None = None,
         limit: int | None = None,
+        retracted: bool = False,
     ) -> list[AuditRecord]:
         """Records, most recently seen first.
 
         Filters: ``namespace``; ``verdict``; ``replica`` (ghosts that replica
         was ever seen serving); ``since`` (last seen at or after it);
-        ``limit`` (at most that many records).
+        ``limit`` (at most that many records); ``retracted`` (also records whose
+        verdict was withdrawn; left out by default).
         """
-        clauses: list[str] = []
+        clauses: list[str] = [] if retracted else ["retracted_at IS NULL"]
         params: list[Any] = []
         if namespace is not None:
             _check_text("namespace", namespace, MAX_NAMESPACE)
@@ -359,7 +401,8 @@ class AuditStore:
 
     def _select(self, where: str, params: list[Any], *, limit: int | None) -> list[AuditRecord]:
         # ``where`` is built from fixed clause texts only; every value is bound.
-        sql = "SELECT uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked FROM ghosts"
+        sql = ("SELECT uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked, retracted_at"
+               " FROM ghosts")
         if where:
             sql += " WHERE " + where
         sql += " ORDER BY last_seen DESC, uid"
@@ -388,8 +431,9 @@ class AuditStore:
                 last_seen=ls,
                 times_blocked=tb,
                 replicas=tuple(replicas.get(uid, ())),
+                retracted_at=ra,
             )
-            for uid, ns, nm, vd, ev, fs, ls, tb in rows
+            for uid, ns, nm, vd, ev, fs, ls, tb, ra in rows
         ]
 
     def record(self, uid: str) -> AuditRecord | None:
@@ -492,6 +536,8 @@ class AuditStore:
                 tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
                 if app_id != 0 or tables:
                     raise AuditPathError(f"{self.path} is an SQLite database of another program (application_id {app_id}, {tables} schema objects)")
+            if app_id == APPLICATION_ID and version == 1:  # 1 -> 2: a verdict can be withdrawn
+                conn.execute("ALTER TABLE ghosts ADD COLUMN retracted_at REAL")
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)

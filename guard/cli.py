@@ -169,7 +169,7 @@ def _open_audit_store(command: str, db: str | None):
         sys.exit(2)
 
 
-def _audit_records(command: str, store, *, namespace, verdict, replica, since, limit):
+def _audit_records(command: str, store, *, namespace, verdict, replica, since, limit, retracted=False):
     import time
 
     from guard.audit import AuditError
@@ -180,7 +180,8 @@ def _audit_records(command: str, store, *, namespace, verdict, replica, since, l
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--since") from e
     try:
-        return store.records(namespace=namespace, verdict=verdict, replica=replica, since=since_at, limit=limit)
+        return store.records(namespace=namespace, verdict=verdict, replica=replica, since=since_at, limit=limit,
+                             retracted=retracted)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     except AuditError as e:
@@ -199,15 +200,18 @@ def _audit_records(command: str, store, *, namespace, verdict, replica, since, l
 @click.option("--since", default=None, metavar="WHEN",
               help="Only ghosts seen since then: a duration back from now (30m, 1h, 2d, 1w) or an ISO-8601 time (UTC if no offset).")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="At most this many records (most recently seen first).")
+@click.option("--retracted", is_flag=True, default=False,
+              help="Also list records whose verdict the guard withdrew (etcd showed the pod pending after all).")
 @click.option("--output", "-o", default="table", type=click.Choice(["table", "json", "jsonl"]), help="Output format.")
 def audit(db: str | None, namespace: str | None, verdict: str | None, replica: str | None, since: str | None,
-          limit: int | None, output: str) -> None:
+          limit: int | None, retracted: bool, output: str) -> None:
     """List blocked ghost pods from the audit store, most recently seen first."""
     from guard.report import render_records
 
     store = _open_audit_store("audit", db)
     try:
-        records = _audit_records("audit", store, namespace=namespace, verdict=verdict, replica=replica, since=since, limit=limit)
+        records = _audit_records("audit", store, namespace=namespace, verdict=verdict, replica=replica, since=since,
+                                 limit=limit, retracted=retracted)
     finally:
         store.close()
     click.echo(render_records(records, output), nl=False)

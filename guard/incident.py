@@ -3,7 +3,11 @@
 Runs on background threads, never on the scheduling path:
 
 1. the audit store gets the block (durable before it counts as recorded);
-2. every apiserver replica's watch cache is probed in parallel (LIST
+2. etcd is asked first (a quorum GET of the name): a replica is only ever
+   blamed for serving the ghost's UID while etcd has no pending pod with that
+   UID. If etcd has it pending after all, the ghost verdict is withdrawn at
+   once, its audit record marked retracted, and no replica is named. Then
+   every apiserver replica's watch cache is probed in parallel (LIST
    ``resourceVersion=0``, one name); replicas still serving the ghost are
    probed again after ``--stale-confirm-delay``: a cache that still serves it
    and whose revision moved on *missed the delete* (not mere lag) and is
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from guard import attribution, metrics
@@ -29,7 +34,7 @@ from guard.audit import AuditError, AuditStore
 from guard.kube import Kube, ReplicaClient, emit_event
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
-from guard.verdict import Decision, PodRef, QuorumRead, Verdict
+from guard.verdict import Decision, PodRef, QuorumRead, ReadStatus, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +48,27 @@ _TRUTH = {
 
 
 class IncidentRecorder:
-    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditStore | None) -> None:
+    """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
+
+    ``retract(pod)`` withdraws a ghost verdict (the checker's); ``later(delay, fn, *args)`` runs
+    ``fn`` after ``delay`` seconds (default: a timer thread; tests pass one that records the delay).
+    """
+
+    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditStore | None, *,
+                 retract: Callable[[PodRef], bool] | None = None,
+                 later: Callable[..., None] | None = None) -> None:
         self.settings = settings
         self.kube = kube
         self.pool = pool
         self.audit = audit
+        self._retract = retract or (lambda pod: False)
+        self._schedule = later or self._timer_later
         self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-probe")
         self._lock = threading.Lock()
-        self._last_probe: dict[str, float] = {}  # uid -> monotonic time of the last probe round
-        self._stale: dict[str, set[str]] = {}  # replica address -> ghost UIDs it was confirmed to serve
-        self._stale_pods: dict[str, PodRef] = {}  # uid -> pod, for ghosts some replica was confirmed to serve
-        self._verdicts: dict[str, Verdict] = {}  # uid -> its ghost verdict, for the words of the alert
+        self._last_probe: dict[PodRef, float] = {}  # ghost -> monotonic time of the last probe round
+        self._stale: dict[str, set[PodRef]] = {}  # replica address -> ghosts it was confirmed to serve
+        self._stale_pods: set[PodRef] = set()  # ghosts some replica was confirmed to serve
+        self._verdicts: dict[PodRef, Verdict] = {}  # ghost -> its verdict, for the words of the alert
         self._timers: list[threading.Timer] = []
         self._closed = False
 
@@ -68,26 +83,69 @@ class IncidentRecorder:
         with self._lock:
             if len(self._verdicts) > 100_000:
                 self._verdicts.clear()
-            self._verdicts[pod.uid] = decision.verdict
-        self.probe(pod)
+            self._verdicts[pod] = decision.verdict
+        # etcd again, past every cache: a verdict that a wrong read made (a bug) must not name anyone.
+        # Ghosts are rare; one more GET each.
+        holds = self.truth(pod)
+        if holds is False:
+            return  # etcd has it pending: withdrawn, no Event, no replica named
+        if holds:
+            self._probe_round(pod, confirm=True)
         if self.settings.events:
             self._event(pod, "GhostPodBlocked", f"kube-ghost-guard blocked scheduling: {decision.reason}")
 
     def sighting(self, pod: PodRef, decision: Decision) -> None:
         self._record_block(pod, decision, {"reason": decision.reason})
         with self._lock:
-            last = self._last_probe.get(pod.uid, -1e18)
+            last = self._last_probe.get(pod, -1e18)
         if attribution.should_reprobe(last, time.monotonic(), self.settings.reprobe_interval):
             self.probe(pod)
 
     # -- attribution ---------------------------------------------------------------
 
-    def probe(self, pod: PodRef, *, confirm: bool = True) -> list[ReplicaObservation]:
-        """Probe every replica's cache for the ghost (in parallel); record and act on the result."""
-        with self._lock:
-            self._last_probe[pod.uid] = time.monotonic()
+    def truth(self, pod: PodRef) -> bool | None:
+        """Ask etcd whether ``pod`` may be called a ghost: True when etcd has no pending pod with its
+        UID, None when the read failed (no claim either way). When etcd has it pending after all,
+        the ghost verdict is withdrawn at once and its audit record marked retracted: False."""
+        with self._lock:  # a round begins (bounds the re-probe rate, whatever etcd answers)
+            self._last_probe[pod] = time.monotonic()
             if len(self._last_probe) > 100_000:
                 self._last_probe.clear()
+        read = self.kube.quorum_get(pod.namespace, pod.name)
+        if read.status is ReadStatus.ERROR:
+            log.info("attribution of %s uid %s postponed: the quorum read failed (%s)", pod, pod.uid, read.error)
+            return None
+        if not attribution.pending_in_etcd(read, pod.uid):
+            return True
+        self._withdraw(pod)
+        return False
+
+    def _withdraw(self, pod: PodRef) -> None:
+        self._retract(pod)
+        with self._lock:
+            for uids in self._stale.values():
+                uids.discard(pod)
+            self._stale_pods.discard(pod)
+            cleared = [r for r, uids in self._stale.items() if not uids]
+        for replica in cleared:
+            metrics.STALE_REPLICA.labels(replica).set(0)
+        if self.audit is not None:
+            try:
+                self.audit.retract(uid=pod.uid or f"{pod}", at=time.time(), namespace=pod.namespace, name=pod.name)
+            except (AuditError, ValueError, OSError) as e:
+                log.error("audit store: cannot mark the record of %s retracted: %s", pod, e)
+
+    def probe(self, pod: PodRef, *, confirm: bool = True) -> list[ReplicaObservation] | None:
+        """Probe every replica's cache for the ghost (in parallel); record and act on the result.
+
+        etcd is asked first: None (and no probe) when it has the pod pending (the verdict is
+        withdrawn) or cannot answer (a replica serving the truth must never be named)."""
+        if not self.truth(pod):
+            return None
+        return self._probe_round(pod, confirm=confirm)
+
+    def _probe_round(self, pod: PodRef, *, confirm: bool) -> list[ReplicaObservation]:
+        """One parallel probe of every replica, for a ghost etcd was just asked about."""
         clients = self.pool.clients()
         now = time.time()
         observations = list(self._probes.map(lambda c: c.probe(pod.namespace, pod.name, pod.uid, at=now), clients))
@@ -101,6 +159,8 @@ class IncidentRecorder:
         return observations
 
     def _confirm(self, pod: PodRef, first: list[tuple[ReplicaClient, ReplicaObservation]]) -> None:
+        if not self.truth(pod):  # etcd again: the verdict may have been withdrawn meanwhile
+            return
         for client, before in first:
             after = client.probe(pod.namespace, pod.name, pod.uid, at=time.time())
             self._record_probe(pod, after)
@@ -118,15 +178,15 @@ class IncidentRecorder:
         replica = client.replica.address
         with self._lock:
             uids = self._stale.setdefault(replica, set())
-            new = pod.uid not in uids
-            uids.add(pod.uid)
-            self._stale_pods[pod.uid] = pod
+            new = pod not in uids
+            uids.add(pod)
+            self._stale_pods.add(pod)
         metrics.STALE_REPLICA.labels(replica).set(1)
         if not new:
             return
         metrics.STALE_REPLICA_DETECTIONS.labels(replica).inc()
         with self._lock:
-            verdict = self._verdicts.get(pod.uid, Verdict.GHOST_DELETED)
+            verdict = self._verdicts.get(pod, Verdict.GHOST_DELETED)
         message = (f"apiserver replica {client.replica} still serves pod {pod} uid {pod.uid} from its watch cache as "
                    f"waiting to be scheduled (cache resourceVersion {obs.cache_resource_version}) although etcd "
                    f"{_TRUTH[verdict]}{note}; restart that apiserver replica, then restart kube-scheduler so its "
@@ -138,12 +198,12 @@ class IncidentRecorder:
     def _healed(self, pod: PodRef, replica: str) -> None:
         with self._lock:
             uids = self._stale.get(replica)
-            if not uids or pod.uid not in uids:
+            if not uids or pod not in uids:
                 return
-            uids.discard(pod.uid)
+            uids.discard(pod)
             clear = not uids
-            if not any(pod.uid in u for u in self._stale.values()):
-                self._stale_pods.pop(pod.uid, None)
+            if not any(pod in u for u in self._stale.values()):
+                self._stale_pods.discard(pod)
         log.info("apiserver replica %s no longer serves ghost %s uid %s: healed", replica, pod, pod.uid)
         if clear:
             metrics.STALE_REPLICA.labels(replica).set(0)
@@ -153,8 +213,8 @@ class IncidentRecorder:
         so a restarted replica is seen to heal even when no scheduler asks about the ghost again."""
         now = time.monotonic()
         with self._lock:
-            due = [p for uid, p in self._stale_pods.items()
-                   if attribution.should_reprobe(self._last_probe.get(uid, -1e18), now, self.settings.reprobe_interval)]
+            due = [p for p in self._stale_pods
+                   if attribution.should_reprobe(self._last_probe.get(p, -1e18), now, self.settings.reprobe_interval)]
         for pod in due:
             self.probe(pod, confirm=False)
 
@@ -175,7 +235,7 @@ class IncidentRecorder:
         try:
             self.audit.record_probe(uid=pod.uid or f"{pod}", replica=obs.replica, serves=obs.serves_ghost,
                                     cache_resource_version=obs.cache_resource_version, error=obs.error,
-                                    at=obs.checked_at)
+                                    at=obs.checked_at, namespace=pod.namespace, name=pod.name)
         except (AuditError, ValueError, OSError) as e:
             log.error("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
 
@@ -189,7 +249,10 @@ class IncidentRecorder:
     def _later(self, delay: float, fn, *args) -> None:
         if self._closed:
             return
-        timer = threading.Timer(delay, self._run_safely, args=(fn, *args))
+        self._schedule(delay, self._run_safely, fn, *args)
+
+    def _timer_later(self, delay: float, fn, *args) -> None:
+        timer = threading.Timer(delay, fn, args=args)
         timer.daemon = True
         with self._lock:
             self._timers = [t for t in self._timers if t.is_alive()] + [timer]

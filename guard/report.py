@@ -135,6 +135,7 @@ def record_to_dict(record: AuditRecord) -> dict[str, Any]:
         "first_seen": format_time(record.first_seen),
         "last_seen": format_time(record.last_seen),
         "times_blocked": record.times_blocked,
+        "retracted_at": format_time(record.retracted_at) if record.retracted_at is not None else None,
         "stale_replicas": sorted(r.replica for r in record.replicas if r.stale),
         "replicas": [
             {
@@ -169,7 +170,7 @@ def render_records(records: Sequence[AuditRecord], output: str = "table") -> str
             format_time(r.last_seen),
             r.namespace,
             r.name,
-            r.verdict,
+            f"{r.verdict} (retracted)" if r.retracted_at is not None else r.verdict,
             r.times_blocked,
             format_time(r.first_seen),
             ",".join(sorted(s.replica for s in r.replicas if s.stale)) or "-",
