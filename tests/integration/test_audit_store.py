@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from guard.audit import (
+    SCHEMA_VERSION,
     DEFAULT_AUDIT_DB,
     AuditError,
     AuditPathError,
@@ -400,7 +401,7 @@ def test_newer_schema_is_refused(db: str) -> None:
     conn.close()
     with pytest.raises(AuditPathError) as e:
         AuditStore(db)
-    assert str(e.value) == f"audit store {db} has schema version 99, newer than this guard's 1"
+    assert str(e.value) == f"audit store {db} has schema version 99, newer than this guard's {SCHEMA_VERSION}"
 
 
 def test_constructor_rejects_bad_limits(db: str) -> None:

@@ -11,7 +11,6 @@ identical, so the renderer is checked against the real thing.
 
 from __future__ import annotations
 
-from guard.settings import WEBHOOK_TIMEOUT_SECONDS
 import base64
 import copy
 import re
@@ -23,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from guard.settings import Settings
+from guard.settings import WEBHOOK_TIMEOUT_SECONDS, Settings
 from guard.verdict import Verdict
 
 REPO = Path(__file__).resolve().parents[2]

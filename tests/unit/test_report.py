@@ -156,6 +156,7 @@ def test_audit_json_record_shape() -> None:
         "first_seen": "2026-05-28T20:26:40Z",
         "last_seen": "2026-05-28T20:27:45Z",
         "times_blocked": 7,
+        "retracted_at": None,
         "stale_replicas": [B],
         "replicas": [
             {"replica": A, "state": "consistent", "serves": False, "cache_resource_version": "120", "error": None,

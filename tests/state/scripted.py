@@ -1,0 +1,274 @@
+"""A scripted control plane for in-process tests of the verdict state (cache, check, prepare, incident).
+
+No sockets, no sleeps that decide anything: a fake clock, an etcd model that is the truth, quorum
+GETs that the test answers when it chooses (a read *in flight*), watch events that the test
+delivers, late or never, per replica, and replica caches that the test lets go stale.
+
+Threads are used only where the guard itself blocks (a call waiting for a GET in flight); the
+test waits until every such thread has finished or is parked in a wait (:func:`settle`), so the
+order of events is the test's, never the scheduler's.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from guard.attribution import ReplicaObservation, serves_as_pending
+from guard.settings import Replica, Settings
+from guard.verdict import Decision, PodRef, QuorumRead
+
+NS = "default"
+
+
+class FakeClock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class EtcdPod:
+    uid: str
+    node: str = ""
+    deleting: bool = False
+
+    def obj(self, name: str, rv: int) -> dict:
+        meta: dict = {"name": name, "namespace": NS, "uid": self.uid, "resourceVersion": str(rv)}
+        if self.deleting:
+            meta["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+        return {"metadata": meta, "spec": {"nodeName": self.node} if self.node else {}}
+
+
+class Etcd:
+    """The truth: one pod (or none) per name; every write is an event for the replicas' watches."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, EtcdPod] = {}
+        self.revision = 1
+        self._uids = 0
+        self.watchers: list[deque] = []
+        self.history: dict[str, list[str]] = {}  # name -> every UID it ever had
+
+    def _emit(self, kind: str, name: str, pod: EtcdPod) -> None:
+        self.revision += 1
+        for q in self.watchers:
+            q.append({"type": kind, "object": pod.obj(name, self.revision)})
+
+    def create(self, name: str) -> str:
+        assert name not in self.pods
+        self._uids += 1
+        uid = f"uid-{self._uids:04d}"
+        self.pods[name] = EtcdPod(uid)
+        self.history.setdefault(name, []).append(uid)
+        self._emit("ADDED", name, self.pods[name])
+        return uid
+
+    def delete(self, name: str) -> str | None:
+        pod = self.pods.pop(name, None)
+        if pod is not None:
+            self._emit("DELETED", name, pod)
+        return pod.uid if pod else None
+
+    def bind(self, name: str, node: str = "node-1") -> None:
+        pod = self.pods.get(name)
+        if pod is not None and not pod.node:
+            pod.node = node
+            self._emit("MODIFIED", name, pod)
+
+    def terminate(self, name: str) -> None:
+        pod = self.pods.get(name)
+        if pod is not None and not pod.deleting:
+            pod.deleting = True
+            self._emit("MODIFIED", name, pod)
+
+    def read(self, name: str) -> QuorumRead:
+        pod = self.pods.get(name)
+        if pod is None:
+            return QuorumRead.not_found()
+        return QuorumRead.found(pod.uid, node_name=pod.node,
+                                deletion_timestamp="2026-12-01T00:00:00Z" if pod.deleting else "",
+                                resource_version=str(self.revision))
+
+    def pending(self, name: str, uid: str) -> bool:
+        pod = self.pods.get(name)
+        return pod is not None and pod.uid == uid and not pod.node and not pod.deleting
+
+
+@dataclass
+class HeldGet:
+    name: str
+    snapshot: QuorumRead  # etcd's answer when the GET began
+    answer: QuorumRead | None = None
+    released: threading.Event = field(default_factory=threading.Event)
+
+
+class ScriptedGets:
+    """The checker's quorum GET. ``hold=False``: etcd answers at once. ``hold=True``: each GET waits
+    until the test releases it, answering as etcd was when it began or as etcd is at release."""
+
+    def __init__(self, etcd: Etcd) -> None:
+        self.etcd = etcd
+        self.hold = False
+        self.count = 0
+        self.held: list[HeldGet] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, namespace: str, name: str, timeout: float) -> QuorumRead:
+        with self._lock:
+            self.count += 1
+            if not self.hold:
+                return self.etcd.read(name)
+            get = HeldGet(name, self.etcd.read(name))
+            self.held.append(get)
+        if not get.released.wait(30):
+            raise AssertionError(f"held GET of {name} never released")
+        assert get.answer is not None
+        return get.answer
+
+    def release(self, get: HeldGet, *, as_of_start: bool = True) -> None:
+        with self._lock:
+            self.held.remove(get)
+        get.answer = get.snapshot if as_of_start else self.etcd.read(get.name)
+        get.released.set()
+        settle()
+
+
+def _parked(thread: threading.Thread) -> bool:
+    """Whether ``thread`` waits on an Event that is not set (a held GET, a read in flight): a thread
+    whose Event was just set, or that waits for a lock, is still on its way."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == threading.__file__ and code.co_name == "wait":
+            event = frame.f_locals.get("self")
+            if isinstance(event, threading.Event):
+                return not event.is_set()
+        frame = frame.f_back
+    return False
+
+
+_calls: list["Call"] = []
+
+
+def settle(timeout: float = 10.0) -> None:
+    """Wait until every outstanding call has finished or is parked waiting for a held GET."""
+    end = time.monotonic() + timeout
+    while True:
+        live = [c for c in _calls if c.thread.is_alive()]
+        if all(_parked(c.thread) for c in live):
+            _calls[:] = live
+            return
+        if time.monotonic() > end:
+            raise AssertionError("calls did not settle: " + ", ".join(c.label for c in live))
+        time.sleep(0.0005)
+
+
+class Call:
+    """``fn()`` on its own thread (a /filter, a background verification); ``result()`` once done."""
+
+    def __init__(self, fn, label: str = "") -> None:
+        self.label = label
+        self.value: object = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name=f"call-{label}")
+        _calls.append(self)
+        self.thread.start()
+        settle()
+
+    def _run(self, fn) -> None:
+        try:
+            self.value = fn()
+        except BaseException as e:  # surfaced by result()
+            self.error = e
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def result(self):
+        self.thread.join(10)
+        assert self.done, f"{self.label} still running"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def settings(**overrides) -> Settings:
+    base = dict(insecure_http=True, bind="127.0.0.1:1", events=False, alive_ttl=0.5, prepared_grace=0.5,
+                ghost_ttl=3600.0, stale_confirm_delay=2.0)
+    base.update(overrides)
+    return Settings(**base).validate()
+
+
+class ReplicaModel:
+    """One apiserver replica's watch cache: applies the events it is given, misses those dropped."""
+
+    def __init__(self, address: str, etcd: Etcd) -> None:
+        self.replica = Replica(address, f"https://{address}")
+        self.events: deque = deque()
+        etcd.watchers.append(self.events)
+        self.cache: dict[str, dict] = {}  # name -> object as this replica serves it
+
+    def deliver(self) -> dict | None:
+        if not self.events:
+            return None
+        event = self.events.popleft()
+        name = event["object"]["metadata"]["name"]
+        if event["type"] == "DELETED":
+            self.cache.pop(name, None)
+        else:
+            self.cache[name] = event["object"]
+        return event
+
+    def drop(self) -> dict | None:
+        return self.events.popleft() if self.events else None
+
+    def serves_pending(self, name: str, uid: str) -> bool:
+        obj = self.cache.get(name)
+        return obj is not None and serves_as_pending([obj], uid)
+
+    # the ReplicaClient surface the incident recorder uses
+    def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
+        obj = self.cache.get(name)
+        return ReplicaObservation(self.replica.address, serves_as_pending([obj] if obj else [], uid),
+                                  str(len(self.cache)), None, at)
+
+
+class Pool:
+    """The ReplicaPool surface: a fixed set of replicas."""
+
+    def __init__(self, replicas: list[ReplicaModel]) -> None:
+        self.replicas = replicas
+
+    def clients(self) -> list[ReplicaModel]:
+        return list(self.replicas)
+
+    def on_change(self, callback) -> None:
+        pass
+
+
+class EtcdKube:
+    """The Kube surface the incident recorder uses: quorum GETs answered by etcd at once."""
+
+    def __init__(self, etcd: Etcd) -> None:
+        self.etcd = etcd
+
+    def quorum_get(self, namespace: str, name: str, timeout: float | None = None) -> QuorumRead:
+        return self.etcd.read(name)
+
+
+def pod(name: str, uid: str) -> PodRef:
+    return PodRef(NS, name, uid)
+
+
+def is_ghost(decision: Decision) -> bool:
+    return decision.is_ghost
