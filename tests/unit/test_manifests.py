@@ -22,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from guard.settings import Settings
+from guard.settings import SCHEDULER_HTTP_TIMEOUT, WEBHOOK_TIMEOUT_SECONDS, Settings
 from guard.verdict import Verdict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -319,7 +319,7 @@ def test_webhook(rendered):
     assert wh["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
                             "resources": ["pods/binding"], "scope": "Namespaced"}]
     assert (wh["failurePolicy"], wh["timeoutSeconds"], wh["sideEffects"], wh["admissionReviewVersions"]) == \
-        ("Ignore", 2, "None", ["v1"])
+        ("Ignore", WEBHOOK_TIMEOUT_SECONDS, "NoneOnDryRun", ["v1"])
     assert wh["namespaceSelector"] == {"matchExpressions": [
         {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [NAMESPACE]}]}
     svc = one(rendered["base"], "Service")
@@ -366,7 +366,7 @@ def test_scheduler_config_extender(path):
     assert (ext["filterVerb"], ext["preemptVerb"], ext["nodeCacheCapable"], ext["ignorable"]) == ("filter", "preempt", True, True)
     for absent in ("managedResources", "bindVerb", "prioritizeVerb", "weight"):
         assert absent not in ext, absent
-    assert parse_duration(ext["httpTimeout"]) == 5.0 > Settings().get_timeout
+    assert parse_duration(ext["httpTimeout"]) == SCHEDULER_HTTP_TIMEOUT > Settings().get_timeout
     if ext["enableHTTPS"]:
         assert set(ext["tlsConfig"]) <= TLS_KEYS, set(ext["tlsConfig"]) - TLS_KEYS
         assert ext["tlsConfig"]["caFile"], "with enableHTTPS and no CA the scheduler silently skips verification"
@@ -417,6 +417,94 @@ def test_sidecar_guard_container():
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = guard[probe]["httpGet"]
         assert (get["host"], get["port"], get["path"], get["scheme"]) == ("127.0.0.1", 8443, path, "HTTP")
+
+
+# --- deadlines: the callers' timeouts and the guard's request budget agree ----------
+#
+# kube-scheduler waits httpTimeout for /filter and /preempt, the apiserver waits the
+# webhook's timeoutSeconds for /validate/binding. The guard answers within its
+# --request-budget (every quorum GET of --get-timeout included), and the budget must
+# leave a margin: at most 60% of every caller's timeout.
+
+
+def guard_containers() -> list[pytest.param]:
+    """Every guard container the manifests run: the Deployment's and the sidecar's."""
+    (dep,) = [d for d in yaml.safe_load_all((MANIFESTS / "base/deployment.yaml").read_text()) if d]
+    (deployment,) = dep["spec"]["template"]["spec"]["containers"]
+    sidecar = next(c for c in static_pod("overlays/sidecar/node/kube-scheduler.yaml")["spec"]["containers"]
+                   if c["name"] == "ghost-guard")
+    return [pytest.param(deployment, id="deployment"), pytest.param(sidecar, id="sidecar")]
+
+
+def caller_timeouts() -> dict[str, float]:
+    out = {}
+    for path in SCHEDULER_CONFIGS:
+        (ext,) = yaml.safe_load((MANIFESTS / path).read_text())["extenders"]
+        out[f"{path} httpTimeout"] = parse_duration(ext["httpTimeout"])
+    vwc = yaml.safe_load((MANIFESTS / "webhook/validatingwebhookconfiguration.yaml").read_text())
+    for wh in vwc["webhooks"]:
+        out[f"webhook {wh['name']} timeoutSeconds"] = float(wh["timeoutSeconds"])
+    return out
+
+
+def effective_deadlines(container: dict) -> tuple[float, float]:
+    """(request_budget, get_timeout) the container runs with: its args, else its GHOST_GUARD_* env, else the default."""
+    defaults = Settings()
+    values = {"request-budget": defaults.request_budget, "get-timeout": defaults.get_timeout}
+    for e in container.get("env", []):
+        for flag in values:
+            if e["name"] == "GHOST_GUARD_" + flag.upper().replace("-", "_"):
+                values[flag] = float(e["value"])
+    args = container.get("args", [])
+    for i, arg in enumerate(args):
+        for flag in values:
+            if arg.startswith(f"--{flag}="):
+                values[flag] = float(arg.split("=", 1)[1])
+            elif arg == f"--{flag}":
+                values[flag] = float(args[i + 1])
+    return values["request-budget"], values["get-timeout"]
+
+
+def test_callers_timeouts_are_the_guards_constants():
+    timeouts = caller_timeouts()
+    assert len(timeouts) == len(SCHEDULER_CONFIGS) + 1
+    for where, seconds in timeouts.items():
+        expected = WEBHOOK_TIMEOUT_SECONDS if where.startswith("webhook") else SCHEDULER_HTTP_TIMEOUT
+        assert seconds == expected, f"{where} is {seconds:g}s; guard.settings says {expected:g}s"
+
+
+def test_default_budget_fits_every_caller():
+    s = Settings()
+    for where, seconds in caller_timeouts().items():
+        assert s.request_budget <= 0.6 * seconds, f"default --request-budget {s.request_budget:g}s vs {where} {seconds:g}s"
+    assert s.get_timeout <= s.request_budget
+
+
+def deadline_problems(container: dict) -> list[str]:
+    budget, get_timeout = effective_deadlines(container)
+    problems = [f"--request-budget {budget:g}s is over 60% of {where} ({seconds:g}s)"
+                for where, seconds in caller_timeouts().items() if budget > 0.6 * seconds]
+    if get_timeout > budget:
+        problems.append(f"--get-timeout {get_timeout:g}s exceeds --request-budget {budget:g}s")
+    return problems
+
+
+@pytest.mark.parametrize("container", guard_containers())
+def test_manifest_deadlines_fit_every_caller(container):
+    assert deadline_problems(container) == []
+
+
+@pytest.mark.parametrize("args,env,expected", [
+    (["serve", "--request-budget=3.5"], [], (3.5, Settings().get_timeout)),
+    (["serve", "--get-timeout", "2.5"], [], (Settings().request_budget, 2.5)),
+    (["serve"], [{"name": "GHOST_GUARD_REQUEST_BUDGET", "value": "4"}], (4.0, Settings().get_timeout)),
+], ids=["flag=value", "flag value", "env"])
+def test_deadline_check_reads_flags_and_env(args, env, expected):
+    """The check above can fail: each of these containers is refused."""
+    container = {"args": args, "env": env}
+    assert effective_deadlines(container) == expected
+    assert deadline_problems(container) != []
+    assert deadline_problems({"args": ["serve"]}) == []
 
 
 # --- monitoring ------------------------------------------------------------------
