@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import ipaddress
 import re
 import shutil
 import subprocess
@@ -290,7 +291,68 @@ def test_pdb_service_networkpolicy_match_the_pods(base, pod):
     assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"}]
     assert np["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     assert np["spec"]["policyTypes"] == ["Ingress"]
-    assert np["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8443}]}]
+
+
+CONTROL_PLANE_PLACEHOLDER = "REPLACE_WITH_CONTROL_PLANE_CIDR"
+
+
+def test_networkpolicy_admits_the_control_plane_to_the_verbs_and_monitoring_to_the_metrics(base, pod):
+    np = one(base, "NetworkPolicy")
+    (container,) = pod["spec"]["containers"]
+    serving = {p["containerPort"] for p in container["ports"]}
+    verbs, scrape = np["spec"]["ingress"]
+    for rule in (verbs, scrape):
+        assert rule["from"], "a rule without `from` admits every source"
+        assert {(p["protocol"], p["port"]) for p in rule["ports"]} <= {("TCP", port) for port in serving}
+    # 1. verbs: only from the control plane's addresses, a placeholder until the installer sets them
+    assert verbs["from"] == [{"ipBlock": {"cidr": CONTROL_PLANE_PLACEHOLDER}}]
+    assert verbs["ports"] == [{"protocol": "TCP", "port": args_to_settings(container["args"]).host_port()[1]}]
+    # 2. metrics: only from the monitoring namespace (by the label every namespace carries)
+    assert scrape["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert len(scrape["ports"]) == 1
+
+
+def test_control_plane_placeholder_is_not_a_cidr_and_install_replaces_it():
+    """A forgotten placeholder must be an apply error (the apiserver validates ipBlock.cidr), not a policy that
+    silently drops kube-scheduler's calls; docs/INSTALL.md shows the patch that replaces it."""
+    with pytest.raises(ValueError):
+        ipaddress.ip_network(CONTROL_PLANE_PLACEHOLDER)
+    assert CONTROL_PLANE_PLACEHOLDER in (REPO / "docs/INSTALL.md").read_text()
+
+
+def install_site_overlay(directory: Path) -> Path:
+    """docs/INSTALL.md's own overlay (step 3: the heredoc, with the monitoring-namespace op appended), written
+    under ``directory`` next to a ``manifests`` link to this checkout, as a platform engineer would have it."""
+    install = (REPO / "docs/INSTALL.md").read_text()
+    m = re.search(r"^    cat > ghost-guard-site/kustomization.yaml <<'EOF'\n(.*?)^    EOF$", install, re.S | re.M)
+    assert m, "docs/INSTALL.md lost its site overlay"
+    text = "\n".join(line.removeprefix("    ") for line in m.group(1).splitlines())
+    extra = re.search(r"^(        - op: replace\n          path: /spec/ingress/1/from/.*?\n          value: .*?)$", install, re.M | re.S)
+    assert extra, "docs/INSTALL.md lost the monitoring-namespace op"
+    text += "\n" + "\n".join(line.removeprefix("    ") for line in extra.group(1).splitlines()) + "\n"
+    (directory / "manifests").symlink_to(MANIFESTS)
+    site = directory / "ghost-guard-site"
+    site.mkdir()
+    (site / "kustomization.yaml").write_text(text)
+    return site
+
+
+def test_install_site_overlay_sets_the_cidrs(tmp_path):
+    site = install_site_overlay(tmp_path)
+    objs = render(site)
+    assert {ident(o) for o in objs} == EXPECTED["overlays/deployment"]
+    np = one(objs, "NetworkPolicy")
+    kubernetes_validate.validate(np, K8S_VERSIONS[-1], strict=True)
+    verbs, scrape = np["spec"]["ingress"]
+    cidrs = [peer["ipBlock"]["cidr"] for peer in verbs["from"]]
+    assert cidrs and all(ipaddress.ip_network(c) for c in cidrs)  # the placeholder is gone: every entry is a CIDR
+    assert verbs["ports"] == one(render(MANIFESTS / "base"), "NetworkPolicy")["spec"]["ingress"][0]["ports"]
+    (peer,) = scrape["from"]
+    assert set(peer) == {"namespaceSelector"} and list(peer["namespaceSelector"]["matchLabels"]) == ["kubernetes.io/metadata.name"]
+    if shutil.which("kubectl"):
+        out = subprocess.run(["kubectl", "kustomize", str(site)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert sorted((d for d in yaml.safe_load_all(out.stdout) if d), key=ident) == sorted(objs, key=ident)
 
 
 def test_critical_priority_quota_covers_the_rollout(base, pod):
