@@ -34,6 +34,7 @@ SCHEDULER_CONFIGS = ["scheduler/kube-scheduler-config.yaml", "overlays/sidecar/n
 CRD_KINDS = {"PrometheusRule", "ServiceMonitor"}  # monitoring.coreos.com: no schema in kubernetes-validate
 K8S_VERSIONS = ["1.31", "1.36"]
 NAMESPACE = "ghost-guard"
+SIDECAR_USER = "ghost-guard-sidecar"  # the CN of the sidecar's client certificate (docs/INSTALL.md)
 
 
 # --- a small kustomize ----------------------------------------------------
@@ -200,8 +201,8 @@ def test_rbac_exact(rendered, kustomization):
 
 @pytest.mark.parametrize("kustomization,subject", [
     ("base", {"kind": "ServiceAccount", "name": "ghost-guard", "namespace": NAMESPACE}),
-    ("overlays/sidecar", {"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": "system:kube-scheduler"}),
-], ids=["deployment-serviceaccount", "sidecar-scheduler-user"])
+    ("overlays/sidecar", {"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": SIDECAR_USER}),
+], ids=["deployment-serviceaccount", "sidecar-own-user"])
 def test_bindings_bind_each_role_to_the_guard(rendered, kustomization, subject):
     objs = rendered[kustomization]
     roles = {(o["kind"], o["metadata"].get("namespace", "")) + (o["metadata"]["name"],) for o in objs if o["kind"] in ("Role", "ClusterRole")}
@@ -469,16 +470,59 @@ def test_sidecar_guard_container():
     p = static_pod("overlays/sidecar/node/kube-scheduler.yaml")
     (guard,) = [c for c in p["spec"]["containers"] if c["name"] == "ghost-guard"]
     s = args_to_settings(guard["args"])
-    assert s.insecure_http and s.host_port() == ("127.0.0.1", 8443)
+    assert s.insecure_http and s.host_port() == ("127.0.0.1", 8443)  # loopback only
+    assert "ports" not in guard  # nothing published beyond the node's loopback
     cfg = yaml.safe_load((MANIFESTS / "overlays/sidecar/node/scheduler-config.yaml").read_text())
     assert cfg["extenders"][0]["urlPrefix"] == f"http://{s.bind}"
-    assert s.kubeconfig == cfg["clientConnection"]["kubeconfig"]  # the scheduler's own credentials
-    assert any(m["mountPath"] == s.kubeconfig and m["readOnly"] for m in guard["volumeMounts"])
-    sc = guard["securityContext"]
-    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = guard[probe]["httpGet"]
         assert (get["host"], get["port"], get["path"], get["scheme"]) == ("127.0.0.1", 8443, path, "HTTP")
+
+
+def test_sidecar_runs_non_root_with_a_read_only_root():
+    p = static_pod("overlays/sidecar/node/kube-scheduler.yaml")
+    (guard,) = [c for c in p["spec"]["containers"] if c["name"] == "ghost-guard"]
+    assert guard["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert p["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    dockerfile_user = re.search(r"^USER (\d+):(\d+)$", (REPO / "Dockerfile").read_text(), re.M)
+    assert dockerfile_user and tuple(map(int, dockerfile_user.groups())) == (65532, 65532)
+    # under the read-only root, the audit store's directory and /tmp are volumes the guard may write
+    volumes = {v["name"]: v for v in p["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m for m in guard["volumeMounts"]}
+    env = {e["name"]: e["value"] for e in guard["env"]}
+    audit_dir = env["GHOST_GUARD_AUDIT_DB"].rsplit("/", 1)[0]
+    for path in (audit_dir, "/tmp"):
+        assert path in mounts and not mounts[path].get("readOnly"), path
+        volume = volumes[mounts[path]["name"]]
+        assert "emptyDir" in volume or volume["hostPath"]["type"] == "DirectoryOrCreate", volume
+    assert mounts["/tmp"]["name"] != mounts[audit_dir]["name"]
+    writable = {path for path, m in mounts.items() if not m.get("readOnly")}
+    assert writable == {audit_dir, "/tmp"}
+
+
+def test_sidecar_uses_its_own_kubeconfig_not_the_schedulers():
+    p = static_pod("overlays/sidecar/node/kube-scheduler.yaml")
+    (guard,) = [c for c in p["spec"]["containers"] if c["name"] == "ghost-guard"]
+    (sched,) = [c for c in p["spec"]["containers"] if c["name"] == "kube-scheduler"]
+    s = args_to_settings(guard["args"])
+    cfg = yaml.safe_load((MANIFESTS / "overlays/sidecar/node/scheduler-config.yaml").read_text())
+    volumes = {v["name"]: v for v in p["spec"]["volumes"]}
+    guard_mounts = {m["mountPath"]: m for m in guard["volumeMounts"]}
+    sched_volumes = {m["name"] for m in sched["volumeMounts"]}
+    kube_dir = s.kubeconfig.rsplit("/", 1)[0]
+    assert s.kubeconfig != cfg["clientConnection"]["kubeconfig"]
+    assert kube_dir in guard_mounts and guard_mounts[kube_dir]["readOnly"] is True
+    guard_kube = volumes[guard_mounts[kube_dir]["name"]]["hostPath"]
+    # a missing directory is created empty: the guard container fails, kube-scheduler still starts
+    assert guard_kube["type"] == "DirectoryOrCreate"
+    # no volume is shared: the guard cannot read the scheduler's credentials, nor the scheduler the guard's
+    assert not {m["name"] for m in guard["volumeMounts"]} & sched_volumes
+    host_paths = {volumes[n]["hostPath"]["path"] for n in sched_volumes if "hostPath" in volumes[n]}
+    assert not any(guard_kube["path"] == h or guard_kube["path"].startswith(h + "/") for h in host_paths)
+    install = (REPO / "docs/INSTALL.md").read_text()
+    assert f"{guard_kube['path']}/kubeconfig" in install and f"/CN={SIDECAR_USER}" in install
 
 
 # --- deadlines: the callers' timeouts and the guard's request budget agree ----------
