@@ -2,25 +2,40 @@
 #
 #   docker build -t kube-ghost-guard:0.1.0 .
 #
-# Two stages on the same pinned base. The builder turns the source into a
-# wheel and installs it, with its dependencies as prebuilt wheels only (no
-# compiler is needed or present), into the virtualenv /opt/ghost-guard. The
-# final stage copies just that virtualenv: no source tree, no pip cache, no
-# build tools. It runs as UID 65532 (non-root; the manifests' runAsUser).
+# Reproducible: the base image is pinned by digest (the multi-arch index, so
+# linux/amd64 and linux/arm64 both resolve), and every Python package comes
+# from a lock with hashes: requirements.lock (runtime, generated from
+# pyproject.toml) and requirements-build.lock (the build backend). pip refuses
+# any file whose hash is not in the lock (--require-hashes), installs nothing
+# the lock does not name (--no-deps), and only prebuilt wheels (no compiler is
+# needed or present). docs/INSTALL.md says how to bump the base digest and
+# regenerate the locks; tests/unit/test_lockfile.py fails when they disagree
+# with pyproject.toml.
+#
+# Two stages on the same base. The builder installs the locked dependencies
+# into the virtualenv /opt/ghost-guard, builds the guard's wheel with the
+# locked setuptools (in a throwaway virtualenv) and installs it without
+# dependencies. The final stage copies just /opt/ghost-guard: no source tree,
+# no pip cache, no build tools. It runs as UID 65532 (non-root; the manifests'
+# runAsUser).
 #
 # Same base in both stages: the virtualenv links to the base's interpreter.
-# Override for a newer patch release with --build-arg PYTHON_IMAGE=...
-ARG PYTHON_IMAGE=python:3.11.9-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
 
 FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
+COPY requirements.lock requirements-build.lock ./
+RUN python -m venv /opt/build \
+ && /opt/build/bin/pip install --require-hashes --no-deps --only-binary=:all: -r requirements-build.lock \
+ && python -m venv /opt/ghost-guard \
+ && /opt/ghost-guard/bin/pip install --require-hashes --no-deps --only-binary=:all: -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY guard ./guard
-RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
- && python -m venv /opt/ghost-guard \
- && /opt/ghost-guard/bin/pip install --only-binary=:all: /wheels/*.whl \
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
+ && /opt/ghost-guard/bin/pip install --no-deps /wheels/*.whl \
+ && /opt/ghost-guard/bin/pip check \
  && /opt/ghost-guard/bin/ghost-guard --version
 
 FROM ${PYTHON_IMAGE}

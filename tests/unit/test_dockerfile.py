@@ -71,20 +71,80 @@ def exec_form(rest: str) -> list[str]:
     return value
 
 
+PINNED_BASE = re.compile(r"python:3\.11\.\d+-slim-bookworm@sha256:[0-9a-f]{64}")
+
+
 def test_multi_stage_same_pinned_base(parsed):
     assert len(parsed) == 2
     builder, last = parsed
     assert builder["name"] == "builder"
     for stage in parsed:
         image = stage["image"]
-        assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", image), f"{image}: pin an exact tag (no latest, no bare 3.11)"
+        # an exact tag for the reader, the digest for the builder: a tag can be re-pushed, a digest cannot
+        assert PINNED_BASE.fullmatch(image), f"{image}: pin python:3.11.X-slim-bookworm@sha256:<digest> (INSTALL.md)"
     assert last["image"] == builder["image"]  # the virtualenv links to this interpreter
 
 
-def test_builder_builds_a_wheel_from_prebuilt_dependencies(parsed):
-    runs = " ".join(rest for word, rest in parsed[0]["ins"] if word == "RUN")
-    assert "pip wheel --no-deps" in runs
-    assert "--only-binary=:all:" in runs  # dependencies as wheels: no compiler needed
+def test_every_from_line_is_pinned_by_digest():
+    """Raw FROM lines too: a FROM naming an image directly (not through the pinned ARG) needs its own digest."""
+    args, stages = {}, set()
+    for word, rest in instructions(DOCKERFILE.read_text()):
+        if word == "ARG":
+            name, _, default = rest.partition("=")
+            args[name] = default
+        elif word == "FROM":
+            image, *alias = substitute(rest, args).split()
+            stages.update(alias[1:2])
+            if image in stages - set(alias[1:2]):
+                continue  # FROM an earlier stage
+            assert re.search(r"@sha256:[0-9a-f]{64}$", image), f"FROM {rest}: not pinned by digest"
+
+
+def test_from_digest_check_can_fail():
+    assert not PINNED_BASE.fullmatch("python:3.11.9-slim-bookworm")
+    assert not PINNED_BASE.fullmatch("python:3.11.9-slim-bookworm@sha256:abc")
+    assert PINNED_BASE.fullmatch("python:3.11.9-slim-bookworm@sha256:" + "0" * 64)
+
+
+def pip_commands(parsed) -> list[list[str]]:
+    """Every `pip ...` invocation in the builder's RUN lines, as argument lists from the pip subcommand on."""
+    out = []
+    for word, rest in parsed[0]["ins"]:
+        if word != "RUN":
+            continue
+        for command in re.split(r"&&|;", rest):
+            argv = shlex.split(command)
+            for i, a in enumerate(argv):
+                if a.endswith("/pip") or a == "pip" or (a == "-m" and i + 1 < len(argv) and argv[i + 1] == "pip"):
+                    start = i + 2 if a == "-m" else i + 1
+                    out.append(argv[start:])
+                    break
+    return out
+
+
+def test_builder_installs_only_hashed_locks_and_the_guards_own_wheel(parsed):
+    commands = pip_commands(parsed)
+    installs = [c for c in commands if c[0] == "install"]
+    locks = set()
+    for c in installs:
+        if "-r" in c:
+            # from a lock: every file checked against its hash, nothing the lock does not name
+            assert "--require-hashes" in c and "--no-deps" in c and "--only-binary=:all:" in c, c
+            locks.add(c[c.index("-r") + 1])
+        else:
+            # the guard's wheel, built in this stage: its dependencies came from the lock
+            assert "--no-deps" in c and all(a.startswith("--") or a.startswith("/wheels/") for a in c[1:]), c
+    assert locks == {"requirements.lock", "requirements-build.lock"}
+    copied = " ".join(rest for w, rest in parsed[0]["ins"] if w == "COPY")
+    for lock in locks:
+        assert lock in copied.split(), f"{lock} is not copied into the builder"
+    assert ["check"] in commands  # the locked set is consistent (pip check)
+
+
+def test_builder_builds_the_wheel_without_fetching_anything(parsed):
+    (wheel,) = [c for c in pip_commands(parsed) if c[0] == "wheel"]
+    # no build isolation: pip would otherwise download an unpinned setuptools to build the wheel
+    assert "--no-deps" in wheel and "--no-build-isolation" in wheel, wheel
 
 
 def test_final_stage_has_no_build_tools(parsed):

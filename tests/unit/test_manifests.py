@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import ipaddress
 import re
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from guard.settings import WEBHOOK_TIMEOUT_SECONDS, Settings
+from guard.settings import SCHEDULER_HTTP_TIMEOUT, WEBHOOK_TIMEOUT_SECONDS, Settings
 from guard.verdict import Verdict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,6 +34,7 @@ SCHEDULER_CONFIGS = ["scheduler/kube-scheduler-config.yaml", "overlays/sidecar/n
 CRD_KINDS = {"PrometheusRule", "ServiceMonitor"}  # monitoring.coreos.com: no schema in kubernetes-validate
 K8S_VERSIONS = ["1.31", "1.36"]
 NAMESPACE = "ghost-guard"
+SIDECAR_USER = "ghost-guard-sidecar"  # the CN of the sidecar's client certificate (docs/INSTALL.md)
 
 
 # --- a small kustomize ----------------------------------------------------
@@ -199,8 +201,8 @@ def test_rbac_exact(rendered, kustomization):
 
 @pytest.mark.parametrize("kustomization,subject", [
     ("base", {"kind": "ServiceAccount", "name": "ghost-guard", "namespace": NAMESPACE}),
-    ("overlays/sidecar", {"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": "system:kube-scheduler"}),
-], ids=["deployment-serviceaccount", "sidecar-scheduler-user"])
+    ("overlays/sidecar", {"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": SIDECAR_USER}),
+], ids=["deployment-serviceaccount", "sidecar-own-user"])
 def test_bindings_bind_each_role_to_the_guard(rendered, kustomization, subject):
     objs = rendered[kustomization]
     roles = {(o["kind"], o["metadata"].get("namespace", "")) + (o["metadata"]["name"],) for o in objs if o["kind"] in ("Role", "ClusterRole")}
@@ -290,7 +292,68 @@ def test_pdb_service_networkpolicy_match_the_pods(base, pod):
     assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"}]
     assert np["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     assert np["spec"]["policyTypes"] == ["Ingress"]
-    assert np["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8443}]}]
+
+
+CONTROL_PLANE_PLACEHOLDER = "REPLACE_WITH_CONTROL_PLANE_CIDR"
+
+
+def test_networkpolicy_admits_the_control_plane_to_the_verbs_and_monitoring_to_the_metrics(base, pod):
+    np = one(base, "NetworkPolicy")
+    (container,) = pod["spec"]["containers"]
+    serving = {p["containerPort"] for p in container["ports"]}
+    verbs, scrape = np["spec"]["ingress"]
+    for rule in (verbs, scrape):
+        assert rule["from"], "a rule without `from` admits every source"
+        assert {(p["protocol"], p["port"]) for p in rule["ports"]} <= {("TCP", port) for port in serving}
+    # 1. verbs: only from the control plane's addresses, a placeholder until the installer sets them
+    assert verbs["from"] == [{"ipBlock": {"cidr": CONTROL_PLANE_PLACEHOLDER}}]
+    assert verbs["ports"] == [{"protocol": "TCP", "port": args_to_settings(container["args"]).host_port()[1]}]
+    # 2. metrics: only from the monitoring namespace (by the label every namespace carries)
+    assert scrape["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert len(scrape["ports"]) == 1
+
+
+def test_control_plane_placeholder_is_not_a_cidr_and_install_replaces_it():
+    """A forgotten placeholder must be an apply error (the apiserver validates ipBlock.cidr), not a policy that
+    silently drops kube-scheduler's calls; docs/INSTALL.md shows the patch that replaces it."""
+    with pytest.raises(ValueError):
+        ipaddress.ip_network(CONTROL_PLANE_PLACEHOLDER)
+    assert CONTROL_PLANE_PLACEHOLDER in (REPO / "docs/INSTALL.md").read_text()
+
+
+def install_site_overlay(directory: Path) -> Path:
+    """docs/INSTALL.md's own overlay (step 3: the heredoc, with the monitoring-namespace op appended), written
+    under ``directory`` next to a ``manifests`` link to this checkout, as a platform engineer would have it."""
+    install = (REPO / "docs/INSTALL.md").read_text()
+    m = re.search(r"^    cat > ghost-guard-site/kustomization.yaml <<'EOF'\n(.*?)^    EOF$", install, re.S | re.M)
+    assert m, "docs/INSTALL.md lost its site overlay"
+    text = "\n".join(line.removeprefix("    ") for line in m.group(1).splitlines())
+    extra = re.search(r"^(        - op: replace\n          path: /spec/ingress/1/from/.*?\n          value: .*?)$", install, re.M | re.S)
+    assert extra, "docs/INSTALL.md lost the monitoring-namespace op"
+    text += "\n" + "\n".join(line.removeprefix("    ") for line in extra.group(1).splitlines()) + "\n"
+    (directory / "manifests").symlink_to(MANIFESTS)
+    site = directory / "ghost-guard-site"
+    site.mkdir()
+    (site / "kustomization.yaml").write_text(text)
+    return site
+
+
+def test_install_site_overlay_sets_the_cidrs(tmp_path):
+    site = install_site_overlay(tmp_path)
+    objs = render(site)
+    assert {ident(o) for o in objs} == EXPECTED["overlays/deployment"]
+    np = one(objs, "NetworkPolicy")
+    kubernetes_validate.validate(np, K8S_VERSIONS[-1], strict=True)
+    verbs, scrape = np["spec"]["ingress"]
+    cidrs = [peer["ipBlock"]["cidr"] for peer in verbs["from"]]
+    assert cidrs and all(ipaddress.ip_network(c) for c in cidrs)  # the placeholder is gone: every entry is a CIDR
+    assert verbs["ports"] == one(render(MANIFESTS / "base"), "NetworkPolicy")["spec"]["ingress"][0]["ports"]
+    (peer,) = scrape["from"]
+    assert set(peer) == {"namespaceSelector"} and list(peer["namespaceSelector"]["matchLabels"]) == ["kubernetes.io/metadata.name"]
+    if shutil.which("kubectl"):
+        out = subprocess.run(["kubectl", "kustomize", str(site)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert sorted((d for d in yaml.safe_load_all(out.stdout) if d), key=ident) == sorted(objs, key=ident)
 
 
 def test_critical_priority_quota_covers_the_rollout(base, pod):
@@ -366,7 +429,7 @@ def test_scheduler_config_extender(path):
     assert (ext["filterVerb"], ext["preemptVerb"], ext["nodeCacheCapable"], ext["ignorable"]) == ("filter", "preempt", True, True)
     for absent in ("managedResources", "bindVerb", "prioritizeVerb", "weight"):
         assert absent not in ext, absent
-    assert parse_duration(ext["httpTimeout"]) == 5.0 > Settings().get_timeout
+    assert parse_duration(ext["httpTimeout"]) == SCHEDULER_HTTP_TIMEOUT > Settings().get_timeout
     if ext["enableHTTPS"]:
         assert set(ext["tlsConfig"]) <= TLS_KEYS, set(ext["tlsConfig"]) - TLS_KEYS
         assert ext["tlsConfig"]["caFile"], "with enableHTTPS and no CA the scheduler silently skips verification"
@@ -407,16 +470,147 @@ def test_sidecar_guard_container():
     p = static_pod("overlays/sidecar/node/kube-scheduler.yaml")
     (guard,) = [c for c in p["spec"]["containers"] if c["name"] == "ghost-guard"]
     s = args_to_settings(guard["args"])
-    assert s.insecure_http and s.host_port() == ("127.0.0.1", 8443)
+    assert s.insecure_http and s.host_port() == ("127.0.0.1", 8443)  # loopback only
+    assert "ports" not in guard  # nothing published beyond the node's loopback
     cfg = yaml.safe_load((MANIFESTS / "overlays/sidecar/node/scheduler-config.yaml").read_text())
     assert cfg["extenders"][0]["urlPrefix"] == f"http://{s.bind}"
-    assert s.kubeconfig == cfg["clientConnection"]["kubeconfig"]  # the scheduler's own credentials
-    assert any(m["mountPath"] == s.kubeconfig and m["readOnly"] for m in guard["volumeMounts"])
-    sc = guard["securityContext"]
-    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = guard[probe]["httpGet"]
         assert (get["host"], get["port"], get["path"], get["scheme"]) == ("127.0.0.1", 8443, path, "HTTP")
+
+
+def test_sidecar_runs_non_root_with_a_read_only_root():
+    p = static_pod("overlays/sidecar/node/kube-scheduler.yaml")
+    (guard,) = [c for c in p["spec"]["containers"] if c["name"] == "ghost-guard"]
+    assert guard["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert p["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    dockerfile_user = re.search(r"^USER (\d+):(\d+)$", (REPO / "Dockerfile").read_text(), re.M)
+    assert dockerfile_user and tuple(map(int, dockerfile_user.groups())) == (65532, 65532)
+    # under the read-only root, the audit store's directory and /tmp are volumes the guard may write
+    volumes = {v["name"]: v for v in p["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m for m in guard["volumeMounts"]}
+    env = {e["name"]: e["value"] for e in guard["env"]}
+    audit_dir = env["GHOST_GUARD_AUDIT_DB"].rsplit("/", 1)[0]
+    for path in (audit_dir, "/tmp"):
+        assert path in mounts and not mounts[path].get("readOnly"), path
+        volume = volumes[mounts[path]["name"]]
+        assert "emptyDir" in volume or volume["hostPath"]["type"] == "DirectoryOrCreate", volume
+    assert mounts["/tmp"]["name"] != mounts[audit_dir]["name"]
+    writable = {path for path, m in mounts.items() if not m.get("readOnly")}
+    assert writable == {audit_dir, "/tmp"}
+
+
+def test_sidecar_uses_its_own_kubeconfig_not_the_schedulers():
+    p = static_pod("overlays/sidecar/node/kube-scheduler.yaml")
+    (guard,) = [c for c in p["spec"]["containers"] if c["name"] == "ghost-guard"]
+    (sched,) = [c for c in p["spec"]["containers"] if c["name"] == "kube-scheduler"]
+    s = args_to_settings(guard["args"])
+    cfg = yaml.safe_load((MANIFESTS / "overlays/sidecar/node/scheduler-config.yaml").read_text())
+    volumes = {v["name"]: v for v in p["spec"]["volumes"]}
+    guard_mounts = {m["mountPath"]: m for m in guard["volumeMounts"]}
+    sched_volumes = {m["name"] for m in sched["volumeMounts"]}
+    kube_dir = s.kubeconfig.rsplit("/", 1)[0]
+    assert s.kubeconfig != cfg["clientConnection"]["kubeconfig"]
+    assert kube_dir in guard_mounts and guard_mounts[kube_dir]["readOnly"] is True
+    guard_kube = volumes[guard_mounts[kube_dir]["name"]]["hostPath"]
+    # a missing directory is created empty: the guard container fails, kube-scheduler still starts
+    assert guard_kube["type"] == "DirectoryOrCreate"
+    # no volume is shared: the guard cannot read the scheduler's credentials, nor the scheduler the guard's
+    assert not {m["name"] for m in guard["volumeMounts"]} & sched_volumes
+    host_paths = {volumes[n]["hostPath"]["path"] for n in sched_volumes if "hostPath" in volumes[n]}
+    assert not any(guard_kube["path"] == h or guard_kube["path"].startswith(h + "/") for h in host_paths)
+    install = (REPO / "docs/INSTALL.md").read_text()
+    assert f"{guard_kube['path']}/kubeconfig" in install and f"/CN={SIDECAR_USER}" in install
+
+
+# --- deadlines: the callers' timeouts and the guard's request budget agree ----------
+#
+# kube-scheduler waits httpTimeout for /filter and /preempt, the apiserver waits the
+# webhook's timeoutSeconds for /validate/binding. The guard answers within its
+# --request-budget (every quorum GET of --get-timeout included), and the budget must
+# leave a margin: at most 60% of every caller's timeout.
+
+
+def guard_containers() -> list[pytest.param]:
+    """Every guard container the manifests run: the Deployment's and the sidecar's."""
+    (dep,) = [d for d in yaml.safe_load_all((MANIFESTS / "base/deployment.yaml").read_text()) if d]
+    (deployment,) = dep["spec"]["template"]["spec"]["containers"]
+    sidecar = next(c for c in static_pod("overlays/sidecar/node/kube-scheduler.yaml")["spec"]["containers"]
+                   if c["name"] == "ghost-guard")
+    return [pytest.param(deployment, id="deployment"), pytest.param(sidecar, id="sidecar")]
+
+
+def caller_timeouts() -> dict[str, float]:
+    out = {}
+    for path in SCHEDULER_CONFIGS:
+        (ext,) = yaml.safe_load((MANIFESTS / path).read_text())["extenders"]
+        out[f"{path} httpTimeout"] = parse_duration(ext["httpTimeout"])
+    vwc = yaml.safe_load((MANIFESTS / "webhook/validatingwebhookconfiguration.yaml").read_text())
+    for wh in vwc["webhooks"]:
+        out[f"webhook {wh['name']} timeoutSeconds"] = float(wh["timeoutSeconds"])
+    return out
+
+
+def effective_deadlines(container: dict) -> tuple[float, float]:
+    """(request_budget, get_timeout) the container runs with: its args, else its GHOST_GUARD_* env, else the default."""
+    defaults = Settings()
+    values = {"request-budget": defaults.request_budget, "get-timeout": defaults.get_timeout}
+    for e in container.get("env", []):
+        for flag in values:
+            if e["name"] == "GHOST_GUARD_" + flag.upper().replace("-", "_"):
+                values[flag] = float(e["value"])
+    args = container.get("args", [])
+    for i, arg in enumerate(args):
+        for flag in values:
+            if arg.startswith(f"--{flag}="):
+                values[flag] = float(arg.split("=", 1)[1])
+            elif arg == f"--{flag}":
+                values[flag] = float(args[i + 1])
+    return values["request-budget"], values["get-timeout"]
+
+
+def test_callers_timeouts_are_the_guards_constants():
+    timeouts = caller_timeouts()
+    assert len(timeouts) == len(SCHEDULER_CONFIGS) + 1
+    for where, seconds in timeouts.items():
+        expected = WEBHOOK_TIMEOUT_SECONDS if where.startswith("webhook") else SCHEDULER_HTTP_TIMEOUT
+        assert seconds == expected, f"{where} is {seconds:g}s; guard.settings says {expected:g}s"
+
+
+def test_default_budget_fits_every_caller():
+    s = Settings()
+    for where, seconds in caller_timeouts().items():
+        assert s.request_budget <= 0.6 * seconds, f"default --request-budget {s.request_budget:g}s vs {where} {seconds:g}s"
+    assert s.get_timeout <= s.request_budget
+
+
+def deadline_problems(container: dict) -> list[str]:
+    budget, get_timeout = effective_deadlines(container)
+    problems = [f"--request-budget {budget:g}s is over 60% of {where} ({seconds:g}s)"
+                for where, seconds in caller_timeouts().items() if budget > 0.6 * seconds]
+    if get_timeout > budget:
+        problems.append(f"--get-timeout {get_timeout:g}s exceeds --request-budget {budget:g}s")
+    return problems
+
+
+@pytest.mark.parametrize("container", guard_containers())
+def test_manifest_deadlines_fit_every_caller(container):
+    assert deadline_problems(container) == []
+
+
+@pytest.mark.parametrize("args,env,expected", [
+    (["serve", "--request-budget=3.5"], [], (3.5, Settings().get_timeout)),
+    (["serve", "--get-timeout", "2.5"], [], (Settings().request_budget, 2.5)),
+    (["serve"], [{"name": "GHOST_GUARD_REQUEST_BUDGET", "value": "4"}], (4.0, Settings().get_timeout)),
+], ids=["flag=value", "flag value", "env"])
+def test_deadline_check_reads_flags_and_env(args, env, expected):
+    """The check above can fail: each of these containers is refused."""
+    container = {"args": args, "env": env}
+    assert effective_deadlines(container) == expected
+    assert deadline_problems(container) != []
+    assert deadline_problems({"args": ["serve"]}) == []
 
 
 # --- monitoring ------------------------------------------------------------------
