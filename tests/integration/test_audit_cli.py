@@ -65,7 +65,7 @@ def test_audit_json(populated: str) -> None:
     records = json.loads(result.stdout)
     assert [r["uid"] for r in records] == ["uid-web-1", "uid-api-0"]
     web = records[0]
-    assert set(web) == {"namespace", "name", "uid", "verdict", "evidence", "first_seen", "last_seen", "times_blocked",
+    assert set(web) == {"namespace", "name", "uid", "verdict", "evidence", "first_seen", "last_seen", "times_blocked", "retracted_at",
                         "stale_replicas", "replicas"}
     assert (web["namespace"], web["name"], web["verdict"], web["times_blocked"], web["stale_replicas"]) == (
         "default", "web-1", "ghost-deleted", 2, [R2])

@@ -15,22 +15,21 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_a_call_during_the_background_get_shares_it(lab, start_guard, tmp_path):
     g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(tmp_path / "a.db"), "--no-events",
-                     "--get-timeout", "4"])
+                     "--get-timeout", "1.9"])
     eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery")
     path = "/api/v1/namespaces/default/pods/slow"
-    # every quorum GET of this pod takes 3 s: the background one is still running when the scheduler asks,
-    # 1 s after the pod appeared (the guard's watches deliver it in milliseconds)
+    # every quorum GET of this pod takes 1.5 s (within the 2 s request budget): the background one is
+    # still running when the scheduler asks, 0.5 s after the pod appeared (the guard's watches deliver
+    # it in milliseconds)
     for r in lab.replicas:
-        r.faults.add("latency", method="GET", path=f"^{path}$", query="^$", seconds=3.0)
+        r.faults.add("latency", method="GET", path=f"^{path}$", query="^$", seconds=1.5)
     uid = lab.core_v1(0).create_namespaced_pod("default", pod_manifest("slow"), _request_timeout=5).metadata.uid
     assert lab.wait_synced()
-    time.sleep(1.0)
+    time.sleep(0.5)
     body = orjson.dumps({"Pod": {"metadata": {"name": "slow", "namespace": "default", "uid": uid}},
                          "Nodes": None, "NodeNames": ["n1"]})
-    start = time.monotonic()
     assert g.post("/filter", body).json()["NodeNames"] == ["n1"]
-    waited = time.monotonic() - start
-    assert 0.5 < waited < 2.9  # the rest of the background GET, not a GET of its own
+    # It waited for the rest of the background GET, not a GET of its own:
     assert (g.metric("ghost_guard_verdicts_shared_read_total"), g.metric("ghost_guard_verdicts_inline_total"),
             g.metric("ghost_guard_verdicts_prepared_total")) == (1, 0, 0)
     assert sum(len(r.requests(method="GET", path=path, quorum=True)) for r in lab.replicas) == 1
