@@ -190,11 +190,12 @@ class VerdictCache:
     def gone(self, pod: PodRef) -> bool:
         """A replica's watch showed this pod deleted, bound or terminating: remember that, drop its
         prepared verdict and the name's quorum reads. True if there was a prepared verdict."""
-        self.invalidate_name(pod.namespace, pod.name)
         seen = self.tick()
         with self._prepared_lock:
-            self._gone.setdefault(pod, seen)
-            return self._prepared.pop(pod, None) is not None
+            seen = self._gone.setdefault(pod, seen)  # the first replica to show it gone sets the tick
+            had = self._prepared.pop(pod, None) is not None
+        self.invalidate_name(pod.namespace, pod.name, before=seen)
+        return had
 
     def gone_since(self, pod: PodRef) -> int:
         """The tick at which a watch first showed this pod gone, or 0."""
@@ -233,14 +234,18 @@ class VerdictCache:
 
     # -- quorum reads by name ------------------------------------------------------------------
 
-    def invalidate_name(self, namespace: str, name: str) -> None:
+    def invalidate_name(self, namespace: str, name: str, *, before: int | None = None) -> None:
         """The watch showed this name ADDED or DELETED: drop its cached read, and let a read in flight
-        finish for those waiting on it without being stored."""
+        finish for those waiting on it without being stored. With ``before`` (the tick at which the
+        guard first learned of that change), reads that began after it are kept: they already saw it."""
         key = (namespace, name)
         with self._read_lock:
-            self._reads.pop(key, None)
-            flight = self._flights.pop(key, None)
-            if flight is not None:
+            stored = self._reads.get(key)
+            if stored is not None and (before is None or stored.started <= before):
+                del self._reads[key]
+            flight = self._flights.get(key)
+            if flight is not None and (before is None or flight.started <= before):
+                del self._flights[key]
                 flight.valid = False
 
     def read(self, namespace: str, name: str, *, timeout: float, not_before: int = 0) -> Read:

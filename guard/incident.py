@@ -149,8 +149,13 @@ class IncidentRecorder:
         clients = self.pool.clients()
         now = time.time()
         observations = list(self._probes.map(lambda c: c.probe(pod.namespace, pod.name, pod.uid, at=now), clients))
+        with self._lock:
+            confirmed = {r for r, ghosts in self._stale.items() if pod in ghosts}
         for obs in observations:
-            self._record_probe(pod, obs)
+            # A replica seen serving the ghost once may only lag: it is written down (and so named by
+            # `report`) when the confirmation round still finds it serving, or if it was confirmed before.
+            if obs.serves_ghost is not True or obs.replica in confirmed:
+                self._record_probe(pod, obs)
             if obs.serves_ghost is False:
                 self._healed(pod, obs.replica)
         serving = [(c, o) for c, o in zip(clients, observations) if o.serves_ghost]

@@ -190,22 +190,28 @@ class Preverifier:
             view.pods.pop(pod.uid, None)
             self.checker.cache.gone(pod)
             return
-        if kind == "ADDED":  # the name has a new pod: a cached read of it may be of the one before
-            self.checker.cache.invalidate_name(pod.namespace, pod.name)
+        known_at = self._seen_pod(pod)
+        if kind == "ADDED":
+            # The name has a new pod: a read of it that began before the guard knew this UID may be
+            # of the pod before. Later replicas' ADDED for the same UID leave newer reads alone.
+            self.checker.cache.invalidate_name(pod.namespace, pod.name, before=known_at)
         view.pods[pod.uid] = pod
-        self._seen_pod(pod)
 
     # -- verification -------------------------------------------------------------------
 
-    def _seen_pod(self, pod: PodRef) -> None:
+    def _seen_pod(self, pod: PodRef) -> int:
+        """The tick at which any replica first showed this identity; a new one is queued for verification."""
         with self._lock:
-            if pod in self._seen:
-                return
-            self._seen[pod] = True
-        self._enqueue(pod, swept=False)
+            known_at = self._seen.get(pod)
+            if known_at is not None:
+                return known_at
+            known_at = self._seen[pod] = self.checker.cache.tick()  # the guard knows it from here on
+        self._enqueue(pod, swept=False, known_at=known_at)
+        return known_at
 
-    def _enqueue(self, pod: PodRef, *, swept: bool) -> None:
-        known_at = self.checker.cache.tick()  # the guard knows this identity from here on
+    def _enqueue(self, pod: PodRef, *, swept: bool, known_at: int | None = None) -> None:
+        if known_at is None:
+            known_at = self.checker.cache.tick()
         with self._queue_cond:
             if len(self._queue) >= MAX_QUEUE:  # the scheduler's call still verifies inline
                 metrics.PREVERIFY_DROPPED.inc()
