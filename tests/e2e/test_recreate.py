@@ -541,10 +541,15 @@ def test_a_replica_that_only_lagged_is_never_named(lab, guarded):
             delete_pod(api, "web-0", uid_a)
             eventually(lambda: stat(sched.stats(), key).unschedulable >= 1, 5, what="the late /filter",
                        interval=0.002)
+            late = time.time()
             uid_b = create(api, pod_manifest("web-0"))["metadata"]["uid"]
-            # The replica catches up once the guard's first probe round is recorded (3 replicas).
-            eventually(lambda: any(len(r.replicas) == 3 for r in look(store)), 3, what="the first probe round",
-                       interval=0.01)
+
+            def probed() -> bool:  # the guard's probe of this replica's cache (LIST rv=0 of the name), answered
+                return any(r.query.get("resourceVersion") == "0" and "web-0" in r.query.get("fieldSelector", "")
+                           for r in lab.replicas[1].requests(method="GET", path=f"/api/v1/namespaces/{NS}/pods",
+                                                             since=late - 1.0))
+
+            eventually(probed, 3, what="the guard's first probe of the lagging replica", interval=0.01)
         finally:
             lab.replicas[1].faults.unfreeze_watch()
         end = time.monotonic() + 1.5  # past the confirmation (1 s)
