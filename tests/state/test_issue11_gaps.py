@@ -1,0 +1,37 @@
+"""Known gaps found by the lab proof of issue 11 (tests/e2e/test_recreate.py), in process and
+deterministic: each is ``xfail(strict=True)`` and documents what still goes wrong, so the day
+it is fixed the test fails as XPASS and the marker must go.
+"""
+
+from __future__ import annotations
+
+import pytest
+from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
+
+from guard.check import Checker
+from guard.prepare import Preverifier, ReplicaView
+from guard.verdict import Verdict
+
+
+@pytest.mark.xfail(strict=True, reason="an ADDED for a UID the guard already knows (another replica's watch) "
+                   "invalidates the name and drops the background verification's read in flight: the "
+                   "scheduler's call makes a second GET (lab: 1.6 quorum GETs per live pod, was 1.0)")
+def test_a_live_pod_costs_one_quorum_get_whatever_the_number_of_watches():
+    etcd = Etcd()
+    gets = ScriptedGets(etcd)
+    checker = Checker(settings(), gets, timer=FakeClock(), background=False)
+    r1, r2 = ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)
+    pv = Preverifier(checker.settings, Pool([r1, r2]), checker)
+    v1, v2 = ReplicaView(r1), ReplicaView(r2)
+    a = etcd.create("web-0")
+    pv.apply_event(v1, r1.deliver())  # the first watch shows the new pod: verified in the background
+    gets.hold = True
+    background = Call(lambda: pv.verify_next(), "background verification")
+    (get,) = gets.held
+    pv.apply_event(v2, r2.deliver())  # the second watch shows the same pod, same UID
+    call = Call(lambda: checker.check(pod("web-0", a)), "/filter")  # the scheduler asks meanwhile
+    for held in list(gets.held):  # the read in flight, and a GET of the call's own if it made one
+        gets.release(held)
+    assert background.result() is True
+    assert call.result().verdict is Verdict.ALIVE
+    assert gets.count == 1  # the call waits for the read in flight, as before issue 11
