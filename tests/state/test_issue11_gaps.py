@@ -1,11 +1,8 @@
-"""Known gaps found by the lab proof of issue 11 (tests/e2e/test_recreate.py), in process and
-deterministic: each is ``xfail(strict=True)`` and documents what still goes wrong, so the day
-it is fixed the test fails as XPASS and the marker must go.
-"""
+"""Gaps found by the lab proof of issue 11 (tests/e2e/test_recreate.py), kept as in-process,
+deterministic regression tests now that they are fixed."""
 
 from __future__ import annotations
 
-import pytest
 from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
 from guard.check import Checker
@@ -13,9 +10,6 @@ from guard.prepare import Preverifier, ReplicaView
 from guard.verdict import Verdict
 
 
-@pytest.mark.xfail(strict=True, reason="an ADDED for a UID the guard already knows (another replica's watch) "
-                   "invalidates the name and drops the background verification's read in flight: the "
-                   "scheduler's call makes a second GET (lab: 1.6 quorum GETs per live pod, was 1.0)")
 def test_a_live_pod_costs_one_quorum_get_whatever_the_number_of_watches():
     etcd = Etcd()
     gets = ScriptedGets(etcd)
