@@ -76,6 +76,11 @@ KEY_TYPES: tuple[str, ...] = ("ecdsa-p256", "rsa-2048", "rsa-3072")
 #: certificate issued a moment ago.
 CLOCK_SKEW = dt.timedelta(minutes=5)
 
+#: The TLS 1.2 suites the guard serves: ECDHE key exchange with an AEAD cipher, nothing else
+#: (no RSA key exchange, no CBC, no SHA-1/SHA-2 MAC suites).
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20:!aNULL:!eNULL"
+TLS_VERSIONS = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
+
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -435,7 +440,8 @@ def _stamp(paths: tuple[str, ...]) -> tuple:
 class ReloadingTLS:
     """A server-side TLS context that follows renewed certificate files.
 
-    ``context()`` returns an :class:`ssl.SSLContext` (TLS 1.2 minimum; with
+    ``context()`` returns an :class:`ssl.SSLContext` (TLS 1.2 or ``min_version``, on 1.2 only
+    ECDHE with AES-GCM or ChaCha20-Poly1305; with
     ``client_ca``, a client certificate signed by that CA is required). Its
     ``sni_callback`` runs during every handshake (with or without SNI) and, at
     most every ``check_interval`` seconds, compares the files' (device, inode,
@@ -451,7 +457,10 @@ class ReloadingTLS:
     """
 
     def __init__(self, cert_file: str | os.PathLike, key_file: str | os.PathLike, client_ca: str | os.PathLike | None = None,
-                 *, check_interval: float = 1.0, failure_grace: float = 30.0) -> None:
+                 *, check_interval: float = 1.0, failure_grace: float = 30.0, min_version: str = "1.2") -> None:
+        if min_version not in TLS_VERSIONS:
+            raise CertError(f"TLS minimum version must be one of {', '.join(TLS_VERSIONS)}, got {min_version!r}")
+        self.min_version = TLS_VERSIONS[min_version]
         self.cert_file = os.fspath(cert_file)
         self.key_file = os.fspath(key_file)
         self.client_ca = os.fspath(client_ca) if client_ca is not None else None
@@ -473,7 +482,10 @@ class ReloadingTLS:
 
     def _build(self) -> tuple[ssl.SSLContext, dt.datetime]:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.minimum_version = self.min_version
+        # TLS 1.2: forward secrecy and AEAD only (TLS 1.3's suites are all AEAD with ephemeral keys).
+        ctx.set_ciphers(TLS12_CIPHERS)
+        ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION | ssl.OP_CIPHER_SERVER_PREFERENCE
         ctx.load_cert_chain(self.cert_file, self.key_file)  # also checks the key matches the certificate
         if self.client_ca:
             ctx.load_verify_locations(cafile=self.client_ca)

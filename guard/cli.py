@@ -36,9 +36,11 @@ def main() -> None:
 @option("--tls-cert", type=click.Path(dir_okay=False), default=None, help="Serving certificate (PEM). HTTPS is the default.")
 @option("--tls-key", type=click.Path(dir_okay=False), default=None, help="Serving private key (PEM).")
 @option("--client-ca", type=click.Path(dir_okay=False), default=None,
-        help="Require client certificates signed by this CA (mTLS), e.g. kube-scheduler's.")
+        help="Require client certificates signed by this CA (mTLS), and authorize each endpoint by the "
+             "certificate's role (--scheduler-identities, --apiserver-identities, --monitoring-identities).")
 @option("--insecure-http", is_flag=True, default=False,
-        help="Serve plain HTTP. Only for a loopback sidecar next to kube-scheduler (bind 127.0.0.1).")
+        help="Serve plain HTTP. Only for a loopback sidecar next to kube-scheduler (bind 127.0.0.1). "
+             "No client identities are checked.")
 @option("--workers", type=int, default=1,
         help="gunicorn worker processes. Each has its own verdict cache; one worker with threads is recommended.")
 @option("--threads", type=int, default=16, help="Threads per worker (gthread); also the apiserver connection pool size.")
@@ -84,6 +86,33 @@ def main() -> None:
         help="Background quorum GETs per second at most (one per new pod; bounds re-list storms).")
 @option("--sweep-interval", type=float, default=30.0,
         help="Seconds between sweeps comparing the replicas' views (finds ghosts no scheduler asked about).")
+# --- serving: connection deadlines and limits, TLS, caller identities (guard/worker.py, guard/identity.py)
+@option("--tls-handshake-timeout", type=float, default=2.0,
+        help="Seconds a client has to complete the TLS handshake; then the connection is closed.")
+@option("--header-timeout", type=float, default=5.0,
+        help="Seconds a client has to send the request line and headers (from the handshake, or the first byte "
+             "of a kept-alive connection's next request).")
+@option("--body-timeout", type=float, default=5.0,
+        help="Seconds a client has to send the request body (a larger body gets its length / --body-min-rate).")
+@option("--body-min-rate", type=int, default=1024 * 1024, metavar="BYTES_PER_SECOND",
+        help="Slowest body upload accepted, in bytes per second (sets the body deadline of large bodies).")
+@option("--write-timeout", type=float, default=5.0,
+        help="Seconds a client has to read the whole reply; a slower reader is cut off.")
+@option("--keepalive-timeout", type=float, default=30.0, help="Seconds an idle kept-alive connection stays open.")
+@option("--max-connections", type=int, default=512,
+        help="Open connections per worker process; beyond it a 503 with the reason, then close.")
+@option("--max-connections-per-client", type=int, default=64,
+        help="Open connections per client address (per worker process); beyond it a 503 with the reason.")
+@option("--tls-min-version", type=click.Choice(["1.2", "1.3"]), default="1.2",
+        help="Oldest TLS version accepted. TLS 1.2 offers only ECDHE key exchange with AES-GCM or ChaCha20-Poly1305.")
+@option("--scheduler-identities", default="system:kube-scheduler", metavar="NAME,...",
+        help="Client-certificate names (CN or DNS SAN) allowed to call /filter and /preempt. Checked only with "
+             "--client-ca: without it (server-only TLS) and with --insecure-http there is no identity check.")
+@option("--apiserver-identities", default="kube-apiserver-ghost-guard-client", metavar="NAME,...",
+        help="Client-certificate names (CN or DNS SAN) allowed to call /validate/binding (with --client-ca only).")
+@option("--monitoring-identities", default="ghost-guard-monitoring", metavar="NAME,...",
+        help="Client-certificate names (CN or DNS SAN) allowed to call /metrics, /healthz and /readyz "
+             "(with --client-ca only).")
 def serve(**kwargs) -> None:
     """Serve the extender (/filter, /preempt), probes and metrics under gunicorn."""
     from guard.server import StartupError, preflight, serve as run
