@@ -132,7 +132,9 @@ def serve(**kwargs) -> None:
 
 @main.command("certs")
 @click.option("--out", default="certs", type=click.Path(file_okay=False), envvar="GHOST_GUARD_OUT", show_envvar=True,
-              help="Directory for ca.crt/ca.key, tls.crt/tls.key (serving), client.crt/client.key (kube-scheduler).")
+              help="Directory for ca.crt/ca.key, tls.crt/tls.key (serving) and one client certificate per role: "
+                   "client.crt/client.key (kube-scheduler), apiserver.crt/apiserver.key (kube-apiserver, webhook), "
+                   "monitoring.crt/monitoring.key (Prometheus, probes).")
 @click.option("--namespace", default="ghost-guard", envvar="GHOST_GUARD_NAMESPACE", show_envvar=True,
               help="Namespace of the guard's Service (SANs <service>.<namespace>.svc[.cluster.local]).")
 @click.option("--service", default="ghost-guard", envvar="GHOST_GUARD_SERVICE", show_envvar=True, help="Name of the guard's Service.")
@@ -151,7 +153,7 @@ def serve(**kwargs) -> None:
               help="Keep ca.crt/ca.key; reissue the serving and client certificates in place.")
 def certs(out: str, namespace: str, service: str, dns: tuple[str, ...], ips: tuple[str, ...], days: int, ca_days: int,
           key_type: str, force: bool, renew: bool) -> None:
-    """Write a CA, the guard's serving certificate and kube-scheduler's client certificate.
+    """Write a CA, the guard's serving certificate and a client certificate per caller role.
 
     Prints the files written and, last, `caBundle: <base64 CA>` for the webhook configuration.
     """
