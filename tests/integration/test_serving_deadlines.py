@@ -395,3 +395,53 @@ def test_tls_min_version_13_refuses_tls12(start_guard, pki, dead_kubeconfig, tmp
                          "--audit-db", str(tmp_path / "audit.db")], tls=tls_for(pki), wait="/healthz")
     assert handshake(guard.port, client_ctx(pki, "monitoring", maximum_version=ssl.TLSVersion.TLSv1_2)) is None
     assert handshake(guard.port, client_ctx(pki, "monitoring"))[0] == "TLSv1.3"
+
+
+def test_sigterm_lets_the_request_in_flight_finish(shared_lab, lab_namespace, start_guard, tmp_path):
+    """gunicorn's graceful stop still holds with GuardWorker: the answer in flight goes out, then the guard exits."""
+    import signal
+
+    name = "slow-0"
+    uid = shared_lab.core_v1(0).create_namespaced_pod(lab_namespace, pod_manifest(name), _request_timeout=5).metadata.uid
+    pod = {"metadata": {"name": name, "namespace": lab_namespace, "uid": uid}}
+    guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--no-prepare", "--get-timeout", "1.5",
+                         "--audit-db", str(tmp_path / "audit.db")])
+    idle = dial(guard.port, "127.0.0.2")  # a connection that never sends a request: closed at the stop
+    shared_lab.replicas[0].faults.add("latency", method="GET", path=rf"/api/v1/namespaces/{lab_namespace}/pods/{name}$",
+                                      seconds=1.0)
+    try:
+        replies: list[requests.Response] = []
+        caller = threading.Thread(target=lambda: replies.append(
+            guard.post("/filter", orjson.dumps({"Pod": pod, "NodeNames": NAMES}), timeout=5)))
+        caller.start()
+        time.sleep(0.3)  # the quorum GET is under way
+        guard.proc.send_signal(signal.SIGTERM)
+        caller.join(timeout=5)
+        assert replies and replies[0].status_code == 200, replies
+        assert replies[0].json()["NodeNames"] == NAMES  # a real verdict (the GET finished), not a dropped call
+        assert guard.proc.wait(timeout=12) == 0
+        idle.settimeout(1)
+        assert idle.recv(1) == b""
+    finally:
+        shared_lab.replicas[0].faults.clear()
+        idle.close()
+
+
+def test_keepalive_pipelining_and_the_idle_deadline(start_guard, dead_kubeconfig, tmp_path):
+    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--keepalive-timeout", "1", "--get-timeout", "0.2",
+                         "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")
+    body = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}}, "NodeNames": NAMES})
+    one = (b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+           % len(body)) + body
+    with dial(guard.port, "127.0.0.2") as s:
+        s.sendall(one + b"GET /healthz HTTP/1.1\r\nHost: g\r\n\r\n" + one)  # three requests in one write
+        data = b""
+        while data.count(b"HTTP/1.1 200 ") < 3:
+            chunk = s.recv(65536)
+            assert chunk, data
+            data += chunk
+        replies = data.split(b"HTTP/1.1 200 ")[1:]
+        assert [r.rsplit(b"\r\n\r\n", 1)[1][:12] for r in replies] == [b'{"Nodes":nul', b'{"status":"o', b'{"Nodes":nul']
+        start = time.monotonic()
+        assert s.recv(1) == b""  # idle past --keepalive-timeout: closed by the guard
+        assert 0.8 < time.monotonic() - start < 2.5
