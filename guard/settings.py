@@ -73,6 +73,9 @@ class Settings:
     keepalive_timeout: float = 30.0
     max_connections: int = 512  # per worker process
     max_connections_per_client: int = 64  # per source address, per worker process
+    # Requests over 64 KiB reserve their size (and hold it until the reply is written) from this
+    # per-worker budget; beyond it a 503. Bounds the memory many large uploads can take at once.
+    max_buffered_bytes: int = 64 * 1024 * 1024
     tls_min_version: str = "1.2"
     # Client-certificate identities (CN or DNS SAN) allowed per role; only with --client-ca.
     scheduler_identities: str = "system:kube-scheduler"
@@ -154,6 +157,9 @@ class Settings:
                             ("--max-connections-per-client", self.max_connections_per_client)):
             if value < 1:
                 raise SettingsError(f"{flag} must be at least 1, got {value}")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise SettingsError(f"--max-buffered-bytes ({self.max_buffered_bytes}) must be at least --max-body-bytes "
+                                f"({self.max_body_bytes}): the largest accepted request must fit")
         if self.max_connections_per_client > self.max_connections:
             raise SettingsError(f"--max-connections-per-client ({self.max_connections_per_client}) must not exceed "
                                 f"--max-connections ({self.max_connections})")

@@ -52,6 +52,8 @@ from gunicorn.workers.gthread import ThreadWorker
 MAX_HEAD_BYTES = 64 * 1024
 # A closing connection waits this long for the client's FIN (so the reply is not reset away).
 LINGER_SECONDS = 1.0
+# A request this small is always buffered; larger ones reserve their size from --max-buffered-bytes.
+SMALL_REQUEST = 64 * 1024
 # Deadlines are checked on this tick.
 TICK = 0.05
 # The WSGI environ keys the worker adds: the verified client certificate (ssl.getpeercert() form, or None).
@@ -123,7 +125,7 @@ class Conn:
 
     __slots__ = ("sock", "addr", "ip", "server", "tls", "state", "deadline", "buf", "events", "peer_cert",
                  "head", "head_len", "kind", "need", "body_start", "chunk_pos", "chunk_bytes", "in_trailer",
-                 "out", "keep", "reject", "closed")
+                 "out", "keep", "reject", "closed", "reserved")
 
     def __init__(self, sock, addr, server, tls: bool) -> None:
         self.sock = sock
@@ -140,6 +142,7 @@ class Conn:
         self.keep = False
         self.reject: bytes | None = None
         self.closed = False
+        self.reserved = 0  # bytes of --max-buffered-bytes held by this connection's request and reply
         self.reset()
 
     def reset(self) -> None:
@@ -182,6 +185,7 @@ class GuardWorker(ThreadWorker):
         self.tls = getattr(self.app, "tls", None)
         self.conns: set[Conn] = set()
         self.per_client: _Tally = _Tally()
+        self.buffered = 0  # bytes reserved by large requests being read, run or answered
         super().init_process()
 
     # --- registration --------------------------------------------------------------------------------
@@ -203,10 +207,15 @@ class GuardWorker(ThreadWorker):
                 pass
             conn.events = 0
 
+    def _release(self, conn: Conn) -> None:
+        self.buffered -= conn.reserved
+        conn.reserved = 0
+
     def _close(self, conn: Conn, reason: str | None) -> None:
         if conn.closed:
             return
         conn.closed = True
+        self._release(conn)
         self._unwatch(conn)
         try:
             conn.sock.close()
@@ -348,6 +357,13 @@ class GuardWorker(ThreadWorker):
                     raise FramingError(431, f"request line and headers larger than {MAX_HEAD_BYTES} bytes",
                                        "head-too-large")
                 head, kind, length, expect = request_framing(bytes(conn.buf[:end + 4]), s.max_body_bytes)
+                size = end + 4 + (length if kind == "length" else s.max_body_bytes)
+                if size > SMALL_REQUEST:  # the request and its reply stay in memory until the reply is out
+                    if self.buffered + size > s.max_buffered_bytes:
+                        raise FramingError(503, f"too many large requests in flight (--max-buffered-bytes "
+                                           f"{s.max_buffered_bytes}); retry", "over-buffer-limit")
+                    conn.reserved = size
+                    self.buffered += size
                 now = time.monotonic()
                 conn.head, conn.head_len, conn.kind = head, end + 4, kind
                 conn.state, conn.body_start = BODY, now
@@ -484,6 +500,7 @@ class GuardWorker(ThreadWorker):
                 self._close(conn, None)
                 return
             conn.out = conn.out[sent:]
+        self._release(conn)
         if not conn.keep:
             self._linger(conn)
             return

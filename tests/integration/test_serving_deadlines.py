@@ -445,3 +445,27 @@ def test_keepalive_pipelining_and_the_idle_deadline(start_guard, dead_kubeconfig
         start = time.monotonic()
         assert s.recv(1) == b""  # idle past --keepalive-timeout: closed by the guard
         assert 0.8 < time.monotonic() - start < 2.5
+
+
+def test_large_requests_share_a_memory_budget(start_guard, dead_kubeconfig, tmp_path):
+    """Requests over 64 KiB reserve their size from --max-buffered-bytes until answered; beyond it a 503."""
+    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--max-body-bytes", "1000000",
+                         "--max-buffered-bytes", "1500000", "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")
+    head = (b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 900000\r\n\r\n")
+    with dial(guard.port, "127.0.0.2") as holder:
+        holder.sendall(head + b"{")  # 900 KB reserved while its body is awaited
+        time.sleep(0.2)
+        with dial(guard.port, "127.0.0.3") as s:
+            s.sendall(head)
+            reply = read_reply(s)
+        assert reply.startswith(b"HTTP/1.1 503 "), reply[:200]
+        assert b"too many large requests in flight (--max-buffered-bytes 1500000); retry" in reply
+        small = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}}, "NodeNames": NAMES})
+        assert guard.post("/filter", small).status_code == 200  # small requests are never held back
+    time.sleep(0.3)  # the holder is gone: its reservation is released
+    body = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}},
+                         "NodeNames": [f"node-{i:06d}" for i in range(60000)]})
+    assert 65536 < len(body) < 1000000
+    assert guard.post("/filter", body).status_code == 200
+    assert guard.metric("ghost_guard_connections_rejected_total", reason="over-buffer-limit") == 1
