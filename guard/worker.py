@@ -163,10 +163,10 @@ class _Capture:
         self.parts: list[bytes] = []
 
     def sendall(self, data) -> None:
-        self.parts.append(bytes(data))
+        self.parts.append(data if type(data) is bytes else bytes(data))
 
     def send(self, data) -> int:
-        self.parts.append(bytes(data))
+        self.sendall(data)
         return len(data)
 
     def getvalue(self) -> bytes:
