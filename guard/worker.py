@@ -24,9 +24,10 @@ can stall into its single event-loop thread, on non-blocking sockets:
    ``--body-timeout`` or the time the body needs at ``--body-min-rate``
    bytes per second, whichever is longer.
 5. Only then is the **complete request** handed to a pool thread, which
-   parses it with gunicorn's own parser from memory, runs the WSGI app and
-   collects the reply in memory: a pool thread never waits for a client.
-6. The loop **writes the reply** within ``--write-timeout`` (a reader too
+   parses it with gunicorn's own parser from memory, runs the WSGI app,
+   collects the reply in memory and sends what the socket takes at once
+   (non-blocking): a pool thread never waits for a client.
+6. The loop **writes the rest of the reply** within ``--write-timeout`` (a reader too
    slow for it is cut off), then keeps the connection for the next request
    for ``--keepalive-timeout`` at most, or closes it (lingering up to 1 s
    for the client's FIN so the reply is not lost to a reset).
@@ -437,7 +438,7 @@ class GuardWorker(ThreadWorker):
     def _dispatch(self, conn: Conn, request: bytes) -> None:
         conn.state, conn.deadline = BUSY, 0.0
         self._unwatch(conn)
-        future = self.tpool.submit(self._serve, conn, request)
+        future = self.tpool.submit(self._serve_and_send, conn, request)
         future.add_done_callback(lambda f: self.method_queue.defer(self._served, conn, f))
 
     def _serve(self, conn: Conn, request: bytes) -> tuple[bytes, bool]:
@@ -470,19 +471,40 @@ class GuardWorker(ThreadWorker):
             self.handle_error(req, out, conn.addr, e)
             return out.getvalue(), False
 
+    def _serve_and_send(self, conn: Conn, request: bytes) -> tuple[memoryview, bool, bool]:
+        """In a pool thread: the reply, and as much of it as the socket takes right now (never waiting).
+
+        The loop does not touch a connection while its request runs, so the thread may write
+        to it; whatever does not fit at once is left to the loop and its write deadline.
+        Returns (the rest of the reply, keep-alive, the connection broke).
+        """
+        data, keep = self._serve(conn, request)
+        rest = memoryview(data)
+        try:
+            while rest:
+                rest = rest[conn.sock.send(rest):]
+        except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+            pass  # the same view goes to the loop: a TLS write is retried with the same bytes
+        except (OSError, ssl.SSLError):
+            return rest, False, True
+        return rest, keep, False
+
     def _served(self, conn: Conn, future) -> None:
         if conn.closed:
             return
         try:
-            data, keep = future.result()
+            rest, keep, broken = future.result()
         except Exception:
             self.log.exception("request handling failed")
-            data, keep = error_reply(500, "internal error; see the guard's log"), False
-        self._send_reply(conn, data, keep=keep and self.alive)
+            rest, keep, broken = memoryview(error_reply(500, "internal error; see the guard's log")), False, False
+        if broken:
+            self._close(conn, None)
+            return
+        self._send_reply(conn, rest, keep=keep and self.alive)
 
-    def _send_reply(self, conn: Conn, data: bytes, *, keep: bool) -> None:
+    def _send_reply(self, conn: Conn, data: bytes | memoryview, *, keep: bool) -> None:
         conn.state, conn.keep = WRITE, keep
-        conn.out = memoryview(data)
+        conn.out = data if isinstance(data, memoryview) else memoryview(data)
         conn.deadline = time.monotonic() + self.settings.write_timeout
         self._write(conn)
 

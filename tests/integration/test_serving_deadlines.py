@@ -296,9 +296,9 @@ def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_pa
         assert head.startswith(b"HTTP/1.1 503 "), reply
         assert orjson.loads(body) == {"error": "too many connections from 127.0.0.6 (limit 8, "
                                                "--max-connections-per-client)"}
-        # Another client is served meanwhile.
-        assert guard.post("/filter", orjson.dumps({"Pod": live_pod, "NodeNames": NAMES})).status_code == 200
-        guard.session.close()  # its kept-alive connection would count towards the 20
+        # Another client is served meanwhile (on a connection closed after it: it would count towards the 20).
+        assert guard.post("/filter", orjson.dumps({"Pod": live_pod, "NodeNames": NAMES}),
+                          headers={"Content-Type": "application/json", "Connection": "close"}).status_code == 200
         time.sleep(0.2)
         held += [dial(guard.port, src) for src in ("127.0.0.7",) * 8 + ("127.0.0.8",) * 4]  # 20 open in all
         time.sleep(0.2)
@@ -306,6 +306,10 @@ def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_pa
             reply = read_reply(s)
         assert reply.startswith(b"HTTP/1.1 503 "), reply
         assert b"too many connections (limit 20, --max-connections)" in reply
+        for h in held[8:]:  # the 20 admitted connections were not refused
+            h.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                h.recv(100)
     finally:
         for s in held:
             s.close()
