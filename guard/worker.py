@@ -187,6 +187,9 @@ class GuardWorker(ThreadWorker):
         self.conns: set[Conn] = set()
         self.per_client: _Tally = _Tally()
         self.buffered = 0  # bytes reserved by large requests being read, run or answered
+        self.admitted = 0  # open connections not being refused
+        self.accept_paused_until = 0.0
+        _raise_open_files_limit(4 * s.max_connections + 256)
         super().init_process()
 
     # --- registration --------------------------------------------------------------------------------
@@ -224,6 +227,7 @@ class GuardWorker(ThreadWorker):
             pass
         self.conns.discard(conn)
         if conn.reject is None:
+            self.admitted -= 1
             self.per_client[conn.ip] -= 1
             if self.per_client[conn.ip] <= 0:
                 del self.per_client[conn.ip]
@@ -240,7 +244,11 @@ class GuardWorker(ThreadWorker):
                 sock, addr = listener.accept()
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED):
-                    self.log.warning("accept failed: %s", e)
+                    # Out of file descriptors (EMFILE/ENFILE) or worse: stop accepting for a moment
+                    # instead of spinning on a listener that stays readable.
+                    self.log.warning("accept failed, pausing accepts for 0.5s: %s", e)
+                    self.set_accept_enabled(False)
+                    self.accept_paused_until = time.monotonic() + 0.5
                 return
             sock.setblocking(False)
             try:
@@ -248,11 +256,10 @@ class GuardWorker(ThreadWorker):
             except OSError:
                 pass
             conn = Conn(sock, addr, listener.getsockname(), self.tls is not None)
-            admitted = len(self.conns) - sum(1 for c in self.conns if c.reject is not None)
             if self.per_client[conn.ip] >= s.max_connections_per_client:
                 reason, why = "over-client-limit", (f"too many connections from {conn.ip} (limit "
                                                     f"{s.max_connections_per_client}, --max-connections-per-client)")
-            elif admitted >= s.max_connections:
+            elif self.admitted >= s.max_connections:
                 reason, why = "over-total-limit", f"too many connections (limit {s.max_connections}, --max-connections)"
             else:
                 reason = why = None
@@ -264,6 +271,7 @@ class GuardWorker(ThreadWorker):
                 conn.reject = error_reply(503, why)
             else:
                 self.per_client[conn.ip] += 1
+                self.admitted += 1
             if self.tls is not None:
                 try:
                     conn.sock = self.tls.context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
@@ -271,6 +279,7 @@ class GuardWorker(ThreadWorker):
                     sock.close()
                     if conn.reject is None:
                         self.per_client[conn.ip] -= 1
+                        self.admitted -= 1
                     continue
                 conn.deadline = time.monotonic() + s.tls_handshake_timeout
             else:
@@ -324,6 +333,7 @@ class GuardWorker(ThreadWorker):
             try:
                 chunk = conn.sock.recv(65536)
             except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+                self._want(conn, selectors.EVENT_READ)  # (after a TLS read that wanted to write)
                 return
             except ssl.SSLWantWriteError:
                 self._want(conn, selectors.EVENT_WRITE)
@@ -574,6 +584,9 @@ class GuardWorker(ThreadWorker):
         self.set_accept_enabled(True)
         while self.alive:
             self.notify()
+            if self.accept_paused_until and time.monotonic() >= self.accept_paused_until:
+                self.accept_paused_until = 0.0
+                self.set_accept_enabled(True)
             self._poll(TICK)
             if not self.is_parent_alive():
                 break
@@ -599,3 +612,15 @@ class GuardWorker(ThreadWorker):
         for s in self.sockets:
             s.close()
 
+
+def _raise_open_files_limit(wanted: int) -> None:
+    """Lift the soft open-files limit towards ``wanted`` (never above the hard limit): each connection is a file."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass
