@@ -183,6 +183,8 @@ class GuardWorker(ThreadWorker):
         s = self.app.settings
         self.settings = s
         self.rejected = metrics.CONNECTIONS_REJECTED
+        self.open_gauge = metrics.CONNECTIONS_OPEN
+        self.next_sample = 0.0
         self.tls = getattr(self.app, "tls", None)
         self.conns: set[Conn] = set()
         self.per_client: _Tally = _Tally()
@@ -590,7 +592,11 @@ class GuardWorker(ThreadWorker):
             self._poll(TICK)
             if not self.is_parent_alive():
                 break
-            self._expire(time.monotonic())
+            now = time.monotonic()
+            self._expire(now)
+            if now >= self.next_sample:
+                self.next_sample = now + 1.0
+                self.open_gauge.set(len(self.conns))
 
         # Graceful stop: no new connections; idle ones close now; requests being read, run or
         # written finish (with "Connection: close") within gunicorn's graceful timeout.

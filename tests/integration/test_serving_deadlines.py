@@ -287,7 +287,8 @@ def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_pa
                          "--max-connections-per-client", "8", "--audit-db", str(tmp_path / "audit.db")])
     held = [dial(guard.port, "127.0.0.6") for _ in range(8)]
     try:
-        time.sleep(0.2)
+        time.sleep(1.2)  # the open-connections gauge is sampled every second
+        assert guard.metric("ghost_guard_connections_open") >= 8
         with dial(guard.port, "127.0.0.6") as s:
             start = time.monotonic()
             reply = read_reply(s)
