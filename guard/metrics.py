@@ -53,7 +53,7 @@ STALE_REPLICA_DETECTIONS = Counter("ghost_guard_stale_replica_detections",
 CONNECTIONS_REJECTED = Counter("ghost_guard_connections_rejected", "Client connections refused or cut off by the "
                                "serving layer, by reason (over-client-limit, over-total-limit, tls-handshake-timeout, "
                                "tls-handshake-failed, header-timeout, body-timeout, write-timeout, head-too-large, "
-                               "body-too-large, bad-framing, over-buffer-limit).", ["reason"])
+                               "body-too-large, body-incomplete, bad-framing, over-buffer-limit).", ["reason"])
 CONNECTIONS_OPEN = Gauge("ghost_guard_connections_open", "Client connections open (sampled every second), "
                          "summed over the live worker processes.", multiprocess_mode="livesum")
 REQUESTS_FORBIDDEN = Counter("ghost_guard_requests_forbidden", "Requests refused with 403 because the client "

@@ -344,6 +344,14 @@ class GuardWorker(ThreadWorker):
                 self._close(conn, None)
                 return
             if not chunk:
+                if conn.state == BODY:  # half-closed mid-body: it may still read why
+                    got = len(conn.buf) - conn.head_len
+                    self.rejected.labels("body-incomplete").inc()
+                    self._send_reply(conn, error_reply(400, f"could not read the request body: the client "
+                                                            f"stopped sending after {got} bytes"
+                                                            + (f" of {conn.need - conn.head_len}"
+                                                               if conn.kind == "length" else "")), keep=False)
+                    return
                 self._close(conn, None)  # the client went away (or finished lingering)
                 return
             if conn.state == LINGER:
