@@ -474,3 +474,43 @@ def test_large_requests_share_a_memory_budget(start_guard, dead_kubeconfig, tmp_
     assert 65536 < len(body) < 1000000
     assert guard.post("/filter", body).status_code == 200
     assert guard.metric("ghost_guard_connections_rejected_total", reason="over-buffer-limit") == 1
+
+
+def test_expect_continue_and_chunked_trailers(start_guard, dead_kubeconfig, tmp_path):
+    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2",
+                         "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")
+    body = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}}, "NodeNames": NAMES})
+    with dial(guard.port, "127.0.0.2") as s:
+        s.sendall(b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"  # asked before the body is sent
+        s.sendall(body + b"GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
+        replies = read_reply(s)
+    assert replies.startswith(b"HTTP/1.1 200 ") and replies.count(b"HTTP/1.1 ") == 2, replies
+    with dial(guard.port, "127.0.0.2") as s:  # chunked, split oddly, with a trailer: the Flask lane's 200
+        chunks = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(body[i:i + 7]), body[i:i + 7]) for i in range(0, len(body), 7))
+        s.sendall(b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                  b"Connection: close\r\n\r\n" + chunks + b"0\r\nX-Trailer: 1\r\n\r\n")
+        reply = read_reply(s)
+    assert reply.startswith(b"HTTP/1.1 200 "), reply[:300]
+    assert orjson.loads(reply.partition(b"\r\n\r\n")[2])["NodeNames"] == NAMES
+
+
+def test_over_the_limit_on_https_the_503_comes_after_a_bounded_handshake(start_guard, pki, dead_kubeconfig, tmp_path):
+    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--max-connections-per-client", "2",
+                         "--audit-db", str(tmp_path / "audit.db")], tls=tls_for(pki), wait="/healthz")
+    ctx = client_ctx(pki, "monitoring")
+    held = [ctx.wrap_socket(dial(guard.port, "127.0.0.2"), server_hostname="localhost") for _ in range(2)]
+    try:
+        with ctx.wrap_socket(dial(guard.port, "127.0.0.2"), server_hostname="localhost") as s:
+            reply = read_reply(s)
+        assert reply.startswith(b"HTTP/1.1 503 "), reply
+        assert b"too many connections from 127.0.0.2 (limit 2, --max-connections-per-client)" in reply
+        with dial(guard.port, "127.0.0.2") as s:  # over the limit and silent: closed at the handshake deadline
+            s.sendall(b"\x16")
+            start = time.monotonic()
+            assert s.recv(100) == b""
+            assert 1.5 < time.monotonic() - start < 4
+    finally:
+        for s in held:
+            s.close()
