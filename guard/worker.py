@@ -12,8 +12,10 @@ can stall into its single event-loop thread, on non-blocking sockets:
 1. **accept**: a connection beyond ``--max-connections-per-client`` (by
    source address) or ``--max-connections`` (per worker) gets a 503 with
    ``{"error": reason}`` at once (after the TLS handshake on an HTTPS port,
-   which is bounded like any other) and is closed; past twice the total
-   limit it is closed without a word.
+   which is bounded like any other) and is closed; at the total limit the
+   kept-alive connection idle the longest is closed first to make room (its
+   client only reconnects); past twice the total limit, counting refused and
+   closing connections, a new one is closed without a word.
 2. **TLS handshake** (``do_handshake_on_connect=False``), within
    ``--tls-handshake-timeout``. The peer certificate is kept for the app
    (``environ["ghost_guard.peer_cert"]``).
@@ -126,7 +128,7 @@ class Conn:
 
     __slots__ = ("sock", "addr", "ip", "server", "tls", "state", "deadline", "buf", "events", "peer_cert",
                  "head", "head_len", "kind", "need", "body_start", "chunk_pos", "chunk_bytes", "in_trailer",
-                 "out", "keep", "reject", "closed", "reserved")
+                 "out", "keep", "reject", "closed", "reserved", "counted")
 
     def __init__(self, sock, addr, server, tls: bool) -> None:
         self.sock = sock
@@ -144,6 +146,7 @@ class Conn:
         self.reject: bytes | None = None
         self.closed = False
         self.reserved = 0  # bytes of --max-buffered-bytes held by this connection's request and reply
+        self.counted = False  # counted towards the connection limits (admitted, not refused, not closing)
         self.reset()
 
     def reset(self) -> None:
@@ -217,6 +220,15 @@ class GuardWorker(ThreadWorker):
         self.buffered -= conn.reserved
         conn.reserved = 0
 
+    def _uncount(self, conn: Conn) -> None:
+        """No longer counted towards the limits: closed, or closing (lingering for the client's FIN)."""
+        if conn.counted:
+            conn.counted = False
+            self.admitted -= 1
+            self.per_client[conn.ip] -= 1
+            if self.per_client[conn.ip] <= 0:
+                del self.per_client[conn.ip]
+
     def _close(self, conn: Conn, reason: str | None) -> None:
         if conn.closed:
             return
@@ -228,11 +240,7 @@ class GuardWorker(ThreadWorker):
         except OSError:
             pass
         self.conns.discard(conn)
-        if conn.reject is None:
-            self.admitted -= 1
-            self.per_client[conn.ip] -= 1
-            if self.per_client[conn.ip] <= 0:
-                del self.per_client[conn.ip]
+        self._uncount(conn)
         self.nr_conns = len(self.conns)
         if reason:
             self.rejected.labels(reason).inc()
@@ -258,30 +266,30 @@ class GuardWorker(ThreadWorker):
             except OSError:
                 pass
             conn = Conn(sock, addr, listener.getsockname(), self.tls is not None)
+            if len(self.conns) >= 2 * s.max_connections:  # refusing and closing ones too: not even a 503
+                self.rejected.labels("over-total-limit").inc()
+                sock.close()
+                continue
             if self.per_client[conn.ip] >= s.max_connections_per_client:
                 reason, why = "over-client-limit", (f"too many connections from {conn.ip} (limit "
                                                     f"{s.max_connections_per_client}, --max-connections-per-client)")
-            elif self.admitted >= s.max_connections:
+            elif self.admitted >= s.max_connections and not self._evict_idle():
                 reason, why = "over-total-limit", f"too many connections (limit {s.max_connections}, --max-connections)"
             else:
                 reason = why = None
             if reason is not None:
                 self.rejected.labels(reason).inc()
-                if len(self.conns) >= 2 * s.max_connections:  # not even a 503: close at once
-                    sock.close()
-                    continue
                 conn.reject = error_reply(503, why)
             else:
                 self.per_client[conn.ip] += 1
                 self.admitted += 1
+                conn.counted = True
             if self.tls is not None:
                 try:
                     conn.sock = self.tls.context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
                 except (OSError, ssl.SSLError):
                     sock.close()
-                    if conn.reject is None:
-                        self.per_client[conn.ip] -= 1
-                        self.admitted -= 1
+                    self._uncount(conn)
                     continue
                 conn.deadline = time.monotonic() + s.tls_handshake_timeout
             else:
@@ -292,6 +300,17 @@ class GuardWorker(ThreadWorker):
                 self._send_reply(conn, conn.reject, keep=False)
             else:
                 self._want(conn, selectors.EVENT_READ)
+
+    def _evict_idle(self) -> bool:
+        """At the total limit, close the kept-alive connection idle the longest to make room; False if none is idle.
+
+        An idle connection costs its client only a reconnect; a refused one costs a call.
+        """
+        idle = [c for c in self.conns if c.state == IDLE and c.counted]
+        if not idle:
+            return False
+        self._close(min(idle, key=lambda c: c.deadline), "idle-evicted")
+        return True
 
     # --- the connection state machine ----------------------------------------------------------------
 
@@ -560,6 +579,7 @@ class GuardWorker(ThreadWorker):
         """Half-close, then wait briefly for the client's FIN so unread request bytes don't reset the reply away."""
         conn.state, conn.deadline = LINGER, time.monotonic() + LINGER_SECONDS
         conn.buf.clear()
+        self._uncount(conn)  # bounded by LINGER_SECONDS (and the hard cap of twice --max-connections)
         try:
             conn.sock.shutdown(socket.SHUT_WR)
         except (OSError, ValueError):

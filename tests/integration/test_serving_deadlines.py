@@ -514,3 +514,31 @@ def test_over_the_limit_on_https_the_503_comes_after_a_bounded_handshake(start_g
     finally:
         for s in held:
             s.close()
+
+
+def test_at_the_total_limit_an_idle_kept_alive_connection_makes_room(start_guard, dead_kubeconfig, tmp_path):
+    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--max-connections", "4", "--max-connections-per-client", "4",
+                         "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")
+    guard.get("/healthz", headers={"Connection": "close"}, timeout=5)  # the wait's kept-alive connection ends
+    time.sleep(0.2)
+    idle = dial(guard.port, "127.0.0.2")
+    idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: g\r\n\r\n")
+    assert idle.recv(65536).startswith(b"HTTP/1.1 200 ")  # now kept alive, idle
+    silent = [dial(guard.port, "127.0.0.3") for _ in range(3)]  # 4 open: the limit
+    try:
+        time.sleep(0.2)
+        with dial(guard.port, "127.0.0.4") as s:  # admitted: the idle one is closed for it
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
+            assert read_reply(s).startswith(b"HTTP/1.1 200 ")
+        assert idle.recv(1) == b""
+        silent.append(dial(guard.port, "127.0.0.4"))  # 4 open again, none idle
+        time.sleep(0.2)
+        with dial(guard.port, "127.0.0.5") as s:
+            assert read_reply(s).startswith(b"HTTP/1.1 503 ")
+    finally:
+        idle.close()
+        for s in silent:
+            s.close()
+    time.sleep(0.2)
+    assert guard.metric("ghost_guard_connections_rejected_total", reason="idle-evicted") == 1
+    assert guard.metric("ghost_guard_connections_rejected_total", reason="over-total-limit") == 1
