@@ -50,8 +50,9 @@ USER 65532:65532
 EXPOSE 8443
 # GET /healthz on the guard's own port. TLS without verification (it is the
 # container's own loopback); when the port requires a client certificate
-# (--client-ca), set GHOST_GUARD_PROBE_CERT and GHOST_GUARD_PROBE_KEY to one
-# (the Kubernetes Deployment runs the same one-liner as its exec probes). For
+# (--client-ca), set GHOST_GUARD_PROBE_CERT and GHOST_GUARD_PROBE_KEY to the
+# monitoring one (monitoring.crt: the probes answer only that role), as the
+# Kubernetes Deployment does for the same one-liner in its exec probes. For
 # `serve --insecure-http` set GHOST_GUARD_PROBE_URL=http://127.0.0.1:8443/healthz.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
   CMD ["python", "-c", "import os,ssl,sys,urllib.request as u; c=ssl._create_unverified_context(); k=os.environ.get('GHOST_GUARD_PROBE_CERT'); k and c.load_cert_chain(k, os.environ['GHOST_GUARD_PROBE_KEY']); u.urlopen(sys.argv[1] if len(sys.argv) > 1 else os.environ.get('GHOST_GUARD_PROBE_URL', 'https://127.0.0.1:8443/healthz'), context=c, timeout=4)"]

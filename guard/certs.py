@@ -1,12 +1,15 @@
-"""Certificates for the guard: a private CA, the serving certificate, the
-kube-scheduler client certificate, and a server TLS context that follows
-renewed files on disk.
+"""Certificates for the guard: a private CA, the serving certificate, one
+client certificate per caller role (kube-scheduler, kube-apiserver, monitoring),
+and a server TLS context that follows renewed files on disk.
 
 Two halves:
 
 * :func:`generate` writes ``ca.crt``/``ca.key``, ``tls.crt``/``tls.key`` (the
-  guard's serving certificate) and ``client.crt``/``client.key`` (the client
-  certificate kube-scheduler presents for mTLS). ``ghost-guard certs`` calls it
+  guard's serving certificate), ``client.crt``/``client.key`` (the client
+  certificate kube-scheduler presents for mTLS), ``apiserver.crt``/``apiserver.key``
+  (kube-apiserver's, for the admission webhook) and ``monitoring.crt``/``monitoring.key``
+  (Prometheus's and the probes'). Each endpoint answers only its role's names
+  (guard.identity). ``ghost-guard certs`` calls it
   through :func:`certs_command`.
 * :class:`ReloadingTLS` builds the server-side :class:`ssl.SSLContext` and swaps
   in a fresh one when the certificate or key files change (cert-manager and the
@@ -45,9 +48,15 @@ __all__ = [
     "CA_CERT",
     "CA_KEY",
     "CLIENT_CERT",
+    "APISERVER_CERT",
+    "APISERVER_COMMON_NAME",
+    "APISERVER_KEY",
     "CLIENT_COMMON_NAME",
     "CLIENT_KEY",
     "KEY_TYPES",
+    "MONITORING_CERT",
+    "MONITORING_COMMON_NAME",
+    "MONITORING_KEY",
     "TLS_CERT",
     "TLS_KEY",
     "CertBundle",
@@ -62,12 +71,19 @@ log = logging.getLogger(__name__)
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 TLS_CERT, TLS_KEY = "tls.crt", "tls.key"
-CLIENT_CERT, CLIENT_KEY = "client.crt", "client.key"
-ALL_FILES = (CA_CERT, CA_KEY, TLS_CERT, TLS_KEY, CLIENT_CERT, CLIENT_KEY)
+CLIENT_CERT, CLIENT_KEY = "client.crt", "client.key"  # kube-scheduler's (the scheduler role)
+APISERVER_CERT, APISERVER_KEY = "apiserver.crt", "apiserver.key"  # kube-apiserver's, for the webhook
+MONITORING_CERT, MONITORING_KEY = "monitoring.crt", "monitoring.key"  # Prometheus's and the probes'
+ALL_FILES = (CA_CERT, CA_KEY, TLS_CERT, TLS_KEY, CLIENT_CERT, CLIENT_KEY, APISERVER_CERT, APISERVER_KEY,
+             MONITORING_CERT, MONITORING_KEY)
 
-#: The user kube-scheduler authenticates as; the guard only checks the chain,
-#: the name makes audit logs and ``openssl x509 -text`` readable.
+#: The client certificates' common names, one per caller role; the defaults of
+#: --scheduler-identities, --apiserver-identities and --monitoring-identities
+#: (guard.settings; a unit test keeps them equal). With --client-ca the guard
+#: answers each endpoint only for its role's names (guard.identity).
 CLIENT_COMMON_NAME = "system:kube-scheduler"
+APISERVER_COMMON_NAME = "kube-apiserver-ghost-guard-client"
+MONITORING_COMMON_NAME = "ghost-guard-monitoring"
 
 KeyType = Literal["ecdsa-p256", "rsa-2048", "rsa-3072"]
 KEY_TYPES: tuple[str, ...] = ("ecdsa-p256", "rsa-2048", "rsa-3072")
@@ -75,6 +91,11 @@ KEY_TYPES: tuple[str, ...] = ("ecdsa-p256", "rsa-2048", "rsa-3072")
 #: Backdate ``notBefore`` so a node whose clock runs a little behind accepts a
 #: certificate issued a moment ago.
 CLOCK_SKEW = dt.timedelta(minutes=5)
+
+#: The TLS 1.2 suites the guard serves: ECDHE key exchange with an AEAD cipher, nothing else
+#: (no RSA key exchange, no CBC, no SHA-1/SHA-2 MAC suites).
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20:!aNULL:!eNULL"
+TLS_VERSIONS = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
@@ -94,6 +115,10 @@ class CertBundle:
     tls_key: Path
     client_cert: Path
     client_key: Path
+    apiserver_cert: Path
+    apiserver_key: Path
+    monitoring_cert: Path
+    monitoring_key: Path
     #: base64 of the PEM CA certificate: the ``caBundle`` of a webhook config.
     ca_bundle: str
     dns_names: tuple[str, ...]
@@ -106,7 +131,8 @@ class CertBundle:
 
     @property
     def files(self) -> tuple[Path, ...]:
-        return (self.ca_cert, self.ca_key, self.tls_cert, self.tls_key, self.client_cert, self.client_key)
+        return (self.ca_cert, self.ca_key, self.tls_cert, self.tls_key, self.client_cert, self.client_key,
+                self.apiserver_cert, self.apiserver_key, self.monitoring_cert, self.monitoring_key)
 
 
 # --- input validation -----------------------------------------------------
@@ -295,7 +321,8 @@ def generate(
     renew: bool = False,
     key_type: str = "ecdsa-p256",
 ) -> CertBundle:
-    """Write a CA, the guard's serving certificate and kube-scheduler's client certificate.
+    """Write a CA, the guard's serving certificate and one client certificate per caller role
+    (kube-scheduler: ``client.crt``, kube-apiserver: ``apiserver.crt``, monitoring: ``monitoring.crt``).
 
     The serving certificate always carries ``<service>.<namespace>.svc``,
     ``<service>.<namespace>.svc.cluster.local``, ``localhost`` and
@@ -305,7 +332,7 @@ def generate(
     Without ``force`` or ``renew`` no existing file is touched: the first one
     found raises :class:`CertError` naming it. ``force`` replaces all six files
     (a new CA: every ``caBundle``/``caFile`` must be updated). ``renew`` keeps
-    ``ca.crt``/``ca.key`` and replaces the four leaf files, so nothing that
+    ``ca.crt``/``ca.key`` and replaces the leaf files, so nothing that
     trusts the CA changes. Replacements are atomic (write to a temporary file,
     then rename); private keys are created with mode 0600.
     """
@@ -349,9 +376,13 @@ def generate(
     tls_key = _new_key(key_type)
     tls_cert = _build_leaf(tls_key, ca_cert, ca_key, common_name=f"{service}.{namespace}.svc", now=now, not_after=not_after,
                            usage=ExtendedKeyUsageOID.SERVER_AUTH, dns=dns_names, ips=ip_addresses)
-    client_key = _new_key(key_type)
-    client_cert = _build_leaf(client_key, ca_cert, ca_key, common_name=CLIENT_COMMON_NAME, now=now, not_after=not_after,
-                              usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    clients = {}
+    for cert_name, key_name, common_name in ((CLIENT_CERT, CLIENT_KEY, CLIENT_COMMON_NAME),
+                                             (APISERVER_CERT, APISERVER_KEY, APISERVER_COMMON_NAME),
+                                             (MONITORING_CERT, MONITORING_KEY, MONITORING_COMMON_NAME)):
+        key = _new_key(key_type)
+        clients[cert_name, key_name] = (key, _build_leaf(key, ca_cert, ca_key, common_name=common_name, now=now,
+                                                         not_after=not_after, usage=ExtendedKeyUsageOID.CLIENT_AUTH))
 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -364,8 +395,9 @@ def generate(
     plan: list[tuple[str, bytes, int]] = []
     if not renew:
         plan += [(CA_KEY, _key_pem(ca_key), 0o600), (CA_CERT, ca_pem, 0o644)]
-    plan += [(TLS_KEY, _key_pem(tls_key), 0o600), (TLS_CERT, _cert_pem(tls_cert), 0o644),
-             (CLIENT_KEY, _key_pem(client_key), 0o600), (CLIENT_CERT, _cert_pem(client_cert), 0o644)]
+    plan += [(TLS_KEY, _key_pem(tls_key), 0o600), (TLS_CERT, _cert_pem(tls_cert), 0o644)]
+    for (cert_name, key_name), (key, cert) in clients.items():
+        plan += [(key_name, _key_pem(key), 0o600), (cert_name, _cert_pem(cert), 0o644)]
     for name, data, mode in plan:
         try:
             write(out_dir / name, data, mode)
@@ -377,6 +409,8 @@ def generate(
         ca_cert=out_dir / CA_CERT, ca_key=out_dir / CA_KEY,
         tls_cert=out_dir / TLS_CERT, tls_key=out_dir / TLS_KEY,
         client_cert=out_dir / CLIENT_CERT, client_key=out_dir / CLIENT_KEY,
+        apiserver_cert=out_dir / APISERVER_CERT, apiserver_key=out_dir / APISERVER_KEY,
+        monitoring_cert=out_dir / MONITORING_CERT, monitoring_key=out_dir / MONITORING_KEY,
         ca_bundle=base64.b64encode(ca_pem).decode("ascii"),
         dns_names=dns_names, ip_addresses=ip_addresses,
         not_after=not_after, ca_not_after=ca_not_after, ca_reused=renew,
@@ -411,6 +445,10 @@ def certs_command(
         f"wrote   {b.tls_cert}  {b.tls_key}  (guard serving certificate, valid until {until})",
         f"        SANs: {', '.join(b.dns_names + b.ip_addresses)}",
         f"wrote   {b.client_cert}  {b.client_key}  (kube-scheduler client certificate, CN={CLIENT_COMMON_NAME}, valid until {until})",
+        f"wrote   {b.apiserver_cert}  {b.apiserver_key}  (kube-apiserver webhook client certificate, "
+        f"CN={APISERVER_COMMON_NAME}, valid until {until})",
+        f"wrote   {b.monitoring_cert}  {b.monitoring_key}  (monitoring client certificate for Prometheus and the "
+        f"probes, CN={MONITORING_COMMON_NAME}, valid until {until})",
         f"caBundle: {b.ca_bundle}",
     ]
     return "\n".join(lines)
@@ -435,7 +473,8 @@ def _stamp(paths: tuple[str, ...]) -> tuple:
 class ReloadingTLS:
     """A server-side TLS context that follows renewed certificate files.
 
-    ``context()`` returns an :class:`ssl.SSLContext` (TLS 1.2 minimum; with
+    ``context()`` returns an :class:`ssl.SSLContext` (TLS 1.2 or ``min_version``, on 1.2 only
+    ECDHE with AES-GCM or ChaCha20-Poly1305; with
     ``client_ca``, a client certificate signed by that CA is required). Its
     ``sni_callback`` runs during every handshake (with or without SNI) and, at
     most every ``check_interval`` seconds, compares the files' (device, inode,
@@ -451,7 +490,10 @@ class ReloadingTLS:
     """
 
     def __init__(self, cert_file: str | os.PathLike, key_file: str | os.PathLike, client_ca: str | os.PathLike | None = None,
-                 *, check_interval: float = 1.0, failure_grace: float = 30.0) -> None:
+                 *, check_interval: float = 1.0, failure_grace: float = 30.0, min_version: str = "1.2") -> None:
+        if min_version not in TLS_VERSIONS:
+            raise CertError(f"TLS minimum version must be one of {', '.join(TLS_VERSIONS)}, got {min_version!r}")
+        self.min_version = TLS_VERSIONS[min_version]
         self.cert_file = os.fspath(cert_file)
         self.key_file = os.fspath(key_file)
         self.client_ca = os.fspath(client_ca) if client_ca is not None else None
@@ -473,7 +515,10 @@ class ReloadingTLS:
 
     def _build(self) -> tuple[ssl.SSLContext, dt.datetime]:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.minimum_version = self.min_version
+        # TLS 1.2: forward secrecy and AEAD only (TLS 1.3's suites are all AEAD with ephemeral keys).
+        ctx.set_ciphers(TLS12_CIPHERS)
+        ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION | ssl.OP_CIPHER_SERVER_PREFERENCE
         ctx.load_cert_chain(self.cert_file, self.key_file)  # also checks the key matches the certificate
         if self.client_ca:
             ctx.load_verify_locations(cafile=self.client_ca)

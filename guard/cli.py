@@ -36,9 +36,11 @@ def main() -> None:
 @option("--tls-cert", type=click.Path(dir_okay=False), default=None, help="Serving certificate (PEM). HTTPS is the default.")
 @option("--tls-key", type=click.Path(dir_okay=False), default=None, help="Serving private key (PEM).")
 @option("--client-ca", type=click.Path(dir_okay=False), default=None,
-        help="Require client certificates signed by this CA (mTLS), e.g. kube-scheduler's.")
+        help="Require client certificates signed by this CA (mTLS), and authorize each endpoint by the "
+             "certificate's role (--scheduler-identities, --apiserver-identities, --monitoring-identities).")
 @option("--insecure-http", is_flag=True, default=False,
-        help="Serve plain HTTP. Only for a loopback sidecar next to kube-scheduler (bind 127.0.0.1).")
+        help="Serve plain HTTP. Only for a loopback sidecar next to kube-scheduler (bind 127.0.0.1). "
+             "No client identities are checked.")
 @option("--workers", type=int, default=1,
         help="gunicorn worker processes. Each has its own verdict cache; one worker with threads is recommended.")
 @option("--threads", type=int, default=16, help="Threads per worker (gthread); also the apiserver connection pool size.")
@@ -84,6 +86,36 @@ def main() -> None:
         help="Background quorum GETs per second at most (one per new pod; bounds re-list storms).")
 @option("--sweep-interval", type=float, default=30.0,
         help="Seconds between sweeps comparing the replicas' views (finds ghosts no scheduler asked about).")
+# --- serving: connection deadlines and limits, TLS, caller identities (guard/worker.py, guard/identity.py)
+@option("--tls-handshake-timeout", type=float, default=2.0,
+        help="Seconds a client has to complete the TLS handshake; then the connection is closed.")
+@option("--header-timeout", type=float, default=5.0,
+        help="Seconds a client has to send the request line and headers (from the handshake, or the first byte "
+             "of a kept-alive connection's next request).")
+@option("--body-timeout", type=float, default=5.0,
+        help="Seconds a client has to send the request body (a larger body gets its length / --body-min-rate).")
+@option("--body-min-rate", type=int, default=1024 * 1024, metavar="BYTES_PER_SECOND",
+        help="Slowest body upload accepted, in bytes per second (sets the body deadline of large bodies).")
+@option("--write-timeout", type=float, default=5.0,
+        help="Seconds a client has to read the whole reply; a slower reader is cut off.")
+@option("--keepalive-timeout", type=float, default=30.0, help="Seconds an idle kept-alive connection stays open.")
+@option("--max-connections", type=int, default=512,
+        help="Open connections per worker process; beyond it a 503 with the reason, then close.")
+@option("--max-connections-per-client", type=int, default=64,
+        help="Open connections per client address (per worker process); beyond it a 503 with the reason.")
+@option("--max-buffered-bytes", type=int, default=64 * 1024 * 1024,
+        help="Bytes of large requests (over 64 KiB) read, running or being answered at once, per worker; "
+             "beyond it a 503 with the reason. At least --max-body-bytes.")
+@option("--tls-min-version", type=click.Choice(["1.2", "1.3"]), default="1.2",
+        help="Oldest TLS version accepted. TLS 1.2 offers only ECDHE key exchange with AES-GCM or ChaCha20-Poly1305.")
+@option("--scheduler-identities", default="system:kube-scheduler", metavar="NAME,...",
+        help="Client-certificate names (CN or DNS SAN) allowed to call /filter and /preempt. Checked only with "
+             "--client-ca: without it (server-only TLS) and with --insecure-http there is no identity check.")
+@option("--apiserver-identities", default="kube-apiserver-ghost-guard-client", metavar="NAME,...",
+        help="Client-certificate names (CN or DNS SAN) allowed to call /validate/binding (with --client-ca only).")
+@option("--monitoring-identities", default="ghost-guard-monitoring", metavar="NAME,...",
+        help="Client-certificate names (CN or DNS SAN) allowed to call /metrics, /healthz and /readyz "
+             "(with --client-ca only).")
 def serve(**kwargs) -> None:
     """Serve the extender (/filter, /preempt), probes and metrics under gunicorn."""
     from guard.server import StartupError, preflight, serve as run
@@ -103,7 +135,9 @@ def serve(**kwargs) -> None:
 
 @main.command("certs")
 @click.option("--out", default="certs", type=click.Path(file_okay=False), envvar="GHOST_GUARD_OUT", show_envvar=True,
-              help="Directory for ca.crt/ca.key, tls.crt/tls.key (serving), client.crt/client.key (kube-scheduler).")
+              help="Directory for ca.crt/ca.key, tls.crt/tls.key (serving) and one client certificate per role: "
+                   "client.crt/client.key (kube-scheduler), apiserver.crt/apiserver.key (kube-apiserver, webhook), "
+                   "monitoring.crt/monitoring.key (Prometheus, probes).")
 @click.option("--namespace", default="ghost-guard", envvar="GHOST_GUARD_NAMESPACE", show_envvar=True,
               help="Namespace of the guard's Service (SANs <service>.<namespace>.svc[.cluster.local]).")
 @click.option("--service", default="ghost-guard", envvar="GHOST_GUARD_SERVICE", show_envvar=True, help="Name of the guard's Service.")
@@ -122,7 +156,7 @@ def serve(**kwargs) -> None:
               help="Keep ca.crt/ca.key; reissue the serving and client certificates in place.")
 def certs(out: str, namespace: str, service: str, dns: tuple[str, ...], ips: tuple[str, ...], days: int, ca_days: int,
           key_type: str, force: bool, renew: bool) -> None:
-    """Write a CA, the guard's serving certificate and kube-scheduler's client certificate.
+    """Write a CA, the guard's serving certificate and a client certificate per caller role.
 
     Prints the files written and, last, `caBundle: <base64 CA>` for the webhook configuration.
     """

@@ -52,6 +52,16 @@ STALE_REPLICA = Gauge("ghost_guard_stale_replica", "1 while an apiserver replica
                       "etcd no longer has, else 0.", ["replica"], multiprocess_mode="mostrecent")
 STALE_REPLICA_DETECTIONS = Counter("ghost_guard_stale_replica_detections",
                                    "Probes that found an apiserver replica serving a ghost.", ["replica"])
+CONNECTIONS_REJECTED = Counter("ghost_guard_connections_rejected", "Client connections refused or cut off by the "
+                               "serving layer, by reason (over-client-limit, over-total-limit, idle-evicted: kept "
+                               "alive and idle, closed at the total limit to admit a new one, tls-handshake-timeout, "
+                               "tls-handshake-failed, header-timeout, body-timeout, write-timeout, head-too-large, "
+                               "body-too-large, body-incomplete, bad-framing, over-buffer-limit).", ["reason"])
+CONNECTIONS_OPEN = Gauge("ghost_guard_connections_open", "Client connections open (sampled every second), "
+                         "summed over the live worker processes.", multiprocess_mode="livesum")
+REQUESTS_FORBIDDEN = Counter("ghost_guard_requests_forbidden", "Requests refused with 403 because the client "
+                             "certificate is not of the endpoint's role, by endpoint and required role.",
+                             ["endpoint", "role"])
 
 
 def registry() -> CollectorRegistry | None:

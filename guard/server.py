@@ -1,4 +1,5 @@
-"""gunicorn embedding: gthread workers, TLS/mTLS, Prometheus multiprocess, JSON logs.
+"""gunicorn embedding: guard.worker.GuardWorker (gthread with connection deadlines), TLS/mTLS,
+Prometheus multiprocess, JSON logs.
 
 The app is loaded in each worker after the fork (no ``preload_app``), so every
 worker builds its own apiserver client (kubernetes-client/python#1000).
@@ -76,7 +77,8 @@ class GuardServer(BaseApplication):
 
         self.settings = settings
         # Built before the fork; each worker inherits it and /readyz reports its state.
-        self.tls = ReloadingTLS(settings.tls_cert, settings.tls_key, settings.client_ca) if settings.tls_cert else None
+        self.tls = (ReloadingTLS(settings.tls_cert, settings.tls_key, settings.client_ca,
+                                 min_version=settings.tls_min_version) if settings.tls_cert else None)
         super().__init__()
 
     def load_config(self) -> None:
@@ -85,10 +87,13 @@ class GuardServer(BaseApplication):
             "bind": [s.bind],
             "workers": s.workers,
             "threads": s.threads,
-            "worker_class": "gthread",
+            # gthread's process model and pool, with every connection read and written under deadlines
+            # by the worker's event loop before and after a pool thread sees it (guard/worker.py).
+            "worker_class": "guard.worker.GuardWorker",
             "timeout": 30,
             "graceful_timeout": 10,
-            "keepalive": 30,
+            "keepalive": max(1, round(s.keepalive_timeout)),  # unused by GuardWorker (it has its own deadline)
+            "worker_connections": 2 * s.max_connections,
             "accesslog": None,
             "errorlog": "-",
             # gunicorn's own messages in the same JSON lines as ours

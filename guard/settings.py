@@ -64,6 +64,23 @@ class Settings:
     verify_concurrency: int = 16
     verify_qps: float = 500.0
     sweep_interval: float = 30.0
+    # --- serving: connection deadlines and limits (guard/worker.py), TLS, caller identities ---
+    tls_handshake_timeout: float = 2.0
+    header_timeout: float = 5.0
+    body_timeout: float = 5.0
+    body_min_rate: int = 1024 * 1024  # bytes/s: a larger body gets length/rate seconds instead of --body-timeout
+    write_timeout: float = 5.0
+    keepalive_timeout: float = 30.0
+    max_connections: int = 512  # per worker process
+    max_connections_per_client: int = 64  # per source address, per worker process
+    # Requests over 64 KiB reserve their size (and hold it until the reply is written) from this
+    # per-worker budget; beyond it a 503. Bounds the memory many large uploads can take at once.
+    max_buffered_bytes: int = 64 * 1024 * 1024
+    tls_min_version: str = "1.2"
+    # Client-certificate identities (CN or DNS SAN) allowed per role; only with --client-ca.
+    scheduler_identities: str = "system:kube-scheduler"
+    apiserver_identities: str = "kube-apiserver-ghost-guard-client"
+    monitoring_identities: str = "ghost-guard-monitoring"
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.bind.rpartition(":")
@@ -124,9 +141,40 @@ class Settings:
                 raise SettingsError(f"{flag} must be at least 1, got {value}")
         if self.apiserver_replicas is not None:
             parse_replicas(self.apiserver_replicas)
+        self._validate_serving()
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"--log-level must be debug, info, warning or error, got {self.log_level!r}")
         return self
+
+
+    def _validate_serving(self) -> None:
+        for flag, value in (("--tls-handshake-timeout", self.tls_handshake_timeout),
+                            ("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout),
+                            ("--write-timeout", self.write_timeout), ("--keepalive-timeout", self.keepalive_timeout)):
+            if not 0 < value <= 300:
+                raise SettingsError(f"{flag} must be between 0 and 300 seconds, got {value:g}")
+        for flag, value in (("--body-min-rate", self.body_min_rate), ("--max-connections", self.max_connections),
+                            ("--max-connections-per-client", self.max_connections_per_client)):
+            if value < 1:
+                raise SettingsError(f"{flag} must be at least 1, got {value}")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise SettingsError(f"--max-buffered-bytes ({self.max_buffered_bytes}) must be at least --max-body-bytes "
+                                f"({self.max_body_bytes}): the largest accepted request must fit")
+        if self.max_connections_per_client > self.max_connections:
+            raise SettingsError(f"--max-connections-per-client ({self.max_connections_per_client}) must not exceed "
+                                f"--max-connections ({self.max_connections})")
+        if self.tls_min_version not in ("1.2", "1.3"):
+            raise SettingsError(f"--tls-min-version must be 1.2 or 1.3, got {self.tls_min_version!r}")
+        for flag, value in (("--scheduler-identities", self.scheduler_identities),
+                            ("--apiserver-identities", self.apiserver_identities),
+                            ("--monitoring-identities", self.monitoring_identities)):
+            if not parse_identities(value):
+                raise SettingsError(f"{flag} must name at least one certificate CN or DNS SAN, got {value!r}")
+
+
+def parse_identities(spec: str) -> frozenset[str]:
+    """``a,b, c`` -> {"a", "b", "c"}: the client-certificate names (CN or DNS SAN) of one role."""
+    return frozenset(x.strip() for x in spec.split(",") if x.strip())
 
 
 def _is_loopback(host: str) -> bool:

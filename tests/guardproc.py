@@ -104,10 +104,19 @@ class GuardProcess:
         self.session = requests.Session()
         # requests lets REQUESTS_CA_BUNDLE override a Session's verify (psf/requests#3829): ignore the environment.
         self.session.trust_env = False
+        # With --client-ca each endpoint answers only its role's certificate (guard.identity): the verbs
+        # go out with ``client_cert`` (kube-scheduler's), the probes and /metrics with the monitoring
+        # certificate (``monitoring_cert``, default: monitoring.crt next to client_cert when present).
+        self.monitoring_cert: tuple[str, str] | None = None
         if tls:
             self.session.verify = tls.get("ca", False)
             if tls.get("client_cert"):
                 self.session.cert = (tls["client_cert"], tls["client_key"])
+                beside = Path(tls["client_cert"]).with_name("monitoring.crt")
+                if tls.get("monitoring_cert"):
+                    self.monitoring_cert = (tls["monitoring_cert"], tls["monitoring_key"])
+                elif beside.exists():
+                    self.monitoring_cert = (str(beside), str(beside.with_suffix(".key")))
 
     def url(self, path: str) -> str:
         return self.base + path
@@ -118,12 +127,18 @@ class GuardProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"guard exited with {self.proc.returncode}:\n{self.logs()}")
             try:
-                if self.session.get(self.url(path), timeout=2).status_code == 200:
+                if self.get(path, timeout=2).status_code == 200:
                     return
             except requests.RequestException:
                 pass
             time.sleep(0.05)
         raise RuntimeError(f"guard not ready on {path} after {timeout}s:\n{self.logs()}")
+
+    def get(self, path: str, **kw) -> requests.Response:
+        """A GET of a probe or /metrics, with the monitoring certificate when there is one."""
+        if self.monitoring_cert and "cert" not in kw:
+            kw["cert"] = self.monitoring_cert
+        return self.session.get(self.url(path), **kw)
 
     def post(self, path: str, body: bytes | dict, **kw) -> requests.Response:
         if isinstance(body, dict):
@@ -135,7 +150,7 @@ class GuardProcess:
 
     def metrics(self) -> Samples:
         """One scrape of /metrics: {(sample name, sorted label items): value}."""
-        return parse_metrics(self.session.get(self.url("/metrics"), timeout=5).text)
+        return parse_metrics(self.get("/metrics", timeout=5).text)
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples matching the labels (0 when absent)."""

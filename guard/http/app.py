@@ -150,4 +150,36 @@ def create_app(settings: Settings | None = None, readiness_checks: list[Callable
     from guard.http.filter import FastLane
 
     app.wsgi_app = FastLane(app.wsgi_app, app.extensions["ghost_guard"], settings)  # type: ignore[method-assign]
+    # Outermost: with mTLS, each endpoint answers only its role's client certificates (both lanes).
+    if settings.client_ca and not settings.insecure_http:
+        app.wsgi_app = RoleCheck(app.wsgi_app, settings)  # type: ignore[method-assign]
     return app
+
+
+class RoleCheck:
+    """WSGI middleware: a 403 with the reason when the client certificate is not of the endpoint's role.
+
+    The certificate comes from the worker (``environ["ghost_guard.peer_cert"]``, guard.worker);
+    the matching is guard.identity's. Installed only with ``--client-ca``.
+    """
+
+    def __init__(self, app: Callable, settings: Settings) -> None:
+        from guard.identity import RolePolicy
+
+        self.app = app
+        self.settings = settings
+        self.policy = RolePolicy.from_settings(settings)
+
+    def __call__(self, environ: dict, start_response: Callable):
+        path = environ.get("PATH_INFO", "")
+        refused = self.policy.refuse(path, environ.get("ghost_guard.peer_cert"))
+        if refused is None:
+            return self.app(environ, start_response)
+        role, reason = refused
+        payload = orjson.dumps({"error": reason})
+        start_response("403 Forbidden", [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
+        metrics.REQUESTS_FORBIDDEN.labels(path, role).inc()
+        log.warning("refused %s %s from %s: %s", environ.get("REQUEST_METHOD"), path[:200],
+                    environ.get("REMOTE_ADDR"), reason)
+        record_request(self.settings, environ.get("REQUEST_METHOD", ""), path, 403, 0.0, environ.get("REMOTE_ADDR"))
+        return [payload]

@@ -188,7 +188,8 @@ class GuardChild:
         import urllib.request
 
         ctx = ssl.create_default_context(cafile=str(self.certs.ca_cert))
-        ctx.load_cert_chain(str(self.certs.client_cert), str(self.certs.client_key))
+        # /readyz answers the monitoring role's certificate only (guard.identity)
+        ctx.load_cert_chain(str(self.certs.monitoring_cert), str(self.certs.monitoring_key))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

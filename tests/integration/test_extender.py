@@ -275,9 +275,9 @@ def test_body_over_the_cap_is_413(start_guard, shared_lab, tmp_path):
 
 
 def test_probes_and_metrics(guard):
-    assert guard.session.get(guard.url("/healthz"), timeout=5).json() == {"status": "ok"}
-    assert guard.session.get(guard.url("/readyz"), timeout=5).json() == {"status": "ready"}
-    text = guard.session.get(guard.url("/metrics"), timeout=5).text
+    assert guard.get("/healthz", timeout=5).json() == {"status": "ok"}
+    assert guard.get("/readyz", timeout=5).json() == {"status": "ready"}
+    text = guard.get("/metrics", timeout=5).text
     for name in ("ghost_guard_requests_total", "ghost_guard_request_duration_seconds_bucket",
                  "ghost_guard_verdicts_total", "ghost_guard_cache_lookups_total",
                  "ghost_guard_quorum_get_duration_seconds_bucket"):
@@ -291,7 +291,7 @@ def test_readyz_is_503_when_the_apiserver_is_unreachable(start_guard, tmp_path):
                   "users:\n- name: u\n  user: {token: t}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\n"
                   "current-context: x\n")
     g = start_guard(["--kubeconfig", str(kc), "--no-prepare", "--audit-db", str(tmp_path / "a.db")], wait="/healthz")
-    r = g.session.get(g.url("/readyz"), timeout=5)
+    r = g.get("/readyz", timeout=5)
     assert r.status_code == 503
     assert r.json()["problems"] == ["apiserver unreachable: NewConnectionError"]
     # and a scheduling call still answers: fail open, with the cause named (a refusal is not a timeout)
@@ -378,4 +378,4 @@ def test_a_body_shorter_than_its_content_length_is_a_400(guard):
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400"), reply[:300]
     assert orjson.loads(body)["error"]
-    assert guard.session.get(guard.url("/healthz"), timeout=5).status_code == 200
+    assert guard.get("/healthz", timeout=5).status_code == 200

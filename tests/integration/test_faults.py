@@ -123,7 +123,7 @@ def assert_rejected(reply: dict, namespace: str, name: str) -> None:
 
 
 def readyz(guard: GuardProcess) -> int:
-    return guard.session.get(guard.url("/readyz"), timeout=SCHEDULER_HTTP_TIMEOUT).status_code
+    return guard.get("/readyz", timeout=SCHEDULER_HTTP_TIMEOUT).status_code
 
 
 def seconds_until(what: str, probe, deadline: float = RECOVERY_DEADLINE) -> float:
@@ -223,7 +223,7 @@ def test_replica_stopped_and_restarted(lab, guard, ns):
     lab.replicas[0].stop()
     s.during("replica stopped")
     seconds_until("/readyz 503 while the replica is down", lambda: readyz(guard) == 503)
-    body = guard.session.get(guard.url("/readyz"), timeout=5).json()
+    body = guard.get("/readyz", timeout=5).json()
     assert body["status"] == "not ready"
     assert any(p.startswith("apiserver unreachable: ") for p in body["problems"]), body
     lab.replicas[0].start()
@@ -264,7 +264,7 @@ def test_worker_killed_mid_request(lab, guard, ns):
     assert "error" in outcome or outcome["reply"]["FailedAndUnresolvableNodes"] == {}, outcome
     lab.replicas[0].faults.clear()
     took = seconds_until("a new worker serves", lambda: guard.workers() not in ([], [worker])
-                      and guard.session.get(guard.url("/healthz"), timeout=2).status_code == 200)
+                      and guard.get("/healthz", timeout=2).status_code == 200)
     MEASURED.setdefault("worker SIGKILL (new worker serving, s)", []).append(took)
     assert guard.proc.poll() is None
     (new_worker,) = guard.workers()

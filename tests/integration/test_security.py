@@ -122,7 +122,7 @@ def test_tls12_and_13_with_our_client_cert_are_served(mtls_guard, pki, version):
     ours = pki["ours"]
     ctx = ssl.create_default_context(cafile=str(ours.ca_cert))
     ctx.minimum_version = ctx.maximum_version = version
-    ctx.load_cert_chain(str(ours.client_cert), str(ours.client_key))
+    ctx.load_cert_chain(str(ours.monitoring_cert), str(ours.monitoring_key))  # /healthz is the monitoring role's
     with socket.create_connection(("127.0.0.1", mtls_guard.port), timeout=5) as raw:
         with ctx.wrap_socket(raw, server_hostname="localhost") as s:
             assert s.version() == {ssl.TLSVersion.TLSv1_2: "TLSv1.2", ssl.TLSVersion.TLSv1_3: "TLSv1.3"}[version]
@@ -210,12 +210,12 @@ def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace
                                            "NodeNames": NAMES})
                     assert r.status_code == 200
                     bodies.append(r.text)
-                bodies.append(g.session.get(g.url("/readyz"), timeout=5).text)
+                bodies.append(g.get("/readyz", timeout=5).text)
                 bodies.append(g.post("/filter", b"{not json").text)
                 bodies.append(g.post("/validate/binding", {"kind": "x"}).text)
             lab.replicas[0].faults.clear()
             time.sleep(0.6)
-        bodies.append(bad.session.get(bad.url("/readyz"), timeout=5).text)
+        bodies.append(bad.get("/readyz", timeout=5).text)
         assert "401" in bodies[-1], bodies[-1]  # the wrong token really failed
         assert good.metric("ghost_guard_fail_open_total", reason="apiserver") >= 3
         time.sleep(0.5)

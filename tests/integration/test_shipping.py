@@ -96,10 +96,11 @@ def https_request(port: int, path: str, ctx: ssl.SSLContext, *, method: str = "G
         return resp.status, resp.read(), serial
 
 
-def client_ctx(certs: Path, *, cert: bool = True) -> ssl.SSLContext:
+def client_ctx(certs: Path, *, cert: bool = True, role: str = "client") -> ssl.SSLContext:
+    """``role``: "client" (kube-scheduler's, for the verbs) or "monitoring" (the probes and /metrics)."""
     ctx = ssl.create_default_context(cafile=str(certs / "ca.crt"))
     if cert:
-        ctx.load_cert_chain(str(certs / "client.crt"), str(certs / "client.key"))
+        ctx.load_cert_chain(str(certs / f"{role}.crt"), str(certs / f"{role}.key"))
     return ctx
 
 
@@ -107,16 +108,20 @@ def serial(path: Path) -> int:
     return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
 
 
+# The ghost-guard-tls Secret's keys (docs/INSTALL.md): no kube-scheduler or apiserver key in the cluster.
+SECRET_FILES = ("ca.crt", "tls.crt", "tls.key", "monitoring.crt", "monitoring.key")
+
+
 def kubelet_secret_volume(root: Path, version: str, source: Path) -> None:
     """Lay out ``root`` as the kubelet mounts a Secret: name -> ..data/name, ..data -> ..<version> (swapped atomically)."""
     d = root / f"..{version}"
     d.mkdir(parents=True)
-    for name in ("ca.crt", "tls.crt", "tls.key", "client.crt", "client.key"):
+    for name in SECRET_FILES:
         shutil.copy2(source / name, d / name)
     tmp = root / "..data_tmp"
     tmp.symlink_to(d.name)
     os.replace(tmp, root / "..data")
-    for name in ("ca.crt", "tls.crt", "tls.key", "client.crt", "client.key"):
+    for name in SECRET_FILES:
         if not (root / name).is_symlink():
             (root / name).symlink_to(f"..data/{name}")
 
@@ -143,7 +148,7 @@ def installed(tmp_path, shared_lab, run_guard):
     kubelet_secret_volume(vol, "v1", certs)
     port = free_port()
     g = run_guard(deployment_args(vol, port, shared_lab.kubeconfig(0)), port)
-    ctx = client_ctx(certs)
+    ctx = client_ctx(certs, role="monitoring")
     status = {}
 
     def ready() -> bool:
@@ -173,7 +178,7 @@ def run_probe(command: list[str], port: int, env: dict[str, str]) -> subprocess.
 
 def test_mtls_with_generated_certs(installed):
     certs, port = installed["certs"], installed["port"]
-    ok = https_request(port, "/healthz", client_ctx(certs))
+    ok = https_request(port, "/healthz", client_ctx(certs, role="monitoring"))
     assert ok[0] == 200 and ok[2] == serial(certs / "tls.crt")
     with pytest.raises(OSError):  # no client certificate: refused during or right after the handshake
         https_request(port, "/healthz", client_ctx(certs, cert=False))
@@ -185,7 +190,7 @@ def test_mtls_with_generated_certs(installed):
         https_request(port, "/healthz", foreign)
     with pytest.raises(ssl.SSLCertVerificationError):  # the scheduler checks the guard against ITS ca.crt
         https_request(port, "/healthz", ssl.create_default_context(cafile=str(other / "ca.crt")))
-    assert https_request(port, "/healthz", client_ctx(certs))[0] == 200  # refusals did not hurt the server
+    assert https_request(port, "/healthz", client_ctx(certs, role="monitoring"))[0] == 200  # refusals did not hurt
 
 
 def test_scheduler_filter_call_over_mtls(installed):
@@ -220,7 +225,7 @@ def test_renewal_under_load_zero_failures(installed):
     r = ghost_guard("certs", "--out", str(renewed), "--renew")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1].startswith("caBundle: ")
-    ctx = client_ctx(certs)
+    ctx = client_ctx(certs, role="monitoring")
     failures: list[str] = []
     serials: list[int] = []
     done = threading.Event()

@@ -24,7 +24,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from guard.certs import CertError, certs_command, generate
 
-FILES = ["ca.crt", "ca.key", "tls.crt", "tls.key", "client.crt", "client.key"]
+FILES = ["ca.crt", "ca.key", "tls.crt", "tls.key", "client.crt", "client.key", "apiserver.crt", "apiserver.key",
+         "monitoring.crt", "monitoring.key"]
 
 
 def load(path: Path) -> x509.Certificate:
@@ -45,12 +46,12 @@ def server_verifier(ca: x509.Certificate, name):
     return v.PolicyBuilder().store(v.Store([ca])).build_server_verifier(name)
 
 
-def test_writes_six_files_keys_private(bundle):
+def test_writes_ten_files_keys_private(bundle):
     assert sorted(p.name for p in bundle.out_dir.iterdir()) == sorted(FILES)
     assert [p.name for p in bundle.files] == FILES
-    for name in ("ca.key", "tls.key", "client.key"):
+    for name in (f for f in FILES if f.endswith(".key")):
         assert mode(bundle.out_dir / name) == 0o600, name
-    for name in ("ca.crt", "tls.crt", "client.crt"):
+    for name in (f for f in FILES if f.endswith(".crt")):
         assert mode(bundle.out_dir / name) & 0o077 == 0o044, name  # world-readable, writable by owner only
 
 
@@ -107,6 +108,23 @@ def test_client_cert_is_for_kube_scheduler_client_auth(bundle):
     assert list(client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
     client.verify_directly_issued_by(load(bundle.ca_cert))  # signature + issuer; the handshake test is in integration
     assert not client.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+
+
+@pytest.mark.parametrize("role,expected_cn", [("client", "system:kube-scheduler"),
+                                              ("apiserver", "kube-apiserver-ghost-guard-client"),
+                                              ("monitoring", "ghost-guard-monitoring")])
+def test_one_client_cert_per_role_named_as_the_identity_defaults(bundle, role, expected_cn):
+    from guard.identity import APISERVER, MONITORING, SCHEDULER, RolePolicy
+    from guard.settings import Settings
+
+    cert = load(getattr(bundle, f"{role}_cert"))
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == expected_cn
+    assert list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    cert.verify_directly_issued_by(load(bundle.ca_cert))
+    # The serve defaults accept exactly this certificate for its own role.
+    policy = RolePolicy.from_settings(Settings())
+    own = {"client": SCHEDULER, "apiserver": APISERVER, "monitoring": MONITORING}[role]
+    assert {r for r, names in policy.identities.items() if expected_cn in names} == {own}
 
 
 def test_serving_cert_is_server_auth_only(bundle):

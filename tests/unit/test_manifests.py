@@ -273,7 +273,10 @@ def test_deployment_args_are_valid_guard_settings_and_files_are_mounted(pod):
     from guard.audit import DEFAULT_AUDIT_DB
 
     assert env["GHOST_GUARD_AUDIT_DB"] == DEFAULT_AUDIT_DB and DEFAULT_AUDIT_DB.startswith("/var/lib/ghost-guard/")
-    assert {env["GHOST_GUARD_PROBE_CERT"], env["GHOST_GUARD_PROBE_KEY"]} == {f"{tls_dir}/client.crt", f"{tls_dir}/client.key"}
+    # The probes call /healthz and /readyz: the monitoring role's certificate (guard.identity).
+    assert {env["GHOST_GUARD_PROBE_CERT"], env["GHOST_GUARD_PROBE_KEY"]} == {f"{tls_dir}/monitoring.crt",
+                                                                             f"{tls_dir}/monitoring.key"}
+    assert (s.client_ca, s.monitoring_identities) == (f"{tls_dir}/ca.crt", "ghost-guard-monitoring")
     assert c["ports"] == [{"name": "https", "containerPort": 8443, "protocol": "TCP"}]
 
 
@@ -401,8 +404,13 @@ def test_apiserver_admission_files_agree():
     kc = yaml.safe_load((MANIFESTS / "webhook/apiserver-webhook-kubeconfig.yaml").read_text())
     (user,) = kc["users"]
     assert user["name"] == f"ghost-guard.{NAMESPACE}.svc"  # the Service's DNS name, port 443 omitted
-    assert user["user"] == {"client-certificate": "/etc/kubernetes/ghost-guard/client.crt",
-                            "client-key": "/etc/kubernetes/ghost-guard/client.key"}
+    # kube-apiserver's own certificate: /validate/binding answers only the apiserver role (guard.identity).
+    assert user["user"] == {"client-certificate": "/etc/kubernetes/ghost-guard/apiserver.crt",
+                            "client-key": "/etc/kubernetes/ghost-guard/apiserver.key"}
+    from guard.certs import APISERVER_COMMON_NAME
+    from guard.settings import Settings
+
+    assert APISERVER_COMMON_NAME in Settings().apiserver_identities.split(",")
 
 
 # --- kube-scheduler registration (kubernetes-facts.md section 2) -------------------
@@ -639,12 +647,12 @@ def test_prometheus_rules_use_real_metrics(rendered):
     assert 'job="ghost-guard"' in alerts["GhostGuardDown"]["expr"]
 
 
-def test_servicemonitor_scrapes_with_the_client_cert(rendered, base):
+def test_servicemonitor_scrapes_with_the_monitoring_cert(rendered, base):
     sm = one(rendered["monitoring"], "ServiceMonitor")
     (ep,) = sm["spec"]["endpoints"]
     assert (ep["port"], ep["scheme"], ep["path"]) == (one(base, "Service")["spec"]["ports"][0]["name"], "https", "/metrics")
     tls = ep["tlsConfig"]
     assert (tls["ca"]["secret"], tls["cert"]["secret"], tls["keySecret"]) == (
-        {"name": "ghost-guard-tls", "key": "ca.crt"}, {"name": "ghost-guard-tls", "key": "client.crt"},
-        {"name": "ghost-guard-tls", "key": "client.key"})
+        {"name": "ghost-guard-tls", "key": "ca.crt"}, {"name": "ghost-guard-tls", "key": "monitoring.crt"},
+        {"name": "ghost-guard-tls", "key": "monitoring.key"})
     assert sm["spec"]["selector"]["matchLabels"].items() <= one(base, "Service")["metadata"]["labels"].items()

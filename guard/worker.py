@@ -1,0 +1,660 @@
+"""The gunicorn worker: deadlines on every connection, enforced where connections are accepted.
+
+gunicorn's ``gthread`` worker hands a freshly accepted, blocking socket to a pool
+thread, which then does the TLS handshake and reads the request line, headers
+and body with no deadline: 16 clients that send one byte and wait hold all 16
+threads, and kube-scheduler's next ``/filter`` gets no answer (issue 12).
+
+:class:`GuardWorker` keeps gthread's process model, thread pool, arbiter
+heartbeat, signals and graceful shutdown, and moves everything a slow client
+can stall into its single event-loop thread, on non-blocking sockets:
+
+1. **accept**: a connection beyond ``--max-connections-per-client`` (by
+   source address) or ``--max-connections`` (per worker) gets a 503 with
+   ``{"error": reason}`` at once (after the TLS handshake on an HTTPS port,
+   which is bounded like any other) and is closed; at the total limit the
+   kept-alive connection idle the longest is closed first to make room (its
+   client only reconnects); past twice the total limit, counting refused and
+   closing connections, a new one is closed without a word.
+2. **TLS handshake** (``do_handshake_on_connect=False``), within
+   ``--tls-handshake-timeout``. The peer certificate is kept for the app
+   (``environ["ghost_guard.peer_cert"]``).
+3. **request line and headers**, within ``--header-timeout`` (64 KiB at most,
+   431 above).
+4. **body**: ``Content-Length`` bytes, or a chunked body decoded up to
+   ``--max-body-bytes`` (413 above, before reading it), within
+   ``--body-timeout`` or the time the body needs at ``--body-min-rate``
+   bytes per second, whichever is longer.
+5. Only then is the **complete request** handed to a pool thread, which
+   parses it with gunicorn's own parser from memory, runs the WSGI app,
+   collects the reply in memory and sends what the socket takes at once
+   (non-blocking): a pool thread never waits for a client.
+6. The loop **writes the rest of the reply** within ``--write-timeout`` (a reader too
+   slow for it is cut off), then keeps the connection for the next request
+   for ``--keepalive-timeout`` at most, or closes it (lingering up to 1 s
+   for the client's FIN so the reply is not lost to a reset).
+
+A deadline missed closes the connection and counts it in
+``ghost_guard_connections_rejected_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import errno
+import selectors
+import socket
+import ssl
+import time
+from collections import Counter as _Tally
+
+from gunicorn import http
+from gunicorn.http import wsgi
+from gunicorn.workers.gthread import ThreadWorker
+
+# Largest request line + headers accepted (gunicorn's own per-line and per-field limits apply as well).
+MAX_HEAD_BYTES = 64 * 1024
+# A closing connection waits this long for the client's FIN (so the reply is not reset away).
+LINGER_SECONDS = 1.0
+# A request this small is always buffered; larger ones reserve their size from --max-buffered-bytes.
+SMALL_REQUEST = 64 * 1024
+# Deadlines are checked on this tick.
+TICK = 0.05
+# The WSGI environ keys the worker adds: the verified client certificate (ssl.getpeercert() form, or None).
+PEER_CERT = "ghost_guard.peer_cert"
+
+HANDSHAKE, HEAD, BODY, BUSY, WRITE, IDLE, LINGER = "handshake", "head", "body", "busy", "write", "idle", "linger"
+# What a missed deadline means, per state (None: a normal close, not counted).
+EXPIRED = {HANDSHAKE: "tls-handshake-timeout", HEAD: "header-timeout", BODY: "body-timeout", WRITE: "write-timeout",
+           IDLE: None, LINGER: None}
+
+_STATUS = {400: "Bad Request", 413: "Content Too Large", 431: "Request Header Fields Too Large",
+           500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+def error_reply(status: int, reason: str) -> bytes:
+    """A complete HTTP/1.1 reply with ``{"error": reason}`` that closes the connection."""
+    import orjson
+
+    body = orjson.dumps({"error": reason})
+    return (f"HTTP/1.1 {status} {_STATUS[status]}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+class FramingError(Exception):
+    def __init__(self, status: int, reason: str, counted: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.counted = status, reason, counted
+
+
+def request_framing(head: bytes, max_body: int) -> tuple[bytes, str, int, bool]:
+    """(head to hand on, "length" or "chunked", Content-Length, expects 100-continue) of a request head.
+
+    Only what is needed to find where the request ends; gunicorn's parser judges the
+    rest. An ``Expect`` header is answered here and dropped from the head.
+    """
+    lines = head[:-4].split(b"\r\n")
+    kept, lengths, codings, expect = [lines[0]], [], [], False
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        key = name.strip().lower()
+        if key == b"expect":
+            expect = value.strip().lower() == b"100-continue"
+            continue
+        if key == b"content-length":
+            lengths.append(value.strip())
+        elif key == b"transfer-encoding":
+            codings += [c.strip().lower() for c in value.split(b",")]
+        kept.append(line)
+    out = b"\r\n".join(kept) + b"\r\n\r\n"
+    if codings:
+        if lengths:
+            raise FramingError(400, "both Content-Length and Transfer-Encoding", "bad-framing")
+        if codings[-1] != b"chunked":
+            return out, "length", 0, False  # gunicorn answers an unsupported coding
+        return out, "chunked", 0, expect
+    if not lengths:
+        return out, "length", 0, False
+    if len(set(lengths)) != 1 or not lengths[0].isdigit():
+        return out, "length", 0, False  # gunicorn answers 400 with the reason
+    length = int(lengths[0])
+    if length > max_body:
+        raise FramingError(413, f"request body larger than the limit ({max_body} bytes, --max-body-bytes)",
+                           "body-too-large")
+    return out, "length", length, expect
+
+
+class Conn:
+    """One client connection, owned by the event loop."""
+
+    __slots__ = ("sock", "addr", "ip", "server", "tls", "state", "deadline", "buf", "events", "peer_cert",
+                 "head", "head_len", "kind", "need", "body_start", "chunk_pos", "chunk_bytes", "in_trailer",
+                 "out", "keep", "reject", "closed", "reserved", "counted")
+
+    def __init__(self, sock, addr, server, tls: bool) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.ip = addr[0] if isinstance(addr, tuple) else str(addr)
+        self.server = server
+        self.tls = tls
+        self.state = HANDSHAKE if tls else HEAD
+        self.deadline = 0.0
+        self.buf = bytearray()
+        self.events = 0
+        self.peer_cert = None
+        self.out = memoryview(b"")
+        self.keep = False
+        self.reject: bytes | None = None
+        self.closed = False
+        self.reserved = 0  # bytes of --max-buffered-bytes held by this connection's request and reply
+        self.counted = False  # counted towards the connection limits (admitted, not refused, not closing)
+        self.reset()
+
+    def reset(self) -> None:
+        self.head = b""
+        self.head_len = 0
+        self.kind = "length"
+        self.need = 0
+        self.body_start = 0.0
+        self.chunk_pos = 0
+        self.chunk_bytes = 0
+        self.in_trailer = False
+
+
+class _Capture:
+    """The socket a pool thread's gunicorn Response writes to: the reply is collected, never sent from the thread."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def sendall(self, data) -> None:
+        self.parts.append(data if type(data) is bytes else bytes(data))
+
+    def send(self, data) -> int:
+        self.sendall(data)
+        return len(data)
+
+    def getvalue(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class GuardWorker(ThreadWorker):
+    """gthread with an event loop that owns every connection until its request is complete (see the module doc)."""
+
+    def init_process(self) -> None:
+        from guard import metrics
+
+        s = self.app.settings
+        self.settings = s
+        self.rejected = metrics.CONNECTIONS_REJECTED
+        self.open_gauge = metrics.CONNECTIONS_OPEN
+        self.next_sample = 0.0
+        self.tls = getattr(self.app, "tls", None)
+        self.conns: set[Conn] = set()
+        self.per_client: _Tally = _Tally()
+        self.buffered = 0  # bytes reserved by large requests being read, run or answered
+        self.admitted = 0  # open connections not being refused
+        self.accept_paused_until = 0.0
+        _raise_open_files_limit(4 * s.max_connections + 256)
+        super().init_process()
+
+    # --- registration --------------------------------------------------------------------------------
+
+    def _want(self, conn: Conn, events: int) -> None:
+        if conn.events == events:
+            return
+        if conn.events:
+            self.poller.modify(conn.sock, events, conn)
+        else:
+            self.poller.register(conn.sock, events, conn)
+        conn.events = events
+
+    def _unwatch(self, conn: Conn) -> None:
+        if conn.events:
+            try:
+                self.poller.unregister(conn.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+            conn.events = 0
+
+    def _release(self, conn: Conn) -> None:
+        self.buffered -= conn.reserved
+        conn.reserved = 0
+
+    def _uncount(self, conn: Conn) -> None:
+        """No longer counted towards the limits: closed, or closing (lingering for the client's FIN)."""
+        if conn.counted:
+            conn.counted = False
+            self.admitted -= 1
+            self.per_client[conn.ip] -= 1
+            if self.per_client[conn.ip] <= 0:
+                del self.per_client[conn.ip]
+
+    def _close(self, conn: Conn, reason: str | None) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._release(conn)
+        self._unwatch(conn)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        self.conns.discard(conn)
+        self._uncount(conn)
+        self.nr_conns = len(self.conns)
+        if reason:
+            self.rejected.labels(reason).inc()
+
+    # --- accept --------------------------------------------------------------------------------------
+
+    def accept(self, listener) -> None:
+        s = self.settings
+        for _ in range(64):
+            try:
+                sock, addr = listener.accept()
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED):
+                    # Out of file descriptors (EMFILE/ENFILE) or worse: stop accepting for a moment
+                    # instead of spinning on a listener that stays readable.
+                    self.log.warning("accept failed, pausing accepts for 0.5s: %s", e)
+                    self.set_accept_enabled(False)
+                    self.accept_paused_until = time.monotonic() + 0.5
+                return
+            sock.setblocking(False)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            conn = Conn(sock, addr, listener.getsockname(), self.tls is not None)
+            if len(self.conns) >= 2 * s.max_connections:  # refusing and closing ones too: not even a 503
+                self.rejected.labels("over-total-limit").inc()
+                sock.close()
+                continue
+            if self.per_client[conn.ip] >= s.max_connections_per_client:
+                reason, why = "over-client-limit", (f"too many connections from {conn.ip} (limit "
+                                                    f"{s.max_connections_per_client}, --max-connections-per-client)")
+            elif self.admitted >= s.max_connections and not self._evict_idle():
+                reason, why = "over-total-limit", f"too many connections (limit {s.max_connections}, --max-connections)"
+            else:
+                reason = why = None
+            if reason is not None:
+                self.rejected.labels(reason).inc()
+                conn.reject = error_reply(503, why)
+            else:
+                self.per_client[conn.ip] += 1
+                self.admitted += 1
+                conn.counted = True
+            if self.tls is not None:
+                try:
+                    conn.sock = self.tls.context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except (OSError, ssl.SSLError):
+                    sock.close()
+                    self._uncount(conn)
+                    continue
+                conn.deadline = time.monotonic() + s.tls_handshake_timeout
+            else:
+                conn.deadline = time.monotonic() + s.header_timeout
+            self.conns.add(conn)
+            self.nr_conns = len(self.conns)
+            if conn.reject is not None and self.tls is None:
+                self._send_reply(conn, conn.reject, keep=False)
+            else:
+                self._want(conn, selectors.EVENT_READ)
+
+    def _evict_idle(self) -> bool:
+        """At the total limit, close the kept-alive connection idle the longest to make room; False if none is idle.
+
+        An idle connection costs its client only a reconnect; a refused one costs a call.
+        """
+        idle = [c for c in self.conns if c.state == IDLE and c.counted]
+        if not idle:
+            return False
+        self._close(min(idle, key=lambda c: c.deadline), "idle-evicted")
+        return True
+
+    # --- the connection state machine ----------------------------------------------------------------
+
+    def _on_event(self, conn: Conn) -> None:
+        if conn.closed:
+            return
+        if conn.state == HANDSHAKE:
+            self._handshake(conn)
+        elif conn.state == WRITE:
+            self._write(conn)
+        elif conn.state in (HEAD, BODY, IDLE, LINGER):
+            self._read(conn)
+
+    def _handshake(self, conn: Conn) -> None:
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._want(conn, selectors.EVENT_READ)
+            return
+        except ssl.SSLWantWriteError:
+            self._want(conn, selectors.EVENT_WRITE)
+            return
+        except (ssl.SSLError, OSError) as e:
+            self.log.debug("tls handshake with %s failed: %s", conn.ip, e)
+            self._close(conn, "tls-handshake-failed")
+            return
+        try:
+            conn.peer_cert = conn.sock.getpeercert() or None
+        except (ValueError, OSError):
+            conn.peer_cert = None
+        if conn.reject is not None:
+            self._send_reply(conn, conn.reject, keep=False)
+            return
+        conn.state = HEAD
+        conn.deadline = time.monotonic() + self.settings.header_timeout
+        self._want(conn, selectors.EVENT_READ)
+        self._read(conn)  # the request may have come with the handshake's last flight
+
+    def _read(self, conn: Conn) -> None:
+        while True:
+            try:
+                chunk = conn.sock.recv(65536)
+            except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+                self._want(conn, selectors.EVENT_READ)  # (after a TLS read that wanted to write)
+                return
+            except ssl.SSLWantWriteError:
+                self._want(conn, selectors.EVENT_WRITE)
+                return
+            except (OSError, ssl.SSLError):
+                self._close(conn, None)
+                return
+            if not chunk:
+                if conn.state == BODY:  # half-closed mid-body: it may still read why
+                    got = len(conn.buf) - conn.head_len
+                    self.rejected.labels("body-incomplete").inc()
+                    self._send_reply(conn, error_reply(400, f"could not read the request body: the client "
+                                                            f"stopped sending after {got} bytes"
+                                                            + (f" of {conn.need - conn.head_len}"
+                                                               if conn.kind == "length" else "")), keep=False)
+                    return
+                self._close(conn, None)  # the client went away (or finished lingering)
+                return
+            if conn.state == LINGER:
+                continue  # discard until the client's FIN or the linger deadline
+            if conn.state == IDLE:
+                conn.state = HEAD
+                conn.deadline = time.monotonic() + self.settings.header_timeout
+            conn.buf += chunk
+            if self._advance(conn):
+                return
+
+    def _advance(self, conn: Conn) -> bool:
+        """Frame the buffered bytes; True once the connection stopped reading (dispatched, answered, closed)."""
+        s = self.settings
+        try:
+            if conn.state == HEAD:
+                end = conn.buf.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(conn.buf) > MAX_HEAD_BYTES:
+                        raise FramingError(431, f"request line and headers larger than {MAX_HEAD_BYTES} bytes",
+                                           "head-too-large")
+                    return False
+                if end + 4 > MAX_HEAD_BYTES:
+                    raise FramingError(431, f"request line and headers larger than {MAX_HEAD_BYTES} bytes",
+                                       "head-too-large")
+                head, kind, length, expect = request_framing(bytes(conn.buf[:end + 4]), s.max_body_bytes)
+                size = end + 4 + (length if kind == "length" else s.max_body_bytes)
+                if size > SMALL_REQUEST:  # the request and its reply stay in memory until the reply is out
+                    if self.buffered + size > s.max_buffered_bytes:
+                        raise FramingError(503, f"too many large requests in flight (--max-buffered-bytes "
+                                           f"{s.max_buffered_bytes}); retry", "over-buffer-limit")
+                    conn.reserved = size
+                    self.buffered += size
+                now = time.monotonic()
+                conn.head, conn.head_len, conn.kind = head, end + 4, kind
+                conn.state, conn.body_start = BODY, now
+                if kind == "length":
+                    conn.need = conn.head_len + length
+                    conn.deadline = now + max(s.body_timeout, length / s.body_min_rate)
+                else:
+                    conn.chunk_pos = conn.head_len
+                    conn.deadline = now + s.body_timeout
+                if expect and len(conn.buf) < conn.head_len + 1:
+                    try:
+                        conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    except (OSError, ssl.SSLError):
+                        pass  # the client sends the body after its own short wait anyway
+            if conn.state == BODY:
+                if conn.kind == "length":
+                    if len(conn.buf) < conn.need:
+                        return False
+                    end = conn.need
+                else:
+                    end = self._scan_chunks(conn)
+                    if end is None:
+                        return False
+                request = conn.head + bytes(conn.buf[conn.head_len:end])
+                del conn.buf[:end]
+                self._dispatch(conn, request)
+                return True
+        except FramingError as e:
+            self.rejected.labels(e.counted).inc()
+            self._send_reply(conn, error_reply(e.status, e.reason), keep=False)
+            return True
+        return False
+
+    def _scan_chunks(self, conn: Conn) -> int | None:
+        """Where a chunked body ends in the buffer, or None while incomplete. Raises FramingError."""
+        s, buf, pos = self.settings, conn.buf, conn.chunk_pos
+        if len(buf) - conn.head_len > 2 * s.max_body_bytes + 65536:  # framing overhead beyond reason
+            raise FramingError(413, f"request body larger than the limit ({s.max_body_bytes} bytes, "
+                               "--max-body-bytes)", "body-too-large")
+        while True:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                if len(buf) - pos > 8192:
+                    raise FramingError(400, "chunk size or trailer line too long", "bad-framing")
+                return None
+            if conn.in_trailer:
+                if eol == pos:  # the empty line that ends the trailers
+                    return eol + 2
+                conn.chunk_pos = pos = eol + 2
+                continue
+            field = bytes(buf[pos:eol]).split(b";", 1)[0].strip()
+            if not field or any(c not in b"0123456789abcdefABCDEF" for c in field) or len(field) > 16:
+                raise FramingError(400, f"invalid chunk size {field[:20]!r}", "bad-framing")
+            size = int(field, 16)
+            if size == 0:
+                conn.in_trailer = True
+                conn.chunk_pos = pos = eol + 2
+                continue
+            if conn.chunk_bytes + size > s.max_body_bytes:
+                raise FramingError(413, f"request body larger than the limit ({s.max_body_bytes} bytes, "
+                                   "--max-body-bytes)", "body-too-large")
+            end = eol + 2 + size
+            if len(buf) < end + 2:
+                return None
+            if buf[end:end + 2] != b"\r\n":
+                raise FramingError(400, "chunk data not followed by CRLF", "bad-framing")
+            conn.chunk_bytes += size
+            conn.chunk_pos = pos = end + 2
+            conn.deadline = conn.body_start + s.body_timeout + conn.chunk_bytes / s.body_min_rate
+
+    def _dispatch(self, conn: Conn, request: bytes) -> None:
+        conn.state, conn.deadline = BUSY, 0.0
+        self._unwatch(conn)
+        future = self.tpool.submit(self._serve_and_send, conn, request)
+        future.add_done_callback(lambda f: self.method_queue.defer(self._served, conn, f))
+
+    def _serve(self, conn: Conn, request: bytes) -> tuple[bytes, bool]:
+        """In a pool thread: parse the complete request from memory, run the app, collect the reply."""
+        out = _Capture()
+        req = None
+        try:
+            parser = http.get_parser(self.cfg, iter([request]), conn.addr)
+            req = next(parser)
+            resp, environ = wsgi.create(req, out, conn.addr, conn.server, self.cfg)
+            environ["wsgi.multithread"] = True
+            environ[PEER_CERT] = conn.peer_cert
+            if not self.alive:
+                resp.force_close()
+            respiter = self.wsgi(environ, resp.start_response)
+            try:
+                for item in respiter:
+                    resp.write(item)
+                resp.close()
+            finally:
+                if hasattr(respiter, "close"):
+                    respiter.close()
+            return out.getvalue(), not resp.should_close()
+        except StopIteration:
+            return b"", False
+        except Exception as e:  # gunicorn's parser errors get its 4xx; anything else a 500
+            if out.parts:  # the reply had started: nothing sane can follow it
+                self.log.exception("error after the reply started")
+                return out.getvalue(), False
+            self.handle_error(req, out, conn.addr, e)
+            return out.getvalue(), False
+
+    def _serve_and_send(self, conn: Conn, request: bytes) -> tuple[memoryview, bool, bool]:
+        """In a pool thread: the reply, and as much of it as the socket takes right now (never waiting).
+
+        The loop does not touch a connection while its request runs, so the thread may write
+        to it; whatever does not fit at once is left to the loop and its write deadline.
+        Returns (the rest of the reply, keep-alive, the connection broke).
+        """
+        data, keep = self._serve(conn, request)
+        rest = memoryview(data)
+        try:
+            while rest:
+                rest = rest[conn.sock.send(rest):]
+        except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+            pass  # the same view goes to the loop: a TLS write is retried with the same bytes
+        except (OSError, ssl.SSLError):
+            return rest, False, True
+        return rest, keep, False
+
+    def _served(self, conn: Conn, future) -> None:
+        if conn.closed:
+            return
+        try:
+            rest, keep, broken = future.result()
+        except Exception:
+            self.log.exception("request handling failed")
+            rest, keep, broken = memoryview(error_reply(500, "internal error; see the guard's log")), False, False
+        if broken:
+            self._close(conn, None)
+            return
+        self._send_reply(conn, rest, keep=keep and self.alive)
+
+    def _send_reply(self, conn: Conn, data: bytes | memoryview, *, keep: bool) -> None:
+        conn.state, conn.keep = WRITE, keep
+        conn.out = data if isinstance(data, memoryview) else memoryview(data)
+        conn.deadline = time.monotonic() + self.settings.write_timeout
+        self._write(conn)
+
+    def _write(self, conn: Conn) -> None:
+        while conn.out:
+            try:
+                sent = conn.sock.send(conn.out)
+            except (ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
+                self._want(conn, selectors.EVENT_WRITE)
+                return
+            except ssl.SSLWantReadError:
+                self._want(conn, selectors.EVENT_READ)
+                return
+            except (OSError, ssl.SSLError):
+                self._close(conn, None)
+                return
+            conn.out = conn.out[sent:]
+        self._release(conn)
+        if not conn.keep:
+            self._linger(conn)
+            return
+        conn.reset()
+        conn.state, conn.deadline = IDLE, time.monotonic() + self.settings.keepalive_timeout
+        self._want(conn, selectors.EVENT_READ)
+        if conn.buf:  # a pipelined request is here already
+            conn.state, conn.deadline = HEAD, time.monotonic() + self.settings.header_timeout
+            if self._advance(conn):
+                return
+        if conn.tls and conn.sock.pending():
+            self._read(conn)
+
+    def _linger(self, conn: Conn) -> None:
+        """Half-close, then wait briefly for the client's FIN so unread request bytes don't reset the reply away."""
+        conn.state, conn.deadline = LINGER, time.monotonic() + LINGER_SECONDS
+        conn.buf.clear()
+        self._uncount(conn)  # bounded by LINGER_SECONDS (and the hard cap of twice --max-connections)
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except (OSError, ValueError):
+            self._close(conn, None)
+            return
+        self._want(conn, selectors.EVENT_READ)
+
+    def _expire(self, now: float) -> None:
+        for conn in [c for c in self.conns if c.deadline and now >= c.deadline]:
+            reason = EXPIRED.get(conn.state)
+            if conn.reject is not None and reason:
+                reason = None  # already counted as over a limit
+            self._close(conn, reason)
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def _poll(self, timeout: float) -> None:
+        try:
+            events = self.poller.select(timeout)
+        except OSError as e:
+            if e.errno != errno.EINTR:
+                raise
+            return
+        for key, _ in events:
+            if isinstance(key.data, Conn):
+                self._on_event(key.data)
+            else:
+                key.data(key.fileobj)
+
+    def run(self) -> None:
+        self.poller.register(self.method_queue.fileno(), selectors.EVENT_READ, self.method_queue.run_callbacks)
+        self.set_accept_enabled(True)
+        while self.alive:
+            self.notify()
+            if self.accept_paused_until and time.monotonic() >= self.accept_paused_until:
+                self.accept_paused_until = 0.0
+                self.set_accept_enabled(True)
+            self._poll(TICK)
+            if not self.is_parent_alive():
+                break
+            now = time.monotonic()
+            self._expire(now)
+            if now >= self.next_sample:
+                self.next_sample = now + 1.0
+                self.open_gauge.set(len(self.conns))
+
+        # Graceful stop: no new connections; idle ones close now; requests being read, run or
+        # written finish (with "Connection: close") within gunicorn's graceful timeout.
+        self.set_accept_enabled(False)
+        stop_by = time.monotonic() + self.cfg.graceful_timeout
+        while self.conns and time.monotonic() < stop_by:
+            for conn in [c for c in self.conns if c.state in (IDLE, HANDSHAKE) or (c.state == HEAD and not c.buf)]:
+                self._close(conn, None)
+            for conn in self.conns:
+                conn.keep = False
+            self.notify()
+            self._poll(TICK)
+            self._expire(time.monotonic())
+        for conn in list(self.conns):
+            self._close(conn, None)
+        self.tpool.shutdown(wait=False)
+        self.poller.close()
+        self.method_queue.close()
+        for s in self.sockets:
+            s.close()
+
+
+def _raise_open_files_limit(wanted: int) -> None:
+    """Lift the soft open-files limit towards ``wanted`` (never above the hard limit): each connection is a file."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass

@@ -1,0 +1,57 @@
+"""guard.identity: which client certificate may call which endpoint (pure, no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from guard.identity import ROLE_OF_PATH, RolePolicy, certificate_names
+from guard.settings import Settings, SettingsError
+
+
+def peer(cn: str | None = None, dns: tuple[str, ...] = ()) -> dict:
+    """A certificate as ssl.SSLSocket.getpeercert() reports it."""
+    cert: dict = {"subject": ((("organizationName", "kube-ghost-guard"),),) + (((("commonName", cn),),) if cn else ())}
+    if dns:
+        cert["subjectAltName"] = tuple(("DNS", d) for d in dns) + (("IP Address", "10.0.0.1"),)
+    return cert
+
+
+def test_names_are_the_cns_then_the_dns_sans():
+    assert certificate_names(peer("a", ("b.example", "a"))) == ("a", "b.example")
+    assert certificate_names(peer(None, ("only.dns",))) == ("only.dns",)
+    assert certificate_names(None) == () and certificate_names({}) == ()
+
+
+@pytest.mark.parametrize("path,allowed", [
+    ("/filter", "system:kube-scheduler"), ("/preempt", "system:kube-scheduler"),
+    ("/validate/binding", "kube-apiserver-ghost-guard-client"),
+    ("/metrics", "ghost-guard-monitoring"), ("/healthz", "ghost-guard-monitoring"), ("/readyz", "ghost-guard-monitoring"),
+])
+def test_each_endpoint_answers_only_its_role_by_default(path, allowed):
+    policy = RolePolicy.from_settings(Settings())
+    for cn in ("system:kube-scheduler", "kube-apiserver-ghost-guard-client", "ghost-guard-monitoring", "someone"):
+        refused = policy.refuse(path, peer(cn))
+        if cn == allowed:
+            assert refused is None, (path, cn)
+        else:
+            role, reason = refused
+            assert role == ROLE_OF_PATH[path]
+            assert cn in reason and path in reason and f"--{role}-identities" in reason
+
+
+def test_a_dns_san_matches_and_identities_are_configurable():
+    policy = RolePolicy.from_settings(Settings(scheduler_identities="sched-a, sched.example.com"))
+    assert policy.refuse("/filter", peer("x", ("sched.example.com",))) is None
+    assert policy.refuse("/filter", peer("sched-a")) is None
+    assert policy.refuse("/filter", peer("system:kube-scheduler")) is not None  # replaced, not added
+    assert policy.refuse("/filter", None)[1].startswith("client certificate (no CN or DNS name)")
+
+
+def test_unknown_paths_need_no_role():
+    assert RolePolicy.from_settings(Settings()).refuse("/nope", peer("anyone")) is None
+
+
+@pytest.mark.parametrize("field", ["scheduler_identities", "apiserver_identities", "monitoring_identities"])
+def test_an_empty_role_is_refused_by_validation(field):
+    with pytest.raises(SettingsError, match=field.replace("_", "-")):
+        Settings(insecure_http=True, bind="127.0.0.1:1", **{field: " , "}).validate()

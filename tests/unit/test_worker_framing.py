@@ -1,0 +1,57 @@
+"""guard.worker.request_framing: where a request ends, decided from its head alone (no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from guard.worker import FramingError, error_reply, request_framing
+
+
+def head(*lines: str) -> bytes:
+    return ("\r\n".join(("POST /filter HTTP/1.1", "Host: g") + lines) + "\r\n\r\n").encode()
+
+
+def test_content_length():
+    out, kind, length, expect = request_framing(head("Content-Length: 12"), 100)
+    assert (kind, length, expect) == ("length", 12, False) and out == head("Content-Length: 12")
+
+
+def test_no_body_without_length_or_coding():
+    assert request_framing(head(), 100)[1:] == ("length", 0, False)
+
+
+def test_chunked_is_read_to_its_last_chunk():
+    assert request_framing(head("Transfer-Encoding: gzip, chunked"), 100)[1:3] == ("chunked", 0)
+
+
+def test_expect_is_answered_by_the_worker_and_dropped_from_the_head():
+    out, kind, length, expect = request_framing(head("Expect: 100-continue", "Content-Length: 5"), 100)
+    assert expect and length == 5 and b"expect" not in out.lower()
+
+
+def test_over_the_limit_is_refused_from_the_head():
+    with pytest.raises(FramingError) as e:
+        request_framing(head("Content-Length: 101"), 100)
+    assert (e.value.status, e.value.counted) == (413, "body-too-large")
+    assert "--max-body-bytes" in e.value.reason
+
+
+def test_length_and_chunked_together_is_refused():
+    with pytest.raises(FramingError) as e:
+        request_framing(head("Content-Length: 5", "Transfer-Encoding: chunked"), 100)
+    assert e.value.status == 400
+
+
+@pytest.mark.parametrize("lines", [("Content-Length: 5", "Content-Length: 6"), ("Content-Length: -1",),
+                                   ("Content-Length: 0x10",), ("Transfer-Encoding: gzip",)])
+def test_what_gunicorn_refuses_is_handed_on_without_a_body(lines):
+    """gunicorn's parser then answers the 400/501 with its own reason; the worker reads no body for it."""
+    assert request_framing(head(*lines), 100)[1:3] == ("length", 0)
+
+
+def test_error_reply_is_a_complete_json_reply_that_closes():
+    reply = error_reply(503, 'too "many"')
+    head_part, _, body = reply.partition(b"\r\n\r\n")
+    assert head_part.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert b"Connection: close" in head_part and f"Content-Length: {len(body)}".encode() in head_part
+    assert body == b'{"error":"too \\"many\\""}'
