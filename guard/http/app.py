@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,55 @@ from guard.verdict import PodRef
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("guard.access")
 
+# Bodies up to this size are answered without taking room in the worker's BodyBudget.
+SMALL_BODY_BYTES = 256 * 1024
+
 ENDPOINTS = frozenset({"/filter", "/preempt", "/validate/binding", "/healthz", "/readyz", "/metrics"})
+
+
+class Overloaded(ProtocolError):
+    """Too many large bodies are being answered at once: 503 with the reason (the caller retries)."""
+
+    status = 503
+
+
+class BodyBudget:
+    """Memory per worker: requests with a body over ``small`` bytes are answered only while the
+    bytes of all such bodies in flight stay within ``limit``; one waits at most ``wait`` seconds
+    for room, else 503 before its body is read.
+
+    Room is taken before the body is read and given back once the reply is written, so the raw
+    body, its decoded document (bounded per byte by guard.extender.decode) and the reply are all
+    covered: about ``threads x small + limit`` bytes of request at once (docs/RELIABILITY.md).
+    kube-scheduler's names-mode bodies up to ``small`` never wait.
+    """
+
+    def __init__(self, limit: int, *, small: int, wait: float) -> None:
+        self.limit, self.small, self.wait = limit, small, wait
+        self._used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, size: int) -> int:
+        """Room for a body of ``size`` bytes: the bytes taken (0 for a small body). Raises Overloaded."""
+        if size <= self.small:
+            return 0
+        size = min(size, self.limit)
+        deadline = time.monotonic() + self.wait
+        with self._cond:
+            while self._used + size > self.limit:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Overloaded(f"too many large requests at once ({self._used} bytes of bodies over "
+                                     f"{self.small} bytes in flight, at most {self.limit}); retry")
+                self._cond.wait(remaining)
+            self._used += size
+        return size
+
+    def release(self, taken: int) -> None:
+        if taken:
+            with self._cond:
+                self._used -= taken
+                self._cond.notify_all()
 
 
 @dataclass
@@ -40,6 +89,8 @@ class Guard:
     preverifier: Preverifier | None
     # Extra readiness checks (None when fine, else a reason), e.g. the audit store.
     readiness_checks: list = field(default_factory=list)
+    # Bodies over SMALL_BODY_BYTES in flight: at most two of the largest accepted (build_guard).
+    bodies: BodyBudget = field(default_factory=lambda: BodyBudget(8 << 20, small=SMALL_BODY_BYTES, wait=1.0))
 
 
 def json_response(payload: object, status: int = 200) -> Response:
@@ -96,7 +147,27 @@ def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | No
     if settings.prepare:
         preverifier = Preverifier(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
         preverifier.start()
-    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=[audit_check, *readiness_checks])
+    bodies = BodyBudget(2 * settings.max_body_bytes, small=min(SMALL_BODY_BYTES, settings.max_body_bytes),
+                        wait=min(1.0, settings.request_budget / 2))
+    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=[audit_check, *readiness_checks],
+                 bodies=bodies)
+
+
+def bound_malloc() -> None:
+    """glibc malloc, before the worker's threads start: buffers of 128 KiB and more (request bodies,
+    decoded node lists, replies) get mappings of their own, returned to the system when freed, and
+    the threads share two arenas instead of one each. Otherwise memory a thread freed stays resident
+    in its own arena: 16 concurrent 4 MiB requests peaked at 564 MiB instead of 236 MiB
+    (docs/RELIABILITY.md). Elsewhere than glibc this does nothing."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    m_mmap_threshold, m_arena_max = -3, -8  # <malloc.h>
+    mallopt(m_mmap_threshold, 128 * 1024)
+    mallopt(m_arena_max, 2)
 
 
 def create_app(settings: Settings | None = None, readiness_checks: list[Callable[[], str | None]] = ()) -> Flask:
@@ -106,6 +177,7 @@ def create_app(settings: Settings | None = None, readiness_checks: list[Callable
     audit checks of ``/readyz``; the server passes the TLS holder's.
     """
     settings = settings or Settings()
+    bound_malloc()
     app = Flask("guard")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["ghost_guard"] = build_guard(settings, readiness_checks)
@@ -119,7 +191,7 @@ def create_app(settings: Settings | None = None, readiness_checks: list[Callable
 
     @app.errorhandler(ProtocolError)
     def protocol_error(e: ProtocolError) -> Response:
-        return json_error(400, str(e))
+        return json_error(e.status, str(e))
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException) -> Response:
@@ -140,6 +212,9 @@ def create_app(settings: Settings | None = None, readiness_checks: list[Callable
 
     @app.after_request
     def record(resp: Response) -> Response:
+        taken = g.pop("body_room", 0)  # BodyBudget room of this request's body: given back once written
+        if taken:
+            resp.call_on_close(lambda: app.extensions["ghost_guard"].bodies.release(taken))
         record_request(settings, request.method, request.path, resp.status_code,
                        time.perf_counter() - g.get("start", time.perf_counter()), request.remote_addr,
                        g.get("pod"), g.get("verdict"))
