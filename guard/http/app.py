@@ -14,10 +14,9 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from guard import metrics
-from guard.audit import AuditError, AuditStore
 from guard.check import Checker
 from guard.extender import ProtocolError
-from guard.incident import IncidentRecorder
+from guard.incident import IncidentRecorder, open_audit_store
 from guard.kube import Kube, load_configuration
 from guard.prepare import Preverifier
 from guard.replicas import ReplicaPool
@@ -87,8 +86,11 @@ class Guard:
     checker: Checker
     incidents: IncidentRecorder
     preverifier: Preverifier | None
-    # Extra readiness checks (None when fine, else a reason), e.g. the audit store.
+    # Extra readiness checks (None when fine, else a reason): only what stops verdicts, e.g. the
+    # served certificate. The apiserver is checked by the probe itself.
     readiness_checks: list = field(default_factory=list)
+    # /readyz body details, never a reason for 503: name -> callable returning a JSON-able value.
+    details: dict = field(default_factory=dict)
     # Bodies over SMALL_BODY_BYTES in flight: at most two of the largest accepted (build_guard).
     bodies: BodyBudget = field(default_factory=lambda: BodyBudget(8 << 20, small=SMALL_BODY_BYTES, wait=1.0))
 
@@ -122,25 +124,15 @@ def guard_of(app: Flask) -> Guard:
     return app.extensions["ghost_guard"]
 
 
-def open_audit(settings: Settings) -> tuple[AuditStore | None, Callable[[], str | None]]:
-    """The audit store, or None and a readiness problem: an audit failure never changes a verdict."""
-    try:
-        store = AuditStore(settings.audit_db, max_age_seconds=settings.audit_max_age,
-                           max_records=settings.audit_max_records, echo=sys.stdout)
-    except (AuditError, OSError, ValueError) as e:
-        reason = f"audit store {settings.audit_db} unusable: {e}"
-        log.error("%s; ghosts are still blocked but not recorded", reason)
-        return None, lambda: reason
-    return store, store.check
-
-
 def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | None]] = ()) -> Guard:
     """Clients, caches and background workers of one worker process (after the fork)."""
     kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout, pool_size=settings.threads)
     checker = Checker(settings, kube.quorum_get)
-    audit, audit_check = open_audit(settings)
+    # An audit store that cannot be opened or written never changes a verdict nor readiness: its
+    # health is a metric, a log line and a /readyz detail (IncidentRecorder.check_audit).
+    audit, audit_error = open_audit_store(settings)
     pool = ReplicaPool(settings, kube)
-    incidents = IncidentRecorder(settings, kube, pool, audit)
+    incidents = IncidentRecorder(settings, kube, pool, audit, audit_error)
     checker.listeners.append(incidents.new_ghost)
     checker.sighting_listeners.append(incidents.sighting)
     preverifier = None
@@ -149,8 +141,8 @@ def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | No
         preverifier.start()
     bodies = BodyBudget(2 * settings.max_body_bytes, small=min(SMALL_BODY_BYTES, settings.max_body_bytes),
                         wait=min(1.0, settings.request_budget / 2))
-    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=[audit_check, *readiness_checks],
-                 bodies=bodies)
+    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=list(readiness_checks),
+                 bodies=bodies, details={"audit_store": incidents.check_audit})
 
 
 def bound_malloc() -> None:
@@ -173,8 +165,8 @@ def bound_malloc() -> None:
 def create_app(settings: Settings | None = None, readiness_checks: list[Callable[[], str | None]] = ()) -> Flask:
     """Build the app. Under gunicorn this runs in each worker *after* the fork.
 
-    ``readiness_checks`` (each None when fine, else a reason) join the apiserver and
-    audit checks of ``/readyz``; the server passes the TLS holder's.
+    ``readiness_checks`` (each None when fine, else a reason) join the apiserver check
+    of ``/readyz``; the server passes the TLS holder's.
     """
     settings = settings or Settings()
     bound_malloc()
