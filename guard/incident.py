@@ -119,6 +119,7 @@ class IncidentRecorder:
         self._stale: dict[str, set[str]] = {}  # replica address -> ghost UIDs it was confirmed to serve
         self._stale_pods: dict[str, PodRef] = {}  # uid -> pod, for ghosts some replica was confirmed to serve
         self._verdicts: dict[str, Verdict] = {}  # uid -> its ghost verdict, for the words of the alert
+        self._last_probes: dict[str, dict] = {}  # replica address -> its newest probe's outcome, for /readyz
         self._timers: list[threading.Timer] = []
         self._closed = False
 
@@ -157,6 +158,7 @@ class IncidentRecorder:
         now = time.time()
         observations = list(self._probes.map(lambda c: c.probe(pod.namespace, pod.name, pod.uid, at=now), clients))
         for obs in observations:
+            self._note_probe(obs)
             self._record_probe(pod, obs)
             if obs.serves_ghost is False:
                 self._healed(pod, obs.replica)
@@ -168,6 +170,7 @@ class IncidentRecorder:
     def _confirm(self, pod: PodRef, first: list[tuple[ReplicaClient, ReplicaObservation]]) -> None:
         for client, before in first:
             after = client.probe(pod.namespace, pod.name, pod.uid, at=time.time())
+            self._note_probe(after)
             self._record_probe(pod, after)
             if after.serves_ghost is False:
                 self._healed(pod, after.replica)
@@ -222,6 +225,19 @@ class IncidentRecorder:
                    if attribution.should_reprobe(self._last_probe.get(uid, -1e18), now, self.settings.reprobe_interval)]
         for pod in due:
             self.probe(pod, confirm=False)
+
+    def _note_probe(self, obs: ReplicaObservation) -> None:
+        """The newest probe of each replica (for /readyz); a probe that got no answer is counted."""
+        outcome = attribution.classify(obs)
+        if obs.serves_ghost is None:
+            metrics.REPLICA_PROBE_ERRORS.labels(obs.replica, outcome).inc()
+        with self._lock:
+            self._last_probes[obs.replica] = {"outcome": outcome, "at": _utc(obs.checked_at), "error": obs.error}
+
+    def probe_status(self) -> dict[str, dict]:
+        """Per replica, the newest cache probe's outcome (stale, consistent, not-ready, unreachable, error)."""
+        with self._lock:
+            return {replica: dict(v) for replica, v in sorted(self._last_probes.items())}
 
     # -- plumbing -------------------------------------------------------------------
 

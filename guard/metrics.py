@@ -59,8 +59,10 @@ AUDIT_WRITE_ERRORS = Counter("ghost_guard_audit_write_errors", "Audit store writ
                              "(block, probe, check: the /readyz write test).", ["operation"])
 REPLICA_WATCH_UP = Gauge("ghost_guard_replica_watch_up", "1 while the unscheduled-pod watch on an apiserver replica "
                          "is synced, 0 while it is retrying.", ["replica"], multiprocess_mode="livemin")
+WATCH_FALLBACK = Gauge("ghost_guard_watch_fallback", "1 while no apiserver replica can be watched and pre-verification "
+                       "watches through the kubeconfig's own server instead.", multiprocess_mode="livemax")
 REPLICA_PROBE_ERRORS = Counter("ghost_guard_replica_probe_errors", "Cache probes of an apiserver replica that got "
-                               "no answer, by replica and kind (timeout, unreachable, not-ready, error).",
+                               "no answer, by replica and kind (unreachable: timeout or refused, not-ready: 429, error).",
                                ["replica", "kind"])
 
 

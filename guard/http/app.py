@@ -142,7 +142,21 @@ def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | No
     bodies = BodyBudget(2 * settings.max_body_bytes, small=min(SMALL_BODY_BYTES, settings.max_body_bytes),
                         wait=min(1.0, settings.request_budget / 2))
     return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=list(readiness_checks),
-                 bodies=bodies, details={"audit_store": incidents.check_audit})
+                 bodies=bodies, details={
+                     "audit_store": incidents.check_audit,
+                     "replicas": lambda: replica_details(incidents, preverifier),
+                     "preverification": lambda: {"enabled": preverifier is not None,
+                                                 "fallback": preverifier.watch_status()["fallback"] if preverifier
+                                                 else None}})
+
+
+def replica_details(incidents: IncidentRecorder, preverifier: Preverifier | None) -> dict:
+    """Per apiserver replica, its unscheduled-pod watch (None with --no-prepare) and its newest cache
+    probe (None before any ghost was probed). Information, never a reason for 503."""
+    watches = preverifier.watch_status()["replicas"] if preverifier else {}
+    probes = incidents.probe_status()
+    return {address: {"watch": watches.get(address), "last_probe": probes.get(address)}
+            for address in sorted(set(watches) | set(probes))}
 
 
 def bound_malloc() -> None:
