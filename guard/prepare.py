@@ -319,7 +319,8 @@ class Preverifier:
         elif fallback is not None and any(v.state == "synced" for v in views):
             with self._lock:
                 self._fallback = None
-            fallback.stop.set()
+            fallback.stop.set()  # its thread ends at its next event or the watch's timeout
+            fallback.client.close()
             metrics.WATCH_FALLBACK.set(0)
             log.warning("apiserver replica %s watched again; stopped pre-verifying through the kubeconfig's server",
                         ", ".join(str(v.client.replica) for v in views if v.state == "synced"))
