@@ -90,13 +90,13 @@ def shapes() -> dict[str, tuple[list[str], str, bytes]]:
         per -= 1 + (len(body) - CAP) // MAX_NODES
     out[f"nodes, {MAX_NODES} nodes x {per} B (at both caps)"] = ([], "/filter", body)
     out[f"nodes, {MAX_NODES} nodes x {per} B, --fail-closed"] = (["--fail-closed"], "/filter", body)
-    # Built to amplify memory: Python objects per JSON byte are largest for one-character strings
+    # Built to amplify memory: Python objects per JSON byte are largest for short strings
     # (4 bytes -> ~58) and empty arrays (2-3 bytes -> ~64-80), as dense as guard.extender.decode allows.
     head = orjson.dumps({"Pod": realistic_pod(), "Nodes": {"items": [{}] * MAX_NODES}, "NodeNames": None})[:-1]
-    unit = b'[],"a","a","abc"'  # one array per 17 bytes with its separator: just within the limit
+    unit = b'[],"abc"'  # one array per 9 bytes with its separator: just within the limit (8)
     count = (CAP - len(head) - len(b',"x":[]}')) // (len(unit) + 1)
     bomb = head + b',"x":[' + b",".join([unit] * count) + b"]}"
-    out["nodes mode + empty arrays and 1-char strings at the cap (worst per byte)"] = ([], "/filter", bomb)
+    out["nodes mode + empty arrays and short strings at the cap (worst per byte)"] = ([], "/filter", bomb)
     unit = b"[" * 1000 + b"]" * 1000
     count = (CAP - len(head) - len(b',"x":[]}')) // (len(unit) + 1)
     bomb = head + b',"x":[' + b",".join([unit] * count) + b"]}"

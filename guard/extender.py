@@ -64,12 +64,13 @@ class PreemptArgs:
 
 
 # Memory per request: decoding JSON builds Python objects, about 4-15x the bytes for what schedulers and
-# apiservers send, but up to ~50x for documents made of empty objects or arrays (``[[[]]]``: 2 bytes
-# each, ~80 bytes as a list). A document past DENSE_FLOOR_BYTES may hold at most one ``{`` or ``[``
+# apiservers send (one-character strings: ~15x), but up to ~50x for documents made of empty objects or
+# arrays (``[[[]]]``: 2 bytes each, ~80 bytes as a list). At one per 8 bytes they cost no more than
+# strings do. A document past DENSE_FLOOR_BYTES may hold at most one ``{`` or ``[``
 # per BYTES_PER_CONTAINER bytes on average (a v1.Node or v1.Pod has about one per 50-100), counted
 # without decoding (quotes included, which only makes the count larger).
 DENSE_FLOOR_BYTES = 64 * 1024
-BYTES_PER_CONTAINER = 16
+BYTES_PER_CONTAINER = 8
 
 
 def decode(data: bytes) -> Any:

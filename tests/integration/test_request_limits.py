@@ -111,7 +111,7 @@ def test_body_built_to_amplify_memory_is_413(guard, path):
     resp = guard.post(path, body)
     assert resp.status_code == 413, resp.text[:300]
     assert resp.json() == {"error": f"request body has 200002 JSON objects or arrays in {len(body)} bytes, more than "
-                                    "one per 16 bytes; no scheduler or apiserver request is shaped so"}
+                                    "one per 8 bytes; no scheduler or apiserver request is shaped so"}
 
 
 def test_largest_bodies_at_once_stay_under_the_container_limit(guard):
