@@ -1,8 +1,9 @@
 """A broken audit disk degrades the audit record only: never the verdicts, never readiness.
 
 A real guard on the shared lab writes its audit store on a small tmpfs. The disk is filled
-during the run, then freed; another guard starts with its store on a read-only mount, which is
-then made writable. Throughout, ghosts are rejected and live pods pass, ``/readyz`` stays 200,
+during the run, then freed; another store is on ext4 that turns read-only during the run (a
+filesystem error with errors=remount-ro); another guard starts with its store on a read-only
+mount, which is then made writable. Throughout, ghosts are rejected and live pods pass, ``/readyz`` stays 200,
 and the store's health is told three ways: ``ghost_guard_audit_store_healthy``, one log line per
 change, and ``details.audit_store`` in ``/readyz``'s body. Needs root (mount); skipped otherwise.
 """
@@ -117,6 +118,46 @@ def test_audit_disk_full_during_a_run(shared_lab, lab_namespace, start_guard, di
     assert g.metric("ghost_guard_audit_store_healthy") == 1
     assert full_log(g).count("is writable again") == 1
     verdicts.check()
+
+
+def test_audit_disk_turns_read_only_during_a_run(shared_lab, lab_namespace, start_guard, tmp_path):
+    """ext4 on a loop device with errors=remount-ro; a filesystem error (the kernel's own
+    trigger_fs_error) makes it read-only under the running guard, as a failing disk does."""
+    image, mnt = tmp_path / "disk.img", tmp_path / "ext4"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(16 << 20)
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True, text=True)
+        mount("-o", "loop,errors=remount-ro", str(image), str(mnt))
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot mount an ext4 loop device here: {getattr(e, 'stderr', e)}")
+    try:
+        device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(mnt)], check=True, capture_output=True,
+                                text=True).stdout.strip().rsplit("/", 1)[-1]
+        g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", str(mnt / "audit.db"),
+                         "--no-events", "--no-prepare"])
+        verdicts = Verdicts(g, shared_lab, lab_namespace)
+        verdicts.check()
+        assert audit_detail(g)["writable"] is True
+
+        Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("ghost-guard test: disk turns read-only")
+        options = subprocess.run(["findmnt", "-n", "-o", "OPTIONS", str(mnt)], capture_output=True,
+                                 text=True).stdout.strip().split(",")
+        assert {"ro", "emergency_ro"} & set(options), options  # Linux 6.x says emergency_ro
+
+        def noticed() -> bool:
+            verdicts.check()
+            return g.metric("ghost_guard_audit_store_healthy") == 0
+
+        eventually(noticed, 30, what="the read-only disk noticed", interval=0.3, process=g)
+        for _ in range(3):
+            verdicts.check()
+        detail = eventually(lambda: (d := audit_detail(g))["writable"] is False and d, 10, what="/readyz detail")
+        assert detail["error"], detail
+        assert full_log(g).count("cannot be written") == 1, g.logs()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_audit_disk_read_only(shared_lab, lab_namespace, start_guard, disk, tmp_path):
