@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from guard.extender import ProtocolError, pod_ref
+from guard.extender import ProtocolError, decode, pod_ref
 from guard.verdict import PodRef
 
 API_VERSION = "admission.k8s.io/v1"
@@ -26,10 +26,7 @@ class BindingReview:
 
 
 def parse_review(body: bytes) -> BindingReview:
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise ProtocolError(f"request body is not valid JSON: {e}") from e
+    doc = decode(body)
     if not isinstance(doc, dict):
         raise ProtocolError("request body must be an AdmissionReview object")
     if doc.get("apiVersion") != API_VERSION or doc.get("kind") != "AdmissionReview":

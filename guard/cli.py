@@ -57,7 +57,8 @@ def main() -> None:
 @option("--read-cache-size", type=int, default=10_000, help="Most quorum reads remembered at once.")
 @option("--fail-closed", is_flag=True, default=False,
         help="Reject a pod when the guard cannot decide (apiserver trouble). Default: fail open (pass it, counted).")
-@option("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="Largest request body accepted (413 above).")
+@option("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+        help="Largest request body accepted (413 above). Names mode for 15,000 nodes is about 1 MB.")
 @option("--access-log/--no-access-log", default=True, help="One JSON line per request on stderr.")
 @option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Log level.")
 @option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
@@ -116,6 +117,9 @@ def main() -> None:
 @option("--monitoring-identities", default="ghost-guard-monitoring", metavar="NAME,...",
         help="Client-certificate names (CN or DNS SAN) allowed to call /metrics, /healthz and /readyz "
              "(with --client-ca only).")
+@option("--max-nodes", type=int, default=5000,
+        help="Most Nodes.items accepted in a nodes-mode /filter (whole v1.Node objects; 413 above). "
+             "Names mode (nodeCacheCapable: true) is bounded by --max-body-bytes only.")
 def serve(**kwargs) -> None:
     """Serve the extender (/filter, /preempt), probes and metrics under gunicorn."""
     from guard.server import StartupError, preflight, serve as run

@@ -32,7 +32,15 @@ class ExtenderPreemptionResult(TypedDict):
 
 
 class ProtocolError(ValueError):
-    """The request is not a well-formed extender request; the reason says why."""
+    """The request is not a well-formed extender request; the reason says why (HTTP ``status``)."""
+
+    status = 400
+
+
+class TooLarge(ProtocolError):
+    """The request is well formed but beyond a size limit (``--max-nodes``): 413 with the reason."""
+
+    status = 413
 
 
 @dataclass(slots=True)
@@ -55,11 +63,31 @@ class PreemptArgs:
     meta_victims: dict[str, Any]  # node -> {"Pods": [{"UID": ...}], "NumPDBViolations": n}
 
 
-def _load_object(body: bytes) -> dict[str, Any]:
+# Memory per request: decoding JSON builds Python objects, about 4-15x the bytes for what schedulers and
+# apiservers send (one-character strings: ~15x), but up to ~50x for documents made of empty objects or
+# arrays (``[[[]]]``: 2 bytes each, ~80 bytes as a list). At one per 8 bytes they cost no more than
+# strings do. A document past DENSE_FLOOR_BYTES may hold at most one ``{`` or ``[``
+# per BYTES_PER_CONTAINER bytes on average (a v1.Node or v1.Pod has about one per 50-100), counted
+# without decoding (quotes included, which only makes the count larger).
+DENSE_FLOOR_BYTES = 64 * 1024
+BYTES_PER_CONTAINER = 8
+
+
+def decode(data: bytes) -> Any:
+    """``orjson.loads`` of a request body (or part), refusing one shaped to amplify memory (413)."""
+    if len(data) > DENSE_FLOOR_BYTES:
+        containers = data.count(b"{") + data.count(b"[")
+        if containers * BYTES_PER_CONTAINER > len(data):
+            raise TooLarge(f"request body has {containers} JSON objects or arrays in {len(data)} bytes, more than "
+                           f"one per {BYTES_PER_CONTAINER} bytes; no scheduler or apiserver request is shaped so")
     try:
-        doc = orjson.loads(body)
+        return orjson.loads(data)
     except orjson.JSONDecodeError as e:
         raise ProtocolError(f"request body is not valid JSON: {e}") from e
+
+
+def _load_object(body: bytes) -> dict[str, Any]:
+    doc = decode(body)
     if not isinstance(doc, dict):
         raise ProtocolError(f"request body must be a JSON object, got {type(doc).__name__}")
     return doc
@@ -140,19 +168,26 @@ def _split_names_mode(body: bytes) -> tuple[bytes, bytes] | None:
     return body[len(_GO_HEAD):split], names
 
 
-def parse_filter(body: bytes) -> FilterArgs:
+def parse_filter(body: bytes, max_nodes: int | None = None) -> FilterArgs:
     """Parse ``ExtenderArgs``: ``{"Pod", "Nodes", "NodeNames"}``, exactly one of the last two set.
 
     kube-scheduler's own names-mode body takes a fast path: only the Pod is
     decoded, the node names stay bytes for :func:`filter_pass` to copy through.
     Every other body (and any the fast path cannot prove well-formed) is decoded
     whole, which also gives the reason for a bad one.
+
+    ``max_nodes`` caps ``Nodes.items`` (nodes mode, whole v1.Node objects): more
+    raise :class:`TooLarge` right after decoding, before any node is looked at
+    or any reply built. The decoded document itself is bounded by the body
+    limit (``--max-body-bytes``), which alone bounds names mode.
     """
     parts = _split_names_mode(body)
     if parts is not None:
         try:
-            pod = orjson.loads(parts[0])
-        except orjson.JSONDecodeError:
+            pod = decode(parts[0])
+        except TooLarge:
+            raise
+        except ProtocolError:
             pass  # decoded whole below, for the reason
         else:
             return FilterArgs(pod_ref(pod), "names", None, None, parts[1])
@@ -169,6 +204,10 @@ def parse_filter(body: bytes) -> FilterArgs:
     if nodes is not None:
         if not isinstance(nodes, dict) or not isinstance(nodes.get("items", []), list):
             raise ProtocolError("Nodes must be a v1.NodeList object with an items list")
+        items = nodes.get("items") or []
+        if max_nodes is not None and len(items) > max_nodes:
+            raise TooLarge(f"Nodes.items has {len(items)} nodes, more than the limit of {max_nodes} (--max-nodes); "
+                           "for large clusters register the extender with nodeCacheCapable: true (NodeNames)")
         return FilterArgs(pod, "nodes", None, nodes)
     raise ProtocolError("neither Nodes nor NodeNames is set; the scheduler sends exactly one")
 

@@ -23,6 +23,7 @@ The pure rules (what counts as stale, healed, missed delete) are in
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from guard import attribution, metrics
 from guard.attribution import ReplicaObservation
-from guard.audit import AuditError, AuditStore
+from guard.audit import AuditError, AuditStore, IdentityConflictError, UnknownGhostError
 from guard.kube import Kube, ReplicaClient, emit_event
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
@@ -47,6 +48,63 @@ _TRUTH = {
 }
 
 
+def _utc(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+
+
+def open_audit_store(settings: Settings) -> tuple[AuditStore | None, str | None]:
+    """The audit store, or None and why it cannot be opened."""
+    try:
+        return AuditStore(settings.audit_db, max_age_seconds=settings.audit_max_age,
+                          max_records=settings.audit_max_records, echo=sys.stdout), None
+    except (AuditError, OSError, ValueError) as e:
+        return None, f"audit store {settings.audit_db} unusable: {e}"
+
+
+class AuditHealth:
+    """Whether the audit store takes writes, shown three ways and never as a readiness problem
+    (verdicts do not need the store): ``ghost_guard_audit_store_healthy``, one log line per
+    change of state (not per write), and a detail in ``/readyz``'s body."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self.healthy: bool | None = None
+        self.error: str | None = None
+        self.since = time.time()
+        self.failures = 0
+
+    def ok(self) -> None:
+        if self.healthy is True:  # the common case, without the lock
+            return
+        with self._lock:
+            was, self.healthy, self.error = self.healthy, True, None
+            if was is True:
+                return
+            self.since = time.time()
+        metrics.AUDIT_STORE_HEALTHY.set(1)
+        if was is False:
+            log.warning("audit store %s is writable again: ghosts are recorded again", self.path)
+
+    def failed(self, operation: str, error: str) -> None:
+        metrics.AUDIT_WRITE_ERRORS.labels(operation).inc()
+        with self._lock:
+            self.failures += 1
+            changed = self.healthy is not False
+            self.healthy, self.error = False, error[:500]
+            if changed:
+                self.since = time.time()
+        if changed:
+            metrics.AUDIT_STORE_HEALTHY.set(0)
+            log.error("audit store %s cannot be written (%s): ghosts are still blocked, but not recorded until it "
+                      "can; readiness is not affected", self.path, error[:500])
+
+    def detail(self) -> dict:
+        with self._lock:
+            return {"path": self.path, "writable": self.healthy, "error": self.error, "since": _utc(self.since),
+                    "failures": self.failures}
+
+
 class IncidentRecorder:
     """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
 
@@ -56,7 +114,7 @@ class IncidentRecorder:
 
     def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditStore | None, *,
                  retract: Callable[[PodRef], bool] | None = None,
-                 later: Callable[..., None] | None = None) -> None:
+                 later: Callable[..., None] | None = None, audit_error: str | None = None) -> None:
         self.settings = settings
         self.kube = kube
         self.pool = pool
@@ -69,6 +127,13 @@ class IncidentRecorder:
         self._stale: dict[str, set[PodRef]] = {}  # replica address -> ghosts it was confirmed to serve
         self._stale_pods: set[PodRef] = set()  # ghosts some replica was confirmed to serve
         self._verdicts: dict[PodRef, Verdict] = {}  # ghost -> its verdict, for the words of the alert
+        self.audit_health = AuditHealth(settings.audit_db)
+        if audit is None:
+            self.audit_health.failed("open", audit_error or "not opened")
+        else:
+            self.audit_health.ok()
+        self._audit_lock = threading.Lock()
+        self._last_probes: dict[str, dict] = {}  # replica address -> its newest probe's outcome, for /readyz
         self._timers: list[threading.Timer] = []
         self._closed = False
 
@@ -152,6 +217,7 @@ class IncidentRecorder:
         with self._lock:
             confirmed = {r for r, ghosts in self._stale.items() if pod in ghosts}
         for obs in observations:
+            self._note_probe(obs)
             # A replica seen serving the ghost once may only lag: it is written down (and so named by
             # `report`) when the confirmation round still finds it serving, or if it was confirmed before.
             if obs.serves_ghost is not True or obs.replica in confirmed:
@@ -168,6 +234,7 @@ class IncidentRecorder:
             return
         for client, before in first:
             after = client.probe(pod.namespace, pod.name, pod.uid, at=time.time())
+            self._note_probe(after)
             self._record_probe(pod, after)
             if after.serves_ghost is False:
                 self._healed(pod, after.replica)
@@ -223,7 +290,38 @@ class IncidentRecorder:
         for pod in due:
             self.probe(pod, confirm=False)
 
+    def _note_probe(self, obs: ReplicaObservation) -> None:
+        """The newest probe of each replica (for /readyz); a probe that got no answer is counted."""
+        outcome = attribution.classify(obs)
+        if obs.serves_ghost is None:
+            metrics.REPLICA_PROBE_ERRORS.labels(obs.replica, outcome).inc()
+        with self._lock:
+            self._last_probes[obs.replica] = {"outcome": outcome, "at": _utc(obs.checked_at), "error": obs.error}
+
+    def probe_status(self) -> dict[str, dict]:
+        """Per replica, the newest cache probe's outcome (stale, consistent, not-ready, unreachable, error)."""
+        with self._lock:
+            return {replica: dict(v) for replica, v in sorted(self._last_probes.items())}
+
     # -- plumbing -------------------------------------------------------------------
+
+    def check_audit(self) -> dict:
+        """Test the store with a write (or open it again if it never opened); its health, for /readyz."""
+        with self._audit_lock:
+            if self.audit is None:
+                store, error = open_audit_store(self.settings)
+                if store is None:
+                    self.audit_health.failed("open", error or "not opened")
+                else:
+                    self.audit = store
+                    self.audit_health.ok()
+            else:
+                problem = self.audit.check()
+                if problem:
+                    self.audit_health.failed("check", problem)
+                else:
+                    self.audit_health.ok()
+        return self.audit_health.detail()
 
     def _record_block(self, pod: PodRef, decision: Decision, evidence: dict) -> None:
         if self.audit is None:
@@ -231,8 +329,15 @@ class IncidentRecorder:
         try:
             self.audit.record_block(uid=pod.uid or f"{pod}", namespace=pod.namespace, name=pod.name,
                                     verdict=decision.verdict.value, evidence=evidence, at=time.time())
-        except (AuditError, ValueError, OSError) as e:
+        except IdentityConflictError as e:  # this identity's trouble (a forged name came first), not the store's
+            log.warning("audit store: %s", e)
+        except (AuditError, OSError) as e:  # the store's trouble: its health says so, once
+            log.debug("audit store: cannot record block of %s: %s", pod, e)
+            self.audit_health.failed("block", str(e))
+        except ValueError as e:  # this record's trouble (a field the store refuses)
             log.error("audit store: cannot record block of %s: %s", pod, e)
+        else:
+            self.audit_health.ok()
 
     def _record_probe(self, pod: PodRef, obs: ReplicaObservation) -> None:
         if self.audit is None:
@@ -241,8 +346,15 @@ class IncidentRecorder:
             self.audit.record_probe(uid=pod.uid or f"{pod}", replica=obs.replica, serves=obs.serves_ghost,
                                     cache_resource_version=obs.cache_resource_version, error=obs.error,
                                     at=obs.checked_at, namespace=pod.namespace, name=pod.name)
-        except (AuditError, ValueError, OSError) as e:
+        except UnknownGhostError as e:  # its block was not recorded (the store failed then): nothing to attach to
+            log.debug("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
+        except (AuditError, OSError) as e:
+            log.debug("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
+            self.audit_health.failed("probe", str(e))
+        except ValueError as e:
             log.error("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
+        else:
+            self.audit_health.ok()
 
     def _event(self, pod: PodRef, reason: str, message: str, key: str = "") -> None:
         try:

@@ -63,6 +63,20 @@ REQUESTS_FORBIDDEN = Counter("ghost_guard_requests_forbidden", "Requests refused
                              "certificate is not of the endpoint's role, by endpoint and required role.",
                              ["endpoint", "role"])
 
+# Health of what degrades one feature, never the verdicts (also in /readyz's details).
+AUDIT_STORE_HEALTHY = Gauge("ghost_guard_audit_store_healthy", "1 while the audit store is writable, 0 while it is "
+                            "not (ghosts are still blocked, but not recorded); the lowest of the live workers.",
+                            multiprocess_mode="livemin")
+AUDIT_WRITE_ERRORS = Counter("ghost_guard_audit_write_errors", "Audit store writes that failed, by operation "
+                             "(block, probe, check: the /readyz write test).", ["operation"])
+REPLICA_WATCH_UP = Gauge("ghost_guard_replica_watch_up", "1 while the unscheduled-pod watch on an apiserver replica "
+                         "is synced, 0 while it is retrying.", ["replica"], multiprocess_mode="livemin")
+WATCH_FALLBACK = Gauge("ghost_guard_watch_fallback", "1 while no apiserver replica can be watched and pre-verification "
+                       "watches through the kubeconfig's own server instead.", multiprocess_mode="livemax")
+REPLICA_PROBE_ERRORS = Counter("ghost_guard_replica_probe_errors", "Cache probes of an apiserver replica that got "
+                               "no answer, by replica and kind (unreachable: timeout or refused, not-ready: 429, error).",
+                               ["replica", "kind"])
+
 
 def registry() -> CollectorRegistry | None:
     """The registry to expose: a fresh multiprocess collector under gunicorn, else the default."""

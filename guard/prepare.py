@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import cachetools
 
@@ -31,7 +32,7 @@ from guard.attribution import is_pending
 from guard.check import Checker
 from guard.kube import ReplicaClient, WatchExpired
 from guard.replicas import ReplicaPool
-from guard.settings import Settings
+from guard.settings import Replica, Settings
 from guard.verdict import PodRef
 
 log = logging.getLogger(__name__)
@@ -75,13 +76,32 @@ def _pod_of(obj: dict) -> tuple[PodRef | None, bool]:
 class ReplicaView:
     """What one replica's watch cache says is unscheduled: uid -> PodRef, and its revision."""
 
-    def __init__(self, client: ReplicaClient) -> None:
+    def __init__(self, client: ReplicaClient, *, fallback: bool = False) -> None:
         self.client = client
         self.pods: dict[str, PodRef] = {}
         self.resource_version = ""
         self.synced = False
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        # The watch's state, for /readyz and ghost_guard_replica_watch_up: starting, synced, retrying.
+        self.fallback = fallback  # the kubeconfig's own server, watched while no replica can be
+        self.state = "starting"
+        self.error: str | None = None
+        self.changed_at = time.time()
+
+    def mark(self, state: str, error: str | None = None) -> None:
+        if state != self.state:
+            self.state, self.changed_at = state, time.time()
+        self.error = error
+        if not self.fallback:
+            metrics.REPLICA_WATCH_UP.labels(self.client.replica.address).set(1 if state == "synced" else 0)
+
+    def status(self) -> dict:
+        return {"state": self.state, "error": self.error, "since": _utc(self.changed_at), "pods": len(self.pods)}
+
+
+def _utc(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
 class Preverifier:
@@ -99,6 +119,7 @@ class Preverifier:
         self._lock = threading.Lock()
         self._views: dict[str, ReplicaView] = {}
         self._suspects: set[PodRef] = set()
+        self._fallback: ReplicaView | None = None  # the kubeconfig's server, while no replica can be watched
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         pool.on_change(self._replicas_changed)
@@ -155,6 +176,7 @@ class Preverifier:
                             pods[pod.uid] = pod
                             self._seen_pod(pod)
                     view.pods, view.resource_version, view.synced, relist = pods, rv, True, False
+                    view.mark("synced")
                 for event in view.client.watch_pending(view.resource_version, timeout_seconds=240):
                     if self._stop.is_set() or view.stop.is_set():
                         return
@@ -166,6 +188,7 @@ class Preverifier:
             except Exception as e:
                 metrics.WATCH_RESTARTS.labels("error").inc()
                 view.synced = False
+                view.mark("retrying", f"{type(e).__name__}: {str(e)[:200]}")
                 relist = True
                 log.info("watch of unscheduled pods on %s failed (%s: %s); retrying in %.1fs",
                          view.client.replica, type(e).__name__, str(e)[:200], backoff)
@@ -280,6 +303,7 @@ class Preverifier:
         while not self._stop.wait(1.0):
             try:
                 self.pool.clients()
+                self._fallback_check()
                 if time.monotonic() - last_sweep >= self.settings.sweep_interval:
                     last_sweep = time.monotonic()
                     self.sweep()
@@ -287,3 +311,42 @@ class Preverifier:
                         hook()
             except Exception:
                 log.exception("sweep failed")
+
+    # -- when no replica can be watched: the kubeconfig's own server ---------------------------
+
+    def _fallback_check(self) -> None:
+        """Watch through the kubeconfig's server while no discovered replica can be watched, so
+        pre-verification never silently stops; say so once when it starts and once when it ends."""
+        with self._lock:
+            views = list(self._views.values())
+            fallback = self._fallback
+        if fallback is None and all(v.state == "retrying" for v in views):
+            kube = self.pool.kube
+            host = kube.host or ""
+            client = ReplicaClient(kube.configuration, Replica(urlsplit(host).netloc or host, host),
+                                   server_name=getattr(kube.configuration, "tls_server_name", None),
+                                   timeout=self.settings.probe_timeout)
+            view = ReplicaView(client, fallback=True)
+            with self._lock:
+                self._fallback = view
+            metrics.WATCH_FALLBACK.set(1)
+            log.warning("no apiserver replica can be watched (%s); pre-verifying through the kubeconfig's server %s "
+                        "until one can", "; ".join(f"{v.client.replica}: {v.error}" for v in views)[:500]
+                        or "none discovered", host)
+            view.thread = self._spawn(self._watch_loop, "ghost-watch-fallback", view)
+        elif fallback is not None and any(v.state == "synced" for v in views):
+            with self._lock:
+                self._fallback = None
+            fallback.stop.set()  # its thread ends at its next event or the watch's timeout
+            fallback.client.close()
+            metrics.WATCH_FALLBACK.set(0)
+            log.warning("apiserver replica %s watched again; stopped pre-verifying through the kubeconfig's server",
+                        ", ".join(str(v.client.replica) for v in views if v.state == "synced"))
+
+    def watch_status(self) -> dict:
+        """Per replica, its watch's state; and the kubeconfig-server fallback's, while it runs (/readyz)."""
+        with self._lock:
+            views = dict(self._views)
+            fallback = self._fallback
+        return {"replicas": {address: v.status() for address, v in sorted(views.items())},
+                "fallback": None if fallback is None else {"server": self.pool.kube.host, **fallback.status()}}

@@ -224,6 +224,14 @@ def build_report(records: Sequence[AuditRecord]) -> dict[str, Any]:
                 }
             )
 
+    newest: dict[str, Any] = {}  # replica -> its newest probe over all records
+    for record in records:
+        for s in record.replicas:
+            if s.replica not in newest or s.last_checked > newest[s.replica].last_checked:
+                newest[s.replica] = s
+    probes = [{"replica": r, "last_probe": classify(s.observation()), "last_checked": s.last_checked,
+               "error": s.error} for r, s in sorted(newest.items())]
+
     replicas = []
     for replica in sorted(stale):
         ghosts = sorted(stale[replica], key=lambda g: (g["serving_since"], g["namespace"], g["name"]))
@@ -233,6 +241,7 @@ def build_report(records: Sequence[AuditRecord]) -> dict[str, Any]:
         "stale_replicas": replicas,
         "healed_replicas": healed,
         "unattributed_ghosts": unattributed,
+        "replica_probes": probes,
         "remediation": remediation_steps(replicas, unattributed),
     }
 
@@ -271,7 +280,8 @@ def remediation_steps(replicas: Sequence[Mapping[str, Any]], unattributed: Seque
 
 
 def render_report(records: Sequence[AuditRecord], output: str = "table") -> str:
-    """``ghost-guard report`` output: per stale replica, its ghosts and since when, then the remediation in order."""
+    """``ghost-guard report`` output: per stale replica, its ghosts and since when; the newest cache probe of
+    each replica (stale, consistent, not-ready, unreachable, error); then the remediation in order."""
     _check_output(output, ("table", "json"))
     report = build_report(records)
     if output == "json":
@@ -307,6 +317,12 @@ def render_report(records: Sequence[AuditRecord], output: str = "table") -> str:
         ]
         lines += _table(("POD", "UID", "VERDICT", "LAST SEEN", "HEALED REPLICAS"), rows, indent="  ")
         lines.append("")
+    if report["replica_probes"]:
+        lines.append("Newest cache probe of each replica:")
+        rows = [(p["replica"], p["last_probe"], format_time(p["last_checked"]), p["error"] or "-")
+                for p in report["replica_probes"]]
+        lines += _table(("REPLICA", "LAST PROBE", "AT", "ERROR"), rows, indent="  ")
+        lines.append("")
     if report["remediation"]:
         lines.append("Remediation, in order:")
         lines += [f"  {i}. {step}" for i, step in enumerate(report["remediation"], 1)]
@@ -329,6 +345,7 @@ def _report_times(report: dict[str, Any]) -> dict[str, Any]:
     ]
     out["healed_replicas"] = [{"replica": h["replica"], "healed_at": format_time(h["healed_at"])} for h in report["healed_replicas"]]
     out["unattributed_ghosts"] = [{**g, "last_seen": format_time(g["last_seen"])} for g in report["unattributed_ghosts"]]
+    out["replica_probes"] = [{**p, "last_checked": format_time(p["last_checked"])} for p in report["replica_probes"]]
     return out
 
 

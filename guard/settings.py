@@ -42,7 +42,9 @@ class Settings:
     alive_ttl: float = 0.5
     read_cache_size: int = 10_000
     fail_closed: bool = False
-    max_body_bytes: int = 32 * 1024 * 1024
+    # Sized for the protocol: kube-scheduler's names-mode body for 15,000 nodes is about 1 MB with
+    # 63-character names and 3.9 MB with 253-character ones (docs/RELIABILITY.md); a pod is small.
+    max_body_bytes: int = 4 * 1024 * 1024
     access_log: bool = True
     log_level: str = "info"
     # apiserver replicas (attribution, pre-verification)
@@ -81,6 +83,8 @@ class Settings:
     scheduler_identities: str = "system:kube-scheduler"
     apiserver_identities: str = "kube-apiserver-ghost-guard-client"
     monitoring_identities: str = "ghost-guard-monitoring"
+    # request bounds (memory per request; the body is bounded by max_body_bytes)
+    max_nodes: int = 5000
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.bind.rpartition(":")
@@ -136,7 +140,7 @@ class Settings:
             raise SettingsError(f"--prepared-grace must be between 0 and 1s (the scheduler's initial backoff), "
                                 f"got {self.prepared_grace:g}")
         for flag, value in (("--audit-max-records", self.audit_max_records),
-                            ("--verify-concurrency", self.verify_concurrency)):
+                            ("--verify-concurrency", self.verify_concurrency), ("--max-nodes", self.max_nodes)):
             if value < 1:
                 raise SettingsError(f"{flag} must be at least 1, got {value}")
         if self.apiserver_replicas is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,10 +14,9 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from guard import metrics
-from guard.audit import AuditError, AuditStore
 from guard.check import Checker
 from guard.extender import ProtocolError
-from guard.incident import IncidentRecorder
+from guard.incident import IncidentRecorder, open_audit_store
 from guard.kube import Kube, load_configuration
 from guard.prepare import Preverifier
 from guard.replicas import ReplicaPool
@@ -26,7 +26,55 @@ from guard.verdict import PodRef
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("guard.access")
 
+# Bodies up to this size are answered without taking room in the worker's BodyBudget.
+SMALL_BODY_BYTES = 256 * 1024
+
 ENDPOINTS = frozenset({"/filter", "/preempt", "/validate/binding", "/healthz", "/readyz", "/metrics"})
+
+
+class Overloaded(ProtocolError):
+    """Too many large bodies are being answered at once: 503 with the reason (the caller retries)."""
+
+    status = 503
+
+
+class BodyBudget:
+    """Memory per worker: requests with a body over ``small`` bytes are answered only while the
+    bytes of all such bodies in flight stay within ``limit``; one waits at most ``wait`` seconds
+    for room, else 503 before its body is read.
+
+    Room is taken before the body is read and given back once the reply is written, so the raw
+    body, its decoded document (bounded per byte by guard.extender.decode) and the reply are all
+    covered: about ``threads x small + limit`` bytes of request at once (docs/RELIABILITY.md).
+    kube-scheduler's names-mode bodies up to ``small`` never wait.
+    """
+
+    def __init__(self, limit: int, *, small: int, wait: float) -> None:
+        self.limit, self.small, self.wait = limit, small, wait
+        self._used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, size: int) -> int:
+        """Room for a body of ``size`` bytes: the bytes taken (0 for a small body). Raises Overloaded."""
+        if size <= self.small:
+            return 0
+        size = min(size, self.limit)
+        deadline = time.monotonic() + self.wait
+        with self._cond:
+            while self._used + size > self.limit:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Overloaded(f"too many large requests at once ({self._used} bytes of bodies over "
+                                     f"{self.small} bytes in flight, at most {self.limit}); retry")
+                self._cond.wait(remaining)
+            self._used += size
+        return size
+
+    def release(self, taken: int) -> None:
+        if taken:
+            with self._cond:
+                self._used -= taken
+                self._cond.notify_all()
 
 
 @dataclass
@@ -38,8 +86,13 @@ class Guard:
     checker: Checker
     incidents: IncidentRecorder
     preverifier: Preverifier | None
-    # Extra readiness checks (None when fine, else a reason), e.g. the audit store.
+    # Extra readiness checks (None when fine, else a reason): only what stops verdicts, e.g. the
+    # served certificate. The apiserver is checked by the probe itself.
     readiness_checks: list = field(default_factory=list)
+    # /readyz body details, never a reason for 503: name -> callable returning a JSON-able value.
+    details: dict = field(default_factory=dict)
+    # Bodies over SMALL_BODY_BYTES in flight: at most two of the largest accepted (build_guard).
+    bodies: BodyBudget = field(default_factory=lambda: BodyBudget(8 << 20, small=SMALL_BODY_BYTES, wait=1.0))
 
 
 def json_response(payload: object, status: int = 200) -> Response:
@@ -71,41 +124,66 @@ def guard_of(app: Flask) -> Guard:
     return app.extensions["ghost_guard"]
 
 
-def open_audit(settings: Settings) -> tuple[AuditStore | None, Callable[[], str | None]]:
-    """The audit store, or None and a readiness problem: an audit failure never changes a verdict."""
-    try:
-        store = AuditStore(settings.audit_db, max_age_seconds=settings.audit_max_age,
-                           max_records=settings.audit_max_records, echo=sys.stdout)
-    except (AuditError, OSError, ValueError) as e:
-        reason = f"audit store {settings.audit_db} unusable: {e}"
-        log.error("%s; ghosts are still blocked but not recorded", reason)
-        return None, lambda: reason
-    return store, store.check
-
-
 def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | None]] = ()) -> Guard:
     """Clients, caches and background workers of one worker process (after the fork)."""
     kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout, pool_size=settings.threads)
     checker = Checker(settings, kube.quorum_get)
-    audit, audit_check = open_audit(settings)
+    # An audit store that cannot be opened or written never changes a verdict nor readiness: its
+    # health is a metric, a log line and a /readyz detail (IncidentRecorder.check_audit).
+    audit, audit_error = open_audit_store(settings)
     pool = ReplicaPool(settings, kube)
-    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract)
+    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract, audit_error=audit_error)
     checker.listeners.append(incidents.new_ghost)
     checker.sighting_listeners.append(incidents.sighting)
     preverifier = None
     if settings.prepare:
         preverifier = Preverifier(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
         preverifier.start()
-    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=[audit_check, *readiness_checks])
+    bodies = BodyBudget(2 * settings.max_body_bytes, small=min(SMALL_BODY_BYTES, settings.max_body_bytes),
+                        wait=min(1.0, settings.request_budget / 2))
+    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=list(readiness_checks),
+                 bodies=bodies, details={
+                     "audit_store": incidents.check_audit,
+                     "replicas": lambda: replica_details(incidents, preverifier),
+                     "preverification": lambda: {"enabled": preverifier is not None,
+                                                 "fallback": preverifier.watch_status()["fallback"] if preverifier
+                                                 else None}})
+
+
+def replica_details(incidents: IncidentRecorder, preverifier: Preverifier | None) -> dict:
+    """Per apiserver replica, its unscheduled-pod watch (None with --no-prepare) and its newest cache
+    probe (None before any ghost was probed). Information, never a reason for 503."""
+    watches = preverifier.watch_status()["replicas"] if preverifier else {}
+    probes = incidents.probe_status()
+    return {address: {"watch": watches.get(address), "last_probe": probes.get(address)}
+            for address in sorted(set(watches) | set(probes))}
+
+
+def bound_malloc() -> None:
+    """glibc malloc, before the worker's threads start: buffers of 128 KiB and more (request bodies,
+    decoded node lists, replies) get mappings of their own, returned to the system when freed, and
+    the threads share two arenas instead of one each. Otherwise memory a thread freed stays resident
+    in its own arena: 16 concurrent 4 MiB requests peaked at 564 MiB instead of 236 MiB
+    (docs/RELIABILITY.md). Elsewhere than glibc this does nothing."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    m_mmap_threshold, m_arena_max = -3, -8  # <malloc.h>
+    mallopt(m_mmap_threshold, 128 * 1024)
+    mallopt(m_arena_max, 2)
 
 
 def create_app(settings: Settings | None = None, readiness_checks: list[Callable[[], str | None]] = ()) -> Flask:
     """Build the app. Under gunicorn this runs in each worker *after* the fork.
 
-    ``readiness_checks`` (each None when fine, else a reason) join the apiserver and
-    audit checks of ``/readyz``; the server passes the TLS holder's.
+    ``readiness_checks`` (each None when fine, else a reason) join the apiserver check
+    of ``/readyz``; the server passes the TLS holder's.
     """
     settings = settings or Settings()
+    bound_malloc()
     app = Flask("guard")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["ghost_guard"] = build_guard(settings, readiness_checks)
@@ -119,7 +197,7 @@ def create_app(settings: Settings | None = None, readiness_checks: list[Callable
 
     @app.errorhandler(ProtocolError)
     def protocol_error(e: ProtocolError) -> Response:
-        return json_error(400, str(e))
+        return json_error(e.status, str(e))
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException) -> Response:
@@ -141,6 +219,9 @@ def create_app(settings: Settings | None = None, readiness_checks: list[Callable
 
     @app.after_request
     def record(resp: Response) -> Response:
+        taken = g.pop("body_room", 0)  # BodyBudget room of this request's body: given back once written
+        if taken:
+            resp.call_on_close(lambda: app.extensions["ghost_guard"].bodies.release(taken))
         record_request(settings, request.method, request.path, resp.status_code,
                        time.perf_counter() - g.get("start", time.perf_counter()), request.remote_addr,
                        g.get("pod"), g.get("verdict"))

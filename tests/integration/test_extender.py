@@ -276,7 +276,9 @@ def test_body_over_the_cap_is_413(start_guard, shared_lab, tmp_path):
 
 def test_probes_and_metrics(guard):
     assert guard.get("/healthz", timeout=5).json() == {"status": "ok"}
-    assert guard.get("/readyz", timeout=5).json() == {"status": "ready"}
+    ready = guard.get("/readyz", timeout=5).json()
+    assert ready["status"] == "ready" and set(ready) == {"status", "details"}, ready
+    assert ready["details"]["audit_store"]["writable"] is True
     text = guard.get("/metrics", timeout=5).text
     for name in ("ghost_guard_requests_total", "ghost_guard_request_duration_seconds_bucket",
                  "ghost_guard_verdicts_total", "ghost_guard_cache_lookups_total",

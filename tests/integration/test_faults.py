@@ -283,8 +283,10 @@ def test_worker_killed_mid_request(lab, guard, ns):
     pytest.param({"NodeNames": ["dup", "dup", "ノード"]}, 200, id="duplicate-and-non-ascii"),
     pytest.param({"Nodes": {"items": [{"metadata": {"name": "a"}}, {"spec": {}}]}}, 400, id="item-without-name"),
     pytest.param({"Nodes": {"items": [{"metadata": {"name": "a"}}, "x"]}}, 400, id="item-not-an-object"),
-    pytest.param({"Nodes": {"kind": "NodeList", "items": [{"metadata": {"name": f"n{i}"}} for i in range(20_000)]}},
-                 200, id="20k-node-objects"),
+    pytest.param({"Nodes": {"kind": "NodeList", "items": [{"metadata": {"name": f"n{i}"}} for i in range(5_000)]}},
+                 200, id="5k-node-objects"),  # --max-nodes
+    pytest.param({"Nodes": {"kind": "NodeList", "items": [{"metadata": {"name": f"n{i}"}} for i in range(5_001)]}},
+                 413, id="5001-node-objects"),
 ])
 def test_ghost_reject_path_with_hostile_node_lists(lab, guard, ns, body_nodes, status):
     uid = make_ghost(lab, ns, "g")

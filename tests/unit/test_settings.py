@@ -32,3 +32,15 @@ def test_invalid_settings_name_the_flag(kw, reason):
 ])
 def test_valid_settings(kw):
     assert Settings(**kw).validate() is not None
+
+
+def test_serve_flags_repeat_the_settings_defaults():
+    """Every `serve` option's default equals the Settings field's (the brief: both are kept equal)."""
+    import dataclasses
+
+    from guard.cli import serve
+
+    fields = {f.name: f.default for f in dataclasses.fields(Settings)}
+    options = [p for p in serve.params if p.name != "help"]
+    assert {p.name for p in options} == set(fields)
+    assert {p.name: p.default for p in options} == fields

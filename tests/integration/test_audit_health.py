@@ -1,0 +1,186 @@
+"""A broken audit disk degrades the audit record only: never the verdicts, never readiness.
+
+A real guard on the shared lab writes its audit store on a small tmpfs. The disk is filled
+during the run, then freed; another store is on ext4 that turns read-only during the run (a
+filesystem error with errors=remount-ro); another guard starts with its store on a read-only
+mount, which is then made writable. Throughout, ghosts are rejected and live pods pass, ``/readyz`` stays 200,
+and the store's health is told three ways: ``ghost_guard_audit_store_healthy``, one log line per
+change, and ``details.audit_store`` in ``/readyz``'s body. Needs root (mount); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from fixtures_lab import pod_manifest
+from polling import eventually
+
+pytestmark = pytest.mark.timeout(120)
+
+NAMES = ["n1", "n2"]
+
+
+def mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def disk(tmp_path: Path):
+    """A 256 KiB tmpfs, unmounted after the test."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    try:
+        mount("-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot mount a tmpfs here: {getattr(e, 'stderr', e)}")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(path: Path) -> Path:
+    """Write a file until the disk is full; returns it."""
+    filler = path / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == 28, e  # ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def pod(namespace: str, name: str, uid: str) -> dict:
+    return {"Pod": {"metadata": {"name": name, "namespace": namespace, "uid": uid}}, "Nodes": None,
+            "NodeNames": NAMES}
+
+
+def rejected(reply: dict) -> bool:
+    return reply["NodeNames"] == [] and sorted(reply["FailedAndUnresolvableNodes"]) == NAMES
+
+
+def full_log(g) -> str:
+    g.log.flush()
+    return Path(g.log.name).read_text(errors="replace")
+
+
+def audit_detail(g) -> dict:
+    resp = g.session.get(g.url("/readyz"), timeout=5)
+    assert resp.status_code == 200, resp.text  # never a reason to leave the Service
+    return resp.json()["details"]["audit_store"]
+
+
+class Verdicts:
+    """Live pods pass and new ghosts are rejected, whatever the audit store does."""
+
+    def __init__(self, g, lab, namespace: str) -> None:
+        self.g, self.namespace, self.n = g, namespace, 0
+        self.live = lab.core_v1(0).create_namespaced_pod(namespace, pod_manifest("live"), _request_timeout=5)
+
+    def check(self) -> None:
+        self.n += 1
+        ghost = self.g.post("/filter", pod(self.namespace, f"ghost-{self.n}", str(uuid.uuid4())))
+        assert ghost.status_code == 200 and rejected(ghost.json()), ghost.text
+        live = self.g.post("/filter", pod(self.namespace, "live", self.live.metadata.uid))
+        assert live.status_code == 200 and live.json()["NodeNames"] == NAMES, live.text
+
+
+def test_audit_disk_full_during_a_run(shared_lab, lab_namespace, start_guard, disk):
+    g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", str(disk / "audit.db"), "--no-events",
+                     "--no-prepare"])
+    verdicts = Verdicts(g, shared_lab, lab_namespace)
+    verdicts.check()
+    assert audit_detail(g)["writable"] is True
+    assert g.metric("ghost_guard_audit_store_healthy") == 1
+
+    filler = fill(disk)
+
+    def noticed() -> bool:
+        verdicts.check()  # each check blocks a new ghost: an audit write
+        return g.metric("ghost_guard_audit_store_healthy") == 0
+
+    eventually(noticed, 30, what="the full disk noticed", interval=0.3, process=g)
+    for _ in range(3):
+        verdicts.check()
+    detail = eventually(lambda: (d := audit_detail(g))["writable"] is False and d, 10, what="/readyz detail")
+    assert "full" in detail["error"], detail
+    assert detail["failures"] >= 1
+    assert g.metric("ghost_guard_audit_write_errors_total") >= 1
+    assert full_log(g).count("cannot be written") == 1, g.logs()  # once per change, not per write
+
+    filler.unlink()
+    eventually(lambda: audit_detail(g)["writable"] is True, 10, what="the freed disk noticed", process=g)
+    assert g.metric("ghost_guard_audit_store_healthy") == 1
+    assert full_log(g).count("is writable again") == 1
+    verdicts.check()
+
+
+def test_audit_disk_turns_read_only_during_a_run(shared_lab, lab_namespace, start_guard, tmp_path):
+    """ext4 on a loop device with errors=remount-ro; a filesystem error (the kernel's own
+    trigger_fs_error) makes it read-only under the running guard, as a failing disk does."""
+    image, mnt = tmp_path / "disk.img", tmp_path / "ext4"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(16 << 20)
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True, text=True)
+        mount("-o", "loop,errors=remount-ro", str(image), str(mnt))
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot mount an ext4 loop device here: {getattr(e, 'stderr', e)}")
+    try:
+        device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(mnt)], check=True, capture_output=True,
+                                text=True).stdout.strip().rsplit("/", 1)[-1]
+        g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", str(mnt / "audit.db"),
+                         "--no-events", "--no-prepare"])
+        verdicts = Verdicts(g, shared_lab, lab_namespace)
+        verdicts.check()
+        assert audit_detail(g)["writable"] is True
+
+        Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("ghost-guard test: disk turns read-only")
+        options = subprocess.run(["findmnt", "-n", "-o", "OPTIONS", str(mnt)], capture_output=True,
+                                 text=True).stdout.strip().split(",")
+        assert {"ro", "emergency_ro"} & set(options), options  # Linux 6.x says emergency_ro
+
+        def noticed() -> bool:
+            verdicts.check()
+            return g.metric("ghost_guard_audit_store_healthy") == 0
+
+        eventually(noticed, 30, what="the read-only disk noticed", interval=0.3, process=g)
+        for _ in range(3):
+            verdicts.check()
+        detail = eventually(lambda: (d := audit_detail(g))["writable"] is False and d, 10, what="/readyz detail")
+        assert detail["error"], detail
+        assert full_log(g).count("cannot be written") == 1, g.logs()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_audit_disk_read_only(shared_lab, lab_namespace, start_guard, disk, tmp_path):
+    view = tmp_path / "ro"
+    view.mkdir()
+    mount("--bind", str(disk), str(view))
+    try:
+        mount("-o", "remount,bind,ro", str(view))
+        g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", str(view / "audit.db"),
+                         "--no-events", "--no-prepare"])  # waits for /readyz 200
+        verdicts = Verdicts(g, shared_lab, lab_namespace)
+        verdicts.check()
+        detail = audit_detail(g)
+        assert detail["writable"] is False and "not writable" in detail["error"], detail
+        assert g.metric("ghost_guard_audit_store_healthy") == 0
+        assert g.metric("ghost_guard_audit_write_errors_total", operation="open") >= 1
+        verdicts.check()
+
+        mount("-o", "remount,bind,rw", str(view))
+        eventually(lambda: audit_detail(g)["writable"] is True, 10, what="the store opened once writable", process=g)
+        assert g.metric("ghost_guard_audit_store_healthy") == 1
+        verdicts.check()
+        assert os.path.exists(view / "audit.db")
+        assert full_log(g).count("cannot be written") == 1 and full_log(g).count("is writable again") == 1, g.logs()
+    finally:
+        subprocess.run(["umount", "-l", str(view)], check=False)
