@@ -23,6 +23,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: 1 if item.get_closest_marker("e2e") else 0)
 
 
+@pytest.fixture(scope="session")
+def dead_kubeconfig(tmp_path_factory) -> str:
+    """A kubeconfig whose apiserver never answers (a closed port): every quorum GET fails open."""
+    path = tmp_path_factory.mktemp("kc") / "kubeconfig"
+    path.write_text("apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: 'http://127.0.0.1:9'}\n"
+                    "users:\n- name: u\n  user: {token: t}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\n"
+                    "current-context: x\n")
+    return str(path)
+
+
 @pytest.fixture
 def start_guard(request):
     """Factory: ``start_guard(["--kubeconfig", k, ...], tls=..., wait="/readyz")`` -> GuardProcess.

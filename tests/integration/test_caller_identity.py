@@ -40,15 +40,6 @@ def pki(tmp_path_factory):
     return generate(tmp_path_factory.mktemp("pki"), ips=["127.0.0.1"])
 
 
-@pytest.fixture(scope="module")
-def dead_kubeconfig(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("kc") / "kubeconfig"
-    path.write_text("apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: 'http://127.0.0.1:9'}\n"
-                    "users:\n- name: u\n  user: {token: t}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\n"
-                    "current-context: x\n")
-    return str(path)
-
-
 def tls_files(pki, client_ca: bool = True) -> dict:
     tls = {"cert": str(pki.tls_cert), "key": str(pki.tls_key), "ca": str(pki.ca_cert),
            "client_cert": str(pki.client_cert), "client_key": str(pki.client_key)}

@@ -53,15 +53,6 @@ def pki(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dead_kubeconfig(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kc") / "kubeconfig"
-    path.write_text("apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: 'http://127.0.0.1:9'}\n"
-                    "users:\n- name: u\n  user: {token: dead-apiserver-token-77aa}\n"
-                    "contexts:\n- name: x\n  context: {cluster: c, user: u}\ncurrent-context: x\n")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def mtls_guard(pki, dead_kubeconfig, tmp_path_factory):
     ours = pki["ours"]
     tls = {"cert": str(ours.tls_cert), "key": str(ours.tls_key), "client_ca": str(ours.ca_cert),

@@ -323,15 +323,6 @@ def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_pa
 # --- TLS: what is negotiated -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dead_kubeconfig(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("kc") / "kubeconfig"
-    path.write_text("apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: 'http://127.0.0.1:9'}\n"
-                    "users:\n- name: u\n  user: {token: t}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\n"
-                    "current-context: x\n")
-    return str(path)
-
-
 def test_oversized_head_and_body_are_refused_before_they_are_read(start_guard, dead_kubeconfig, tmp_path):
     guard = start_guard(["--kubeconfig", dead_kubeconfig, "--max-body-bytes", "1000",
                          "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")

@@ -11,7 +11,7 @@ order of events is the test's, never the scheduler's.
 
 from __future__ import annotations
 
-import sys
+import contextlib
 import threading
 import time
 from collections import deque
@@ -108,7 +108,7 @@ class HeldGet:
     name: str
     snapshot: QuorumRead  # etcd's answer when the GET began
     answer: QuorumRead | None = None
-    released: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=lambda: TrackingEvent())
 
 
 class ScriptedGets:
@@ -142,18 +142,40 @@ class ScriptedGets:
         settle()
 
 
+class TrackingEvent(threading.Event):
+    """A ``threading.Event`` that says who waits on it: a thread waiting on an Event that is not set
+    is parked; one whose Event was just set is on its way. Installed as ``threading.Event`` for the
+    test's duration (:func:`tracked_events`), so the guard's own waits (a read in flight) are seen
+    too, without looking into any thread's frames."""
+
+    waiting: dict[int, "TrackingEvent"] = {}
+    _guard = threading.Lock()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        me = threading.get_ident()
+        with TrackingEvent._guard:
+            TrackingEvent.waiting[me] = self
+        try:
+            return super().wait(timeout)
+        finally:
+            with TrackingEvent._guard:
+                TrackingEvent.waiting.pop(me, None)
+
+
+@contextlib.contextmanager
+def tracked_events():
+    original = threading.Event
+    threading.Event = TrackingEvent  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        threading.Event = original  # type: ignore[misc]
+
+
 def _parked(thread: threading.Thread) -> bool:
-    """Whether ``thread`` waits on an Event that is not set (a held GET, a read in flight): a thread
-    whose Event was just set, or that waits for a lock, is still on its way."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_filename == threading.__file__ and code.co_name == "wait":
-            event = frame.f_locals.get("self")
-            if isinstance(event, threading.Event):
-                return not event.is_set()
-        frame = frame.f_back
-    return False
+    with TrackingEvent._guard:
+        event = TrackingEvent.waiting.get(thread.ident or -1)
+    return event is not None and not event.is_set()
 
 
 _calls: list["Call"] = []
@@ -169,7 +191,7 @@ def settle(timeout: float = 10.0) -> None:
             return
         if time.monotonic() > end:
             raise AssertionError("calls did not settle: " + ", ".join(c.label for c in live))
-        time.sleep(0.0005)
+        time.sleep(0.0002)
 
 
 class Call:

@@ -99,8 +99,8 @@ class VerdictMachine(RuleBasedStateMachine):
     # Draws never depend on what threads did (held GETs, pending confirmations): hypothesis replays
     # an example by its draws, and two threads woken together may take their turns in either order.
     @precondition(lambda self: self.etcd.history)
-    @rule(data=st.data(), dry_run=st.booleans(), cross=st.booleans())
-    def scheduler_call(self, data, dry_run, cross):
+    @rule(data=st.data(), dry_run=st.booleans(), cross=st.booleans(), held=st.booleans())
+    def scheduler_call(self, data, dry_run, cross, held):
         """A /filter, /preempt or binding review (dry run or not) for a UID the scheduler may hold."""
         name = data.draw(st.sampled_from(sorted(self.etcd.history)))
         uids = self.etcd.history[name]
@@ -109,12 +109,16 @@ class VerdictMachine(RuleBasedStateMachine):
             uids = others or uids
         uid = data.draw(st.sampled_from(uids))
         p = pod(name, uid)
+        self.gets.hold = held  # a GET it makes stays in flight until answer_get, or is answered at once
         call = Call(lambda: self.checker.check(p, deadline=self.clock() + FAR, record=not dry_run), f"{p}:{uid}")
+        self.gets.hold = True
         self.calls.append((call, p))
 
-    @rule()
-    def background_verification(self):
+    @rule(held=st.booleans())
+    def background_verification(self, held):
+        self.gets.hold = held
         Call(self.pv.verify_next, "verify")
+        self.gets.hold = True
 
     @rule(pick=st.integers(0, 7), as_of_start=st.booleans())
     def answer_get(self, pick, as_of_start):
@@ -194,6 +198,8 @@ class VerdictMachine(RuleBasedStateMachine):
             if not self.gets.held:
                 break
         self.no_live_pod_is_answered_as_a_ghost()
+        self.recorder.close()
+        self.pv.close()
         self.audit.close()
         self.tmp.cleanup()
 
