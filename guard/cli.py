@@ -104,7 +104,7 @@ def main() -> None:
         help="Open connections per worker process; beyond it a 503 with the reason, then close.")
 @option("--max-connections-per-client", type=int, default=64,
         help="Open connections per client address (per worker process); beyond it a 503 with the reason.")
-@option("--max-buffered-bytes", type=int, default=64 * 1024 * 1024,
+@option("--max-buffered-bytes", type=int, default=16 * 1024 * 1024,
         help="Bytes of large requests (over 64 KiB) read, running or being answered at once, per worker; "
              "beyond it a 503 with the reason. At least --max-body-bytes.")
 @option("--tls-min-version", type=click.Choice(["1.2", "1.3"]), default="1.2",

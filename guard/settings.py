@@ -77,7 +77,7 @@ class Settings:
     max_connections_per_client: int = 64  # per source address, per worker process
     # Requests over 64 KiB reserve their size (and hold it until the reply is written) from this
     # per-worker budget; beyond it a 503. Bounds the memory many large uploads can take at once.
-    max_buffered_bytes: int = 64 * 1024 * 1024
+    max_buffered_bytes: int = 16 * 1024 * 1024  # 4 bodies at --max-body-bytes: bounds worker RSS (RELIABILITY)
     tls_min_version: str = "1.2"
     # Client-certificate identities (CN or DNS SAN) allowed per role; only with --client-ca.
     scheduler_identities: str = "system:kube-scheduler"

@@ -118,8 +118,8 @@ def request_framing(head: bytes, max_body: int) -> tuple[bytes, str, int, bool]:
         return out, "length", 0, False  # gunicorn answers 400 with the reason
     length = int(lengths[0])
     if length > max_body:
-        raise FramingError(413, f"request body larger than the limit ({max_body} bytes, --max-body-bytes)",
-                           "body-too-large")
+        raise FramingError(413, f"request body of {length} bytes is larger than the limit ({max_body} bytes, "
+                           "--max-body-bytes)", "body-too-large")
     return out, "length", length, expect
 
 

@@ -332,7 +332,7 @@ def test_oversized_head_and_body_are_refused_before_they_are_read(start_guard, d
         reply = read_reply(s)
     assert reply.startswith(b"HTTP/1.1 413 "), reply
     assert orjson.loads(reply.partition(b"\r\n\r\n")[2]) == {
-        "error": "request body larger than the limit (1000 bytes, --max-body-bytes)"}
+        "error": "request body of 1001 bytes is larger than the limit (1000 bytes, --max-body-bytes)"}
     with dial(guard.port, "127.0.0.2") as s:  # chunked: refused at the chunk that crosses the limit
         s.sendall(b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
                   b"Transfer-Encoding: chunked\r\n\r\n200\r\n" + b"x" * 512 + b"\r\n3e9\r\n")
