@@ -14,7 +14,10 @@ def test_defaults_fit_the_scheduler():
     s = Settings()
     assert (s.tls_handshake_timeout, s.header_timeout, s.body_timeout, s.write_timeout) == (2.0, 5.0, 5.0, 5.0)
     assert (s.keepalive_timeout, s.body_min_rate) == (30.0, 1024 * 1024)
-    assert (s.max_connections, s.max_connections_per_client, s.max_buffered_bytes) == (512, 64, 64 * 1024 * 1024)
+    assert (s.max_connections, s.max_connections_per_client) == (512, 64)
+    # Buffered requests bound the worker's memory: room for a body at the limit, and at most four
+    # (docs/RELIABILITY.md: four at once keep the worker under half its 512 Mi limit).
+    assert s.max_body_bytes <= s.max_buffered_bytes <= 4 * s.max_body_bytes
     assert s.tls_min_version == "1.2"
     Settings(**BASE).validate()
 
