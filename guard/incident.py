@@ -34,6 +34,7 @@ from guard.attribution import ReplicaObservation
 from guard.audit import AuditError, AuditStore, IdentityConflictError, UnknownGhostError
 from guard.kube import Kube, ReplicaClient, emit_event
 from guard.replicas import ReplicaPool
+from guard.report import format_time
 from guard.settings import Settings
 from guard.verdict import Decision, PodRef, QuorumRead, ReadStatus, Verdict
 
@@ -46,10 +47,6 @@ _TRUTH = {
     Verdict.ALREADY_BOUND: "has it bound to a node",
     Verdict.TERMINATING: "has it terminating",
 }
-
-
-def _utc(at: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
 def open_audit_store(settings: Settings) -> tuple[AuditStore | None, str | None]:
@@ -101,7 +98,7 @@ class AuditHealth:
 
     def detail(self) -> dict:
         with self._lock:
-            return {"path": self.path, "writable": self.healthy, "error": self.error, "since": _utc(self.since),
+            return {"path": self.path, "writable": self.healthy, "error": self.error, "since": format_time(self.since),
                     "failures": self.failures}
 
 
@@ -296,7 +293,7 @@ class IncidentRecorder:
         if obs.serves_ghost is None:
             metrics.REPLICA_PROBE_ERRORS.labels(obs.replica, outcome).inc()
         with self._lock:
-            self._last_probes[obs.replica] = {"outcome": outcome, "at": _utc(obs.checked_at), "error": obs.error}
+            self._last_probes[obs.replica] = {"outcome": outcome, "at": format_time(obs.checked_at), "error": obs.error}
 
     def probe_status(self) -> dict[str, dict]:
         """Per replica, the newest cache probe's outcome (stale, consistent, not-ready, unreachable, error)."""

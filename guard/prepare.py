@@ -32,6 +32,7 @@ from guard.attribution import is_pending
 from guard.check import Checker
 from guard.kube import ReplicaClient, WatchExpired
 from guard.replicas import ReplicaPool
+from guard.report import format_time
 from guard.settings import Replica, Settings
 from guard.verdict import PodRef
 
@@ -97,11 +98,7 @@ class ReplicaView:
             metrics.REPLICA_WATCH_UP.labels(self.client.replica.address).set(1 if state == "synced" else 0)
 
     def status(self) -> dict:
-        return {"state": self.state, "error": self.error, "since": _utc(self.changed_at), "pods": len(self.pods)}
-
-
-def _utc(at: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+        return {"state": self.state, "error": self.error, "since": format_time(self.changed_at), "pods": len(self.pods)}
 
 
 class Preverifier:

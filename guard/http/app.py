@@ -86,13 +86,13 @@ class Guard:
     checker: Checker
     incidents: IncidentRecorder
     preverifier: Preverifier | None
+    # Bodies over SMALL_BODY_BYTES in flight: at most two of the largest accepted (build_guard).
+    bodies: BodyBudget
     # Extra readiness checks (None when fine, else a reason): only what stops verdicts, e.g. the
     # served certificate. The apiserver is checked by the probe itself.
     readiness_checks: list = field(default_factory=list)
     # /readyz body details, never a reason for 503: name -> callable returning a JSON-able value.
     details: dict = field(default_factory=dict)
-    # Bodies over SMALL_BODY_BYTES in flight: at most two of the largest accepted (build_guard).
-    bodies: BodyBudget = field(default_factory=lambda: BodyBudget(8 << 20, small=SMALL_BODY_BYTES, wait=1.0))
 
 
 def json_response(payload: object, status: int = 200) -> Response:
@@ -141,8 +141,8 @@ def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | No
         preverifier.start()
     bodies = BodyBudget(2 * settings.max_body_bytes, small=min(SMALL_BODY_BYTES, settings.max_body_bytes),
                         wait=min(1.0, settings.request_budget / 2))
-    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=list(readiness_checks),
-                 bodies=bodies, details={
+    return Guard(settings, kube, checker, incidents, preverifier, bodies, readiness_checks=list(readiness_checks),
+                 details={
                      "audit_store": incidents.check_audit,
                      "replicas": lambda: replica_details(incidents, preverifier),
                      "preverification": lambda: {"enabled": preverifier is not None,
