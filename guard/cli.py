@@ -87,6 +87,12 @@ def main() -> None:
         help="Background quorum GETs per second at most (one per new pod; bounds re-list storms).")
 @option("--sweep-interval", type=float, default=30.0,
         help="Seconds between sweeps comparing the replicas' views (finds ghosts no scheduler asked about).")
+@option("--missing-after", type=float, default=30.0,
+        help="Seconds a pending pod may be shown by other apiserver replicas but not by one before the guard checks "
+             "whether that replica's cache misses it (quorum GET, then that cache read past the pod's revision).")
+@option("--frozen-after", type=float, default=30.0,
+        help="Seconds a replica's cache revision may stand still behind etcd's before the replica is named frozen "
+             "(revisions are read every third of this, at most every 20s).")
 # --- serving: connection deadlines and limits, TLS, caller identities (guard/worker.py, guard/identity.py)
 @option("--tls-handshake-timeout", type=float, default=2.0,
         help="Seconds a client has to complete the TLS handshake; then the connection is closed.")

@@ -182,6 +182,33 @@ class ReplicaClient:
         rv = (doc.get("metadata") or {}).get("resourceVersion")
         return doc.get("items") or [], str(rv) if rv else None, None
 
+    def consistent_revision(self, namespace: str, name: str, *, timeout: float = 5.0) -> tuple[int | None, str | None]:
+        """A consistent read of one pod name on this replica (LIST without resourceVersion):
+        (the list's resourceVersion, None) or (None, error). Since 1.31 the cacher asks etcd for its
+        current revision and waits (up to 3 s) until this replica's cache reaches it, else falls back
+        to etcd (or answers 429): the revision is one etcd had, and a flowing cache is there after it
+        (k8s.io/apiserver pkg/storage/cacher delegator.go GetList, watch_cache.go waitUntilFreshLocked)."""
+        try:
+            resp = self.core.list_namespaced_pod(namespace, field_selector=f"metadata.name={name}",
+                                                 _preload_content=False, _request_timeout=timeout)
+            rv = (orjson.loads(resp.data).get("metadata") or {}).get("resourceVersion")
+        except ApiException as e:
+            if not e.status:
+                return None, transport_error("unreachable", "TLS error")
+            return None, http_error(e.status, _status_reason(e)[0])
+        except urllib3.exceptions.NewConnectionError as e:
+            return None, transport_error("unreachable", type(e).__name__)
+        except (urllib3.exceptions.TimeoutError, TimeoutError):
+            return None, transport_error("timeout", f"after {timeout:g}s")
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            return None, transport_error("unreachable", type(e).__name__)
+        except (ValueError, AttributeError) as e:
+            return None, f"undecodable reply: {type(e).__name__}"
+        try:
+            return int(rv), None
+        except (TypeError, ValueError):
+            return None, f"no resourceVersion in the list: {str(rv)[:50]}"
+
     def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
         """Does this replica's watch cache still serve the ghost with this UID (as a pod to schedule)?"""
         items, rv, error = self.read_cache(namespace, name)

@@ -77,6 +77,20 @@ REPLICA_PROBE_ERRORS = Counter("ghost_guard_replica_probe_errors", "Cache probes
                                "no answer, by replica and kind (unreachable: timeout or refused, not-ready: 429, error).",
                                ["replica", "kind"])
 
+# Replica caches that miss pods or stopped (guard/cache_health.py). "Ghosts served" per replica is
+# ghost_guard_stale_replica above.
+REPLICA_PODS_MISSING = Gauge("ghost_guard_replica_pods_missing", "Pods pending in etcd (quorum read) that an "
+                             "apiserver replica's watch cache lacks although its revision is past theirs (its "
+                             "watch lost their creation), by replica.", ["replica"], multiprocess_mode="livemax")
+REPLICA_PODS_MISSING_DETECTIONS = Counter("ghost_guard_replica_pods_missing_detections", "Pods found missing from "
+                                          "an apiserver replica's watch cache, by replica.", ["replica"])
+REPLICA_SECONDS_BEHIND = Gauge("ghost_guard_replica_seconds_behind", "Seconds an apiserver replica's watch cache "
+                               "has been behind a revision etcd had (0 when last seen caught up), by replica.",
+                               ["replica"], multiprocess_mode="livemax")
+REPLICA_FROZEN = Gauge("ghost_guard_replica_frozen", "1 while an apiserver replica's watch cache revision stands "
+                       "still behind etcd's (a frozen watch: only a restart of that replica helps), else 0.",
+                       ["replica"], multiprocess_mode="livemax")
+
 
 def registry() -> CollectorRegistry | None:
     """The registry to expose: a fresh multiprocess collector under gunicorn, else the default."""

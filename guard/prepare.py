@@ -340,6 +340,13 @@ class Preverifier:
             log.warning("apiserver replica %s watched again; stopped pre-verifying through the kubeconfig's server",
                         ", ".join(str(v.client.replica) for v in views if v.state == "synced"))
 
+    def pending_views(self) -> dict[str, tuple[bool, dict[str, PodRef]]]:
+        """Per replica (the kubeconfig-server fallback excluded): whether its watch is synced, and a
+        copy of the pending pods it shows (uid -> PodRef). Read by guard.cache_health."""
+        with self._lock:
+            views = dict(self._views)
+        return {address: (v.synced, dict(v.pods)) for address, v in views.items()}
+
     def watch_status(self) -> dict:
         """Per replica, its watch's state; and the kubeconfig-server fallback's, while it runs (/readyz)."""
         with self._lock:

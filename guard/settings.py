@@ -66,6 +66,9 @@ class Settings:
     verify_concurrency: int = 16
     verify_qps: float = 500.0
     sweep_interval: float = 30.0
+    # replica caches that miss pods or froze (guard/cache_health.py)
+    missing_after: float = 30.0
+    frozen_after: float = 30.0
     # --- serving: connection deadlines and limits (guard/worker.py), TLS, caller identities ---
     tls_handshake_timeout: float = 2.0
     header_timeout: float = 5.0
@@ -85,6 +88,12 @@ class Settings:
     monitoring_identities: str = "ghost-guard-monitoring"
     # request bounds (memory per request; the body is bounded by max_body_bytes)
     max_nodes: int = 5000
+
+    @property
+    def revision_interval(self) -> float:
+        """Seconds between two looks at every replica's cache revision: a third of --frozen-after
+        (at least 1 s, at most 20 s), so a frozen replica is named within --frozen-after plus two looks."""
+        return min(20.0, max(1.0, self.frozen_after / 3))
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.bind.rpartition(":")
@@ -134,6 +143,9 @@ class Settings:
                             ("--sweep-interval", self.sweep_interval)):
             if not value > 0:
                 raise SettingsError(f"{flag} must be positive, got {value:g}")
+        for flag, value in (("--missing-after", self.missing_after), ("--frozen-after", self.frozen_after)):
+            if not 0 < value <= 3600:
+                raise SettingsError(f"{flag} must be between 0 and 3600 seconds, got {value:g}")
         if self.stale_confirm_delay < 0:
             raise SettingsError(f"--stale-confirm-delay must be >= 0, got {self.stale_confirm_delay:g}")
         if not 0 <= self.prepared_grace < 1.0:

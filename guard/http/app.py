@@ -14,6 +14,7 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from guard import metrics
+from guard.cache_health import CacheHealthMonitor
 from guard.check import Checker
 from guard.extender import ProtocolError
 from guard.incident import IncidentRecorder, open_audit_store
@@ -139,12 +140,16 @@ def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | No
     if settings.prepare:
         preverifier = Preverifier(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
         preverifier.start()
+    # Replica caches that miss pods or froze: metrics, Events, a /readyz detail (guard/cache_health.py).
+    cache_health = CacheHealthMonitor(settings, kube, pool, preverifier.pending_views if preverifier else None)
+    cache_health.start()
     bodies = BodyBudget(2 * settings.max_body_bytes, small=min(SMALL_BODY_BYTES, settings.max_body_bytes),
                         wait=min(1.0, settings.request_budget / 2))
     return Guard(settings, kube, checker, incidents, preverifier, bodies, readiness_checks=list(readiness_checks),
                  details={
                      "audit_store": incidents.check_audit,
                      "replicas": lambda: replica_details(incidents, preverifier),
+                     "replica_caches": cache_health.status,
                      "preverification": lambda: {"enabled": preverifier is not None,
                                                  "fallback": preverifier.watch_status()["fallback"] if preverifier
                                                  else None}})

@@ -1,0 +1,212 @@
+"""Replica caches that miss pods or stopped: the checks, their metrics, Events and /readyz detail.
+
+One background thread per guard worker, never on the scheduling path. Every
+second it compares the views the pre-verifier's watches already hold of every
+replica (guard/prepare.py: the pending pods each replica's cache shows); a
+pod other replicas have shown for ``--missing-after`` seconds but one synced
+replica has not is confirmed before anyone is named: a quorum GET (still
+pending, same UID?), a consistent read on that replica (a flowing cache
+catches up with etcd), then that replica's cache read directly
+(``resourceVersion=0``): lacking the pod at a revision past the pod's own,
+the cache lost it (``ghost_guard_replica_pods_missing``, a
+``PodMissingFromReplica`` Event on the pod, once per replica). Every
+``--frozen-after``/3 seconds it reads every replica's cache revision the same
+way (a consistent read, then ``resourceVersion=0``, of one pod name that
+normally does not exist): a revision that stands still behind etcd's for
+``--frozen-after`` seconds names the replica frozen
+(``ghost_guard_replica_frozen``). The rules are :mod:`guard.replica_health`'s.
+
+Cost per replica: two small LISTs every ``--frozen-after``/3 seconds (12 a
+minute by default), plus three reads per suspect pod (rare).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from guard import metrics, replica_health
+from guard.attribution import pending_in_etcd
+from guard.kube import Kube, ReplicaClient, emit_event
+from guard.replica_health import CacheTrack, RevisionSample
+from guard.replicas import ReplicaPool
+from guard.settings import Settings
+from guard.verdict import PodRef
+
+log = logging.getLogger(__name__)
+
+# The name read to learn a replica's cache revision: normally no such pod, so the answers are tiny.
+REVISION_PROBE_NAMESPACE = "default"
+REVISION_PROBE_NAME = "ghost-guard-revision-probe"
+# Most confirmations per tick (each: one quorum GET and two reads of one replica).
+MAX_CONFIRMATIONS_PER_TICK = 20
+# Pods listed per replica in /readyz at most.
+READYZ_PODS = 10
+
+Views = Callable[[], dict[str, tuple[bool, dict[str, PodRef]]]]
+
+
+class CacheHealthMonitor:
+    """Missing pods and frozen watches, per replica. ``views`` is the pre-verifier's
+    ``pending_views`` (None with --no-prepare: then only frozen watches are looked for)."""
+
+    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, views: Views | None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.kube = kube
+        self.pool = pool
+        self._views = views
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._first_seen: dict[str, float] = {}  # uid -> when any replica first showed it pending
+        self._next_check: dict[tuple[str, str], float] = {}  # (replica, uid) -> earliest next confirmation
+        self._missing: dict[str, dict[str, PodRef]] = {}  # replica -> uid -> pod confirmed missing there
+        self._tracks: dict[str, CacheTrack] = {}
+        self._last_round = -1e18
+        self._reads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-cache-health")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="ghost-cache-health", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._reads.shutdown(wait=False, cancel_futures=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.tick()
+            except Exception:
+                log.exception("replica cache health check failed")
+
+    def tick(self) -> None:
+        now = self._clock()
+        clients = {c.replica.address: c for c in self.pool.clients()}
+        if self._views is not None:
+            self.check_missing(clients, now)
+        if now - self._last_round >= self.settings.revision_interval:
+            self._last_round = now
+            self.revision_round(clients, now)
+        self._export(clients, now)
+
+    # -- missing pods -----------------------------------------------------------------------
+
+    def check_missing(self, clients: dict[str, ReplicaClient], now: float) -> None:
+        views = {a: v for a, v in self._views().items() if a in clients}
+        shown = {a: set(pods) for a, (_, pods) in views.items()}
+        synced = [a for a, (ok, _) in views.items() if ok]
+        pods: dict[str, PodRef] = {}
+        for _, (_, p) in views.items():
+            pods.update(p)
+        with self._lock:
+            for uid in pods:
+                self._first_seen.setdefault(uid, now)
+            for uid in [u for u in self._first_seen if u not in pods]:  # pending nowhere any more
+                del self._first_seen[uid]
+            self._next_check = {k: t for k, t in self._next_check.items() if k[1] in pods}
+            for replica, missing in self._missing.items():
+                for uid in [u for u in missing if u not in pods or u in shown.get(replica, ())]:
+                    pod = missing.pop(uid)
+                    log.info("apiserver replica %s shows pod %s uid %s now (or it is no longer pending): no longer "
+                             "missing", replica, pod, uid)
+            suspects = [(r, u) for r, u in replica_health.missing_suspects(
+                shown, synced, self._first_seen, now=now, missing_after=self.settings.missing_after)
+                if u not in self._missing.get(r, {}) and self._next_check.get((r, u), -1e18) <= now]
+        for replica, uid in suspects[:MAX_CONFIRMATIONS_PER_TICK]:
+            self._confirm(clients[replica], pods[uid], now)
+
+    def _confirm(self, client: ReplicaClient, pod: PodRef, now: float) -> str:
+        read = self.kube.quorum_get(pod.namespace, pod.name)
+        shows, cache_rv = None, None
+        if pending_in_etcd(read, pod.uid):  # else nothing is missing (or etcd cannot say): no cache read
+            client.consistent_revision(pod.namespace, pod.name)  # a flowing cache catches up with etcd first
+            items, rv, error = client.read_cache(pod.namespace, pod.name)
+            if error is None:
+                shows = any((i.get("metadata") or {}).get("uid") == pod.uid for i in items)
+                cache_rv = _int(rv)
+        outcome = replica_health.confirm_missing(read, pod.uid, cache_shows=shows, cache_rv=cache_rv)
+        replica = client.replica.address
+        with self._lock:
+            if outcome != replica_health.MISSING:
+                self._next_check[(replica, pod.uid)] = now + self.settings.revision_interval
+                return outcome
+            new = pod.uid not in self._missing.setdefault(replica, {})
+            self._missing[replica][pod.uid] = pod
+        if new:
+            metrics.REPLICA_PODS_MISSING_DETECTIONS.labels(replica).inc()
+            message = (f"apiserver replica {client.replica} does not show pod {pod} uid {pod.uid}, pending in etcd "
+                       f"(resourceVersion {read.resource_version}), although its watch cache is past that revision "
+                       f"(resourceVersion {cache_rv}): its watch lost the pod's creation. Schedulers and "
+                       f"controllers reading that replica do not see the pod; `ghost-guard heal {pod}` writes to "
+                       f"the pod so that every cache whose watch flows shows it")
+            log.warning("%s", message)
+            if self.settings.events:
+                try:
+                    emit_event(self.kube, namespace=pod.namespace, pod_name=pod.name, pod_uid=pod.uid,
+                               reason="PodMissingFromReplica", message=message, key=replica)
+                except Exception as e:  # Events are best effort
+                    log.warning("cannot emit PodMissingFromReplica Event for %s: %s", pod, str(e)[:200])
+        return outcome
+
+    # -- frozen watches ---------------------------------------------------------------------
+
+    def revision_round(self, clients: dict[str, ReplicaClient], now: float) -> dict[str, CacheTrack]:
+        """Every replica's consistent read, then every replica's cache revision; assessed together."""
+        order = sorted(clients)
+        consistent = list(self._reads.map(
+            lambda a: clients[a].consistent_revision(REVISION_PROBE_NAMESPACE, REVISION_PROBE_NAME), order))
+        caches = list(self._reads.map(
+            lambda a: clients[a].read_cache(REVISION_PROBE_NAMESPACE, REVISION_PROBE_NAME), order))
+        etcd = replica_health.round_etcd_revision({a: rv for a, (rv, _) in zip(order, consistent)})
+        samples = [RevisionSample(a, now, etcd[a], None if error else _int(rv))
+                   for a, (_, rv, error) in zip(order, caches)]
+        with self._lock:
+            before = self._tracks
+            self._tracks = after = replica_health.assess(
+                {a: t for a, t in before.items() if a in clients}, samples, frozen_after=self.settings.frozen_after)
+        for a in order:
+            was, now_frozen = before.get(a, CacheTrack()).frozen, after.get(a, CacheTrack()).frozen
+            if now_frozen and not was:
+                t = after[a]
+                log.warning("apiserver replica %s: its watch cache revision has stood at %s for %.0fs while etcd "
+                            "moved on (now at least %s): its watch is frozen; writes cannot heal it, restart that "
+                            "apiserver replica", clients[a].replica, t.cache_rv, t.seconds_behind(now), etcd[a])
+            elif was and not now_frozen:
+                log.warning("apiserver replica %s: its watch cache revision moves again", clients[a].replica)
+        return after
+
+    # -- what it shows --------------------------------------------------------------------------
+
+    def _export(self, clients: dict[str, ReplicaClient], now: float) -> None:
+        with self._lock:
+            for a in clients:
+                t = self._tracks.get(a, CacheTrack())
+                metrics.REPLICA_PODS_MISSING.labels(a).set(len(self._missing.get(a, {})))
+                metrics.REPLICA_SECONDS_BEHIND.labels(a).set(round(t.seconds_behind(now), 1))
+                metrics.REPLICA_FROZEN.labels(a).set(1 if t.frozen else 0)
+
+    def status(self) -> dict[str, dict]:
+        """Per replica: cache revision, seconds behind etcd, frozen, pods missing (the first few), for /readyz."""
+        now = self._clock()
+        with self._lock:
+            out = {}
+            for a in sorted(set(self._tracks) | set(self._missing)):
+                t = self._tracks.get(a, CacheTrack())
+                missing = sorted(self._missing.get(a, {}).values(), key=str)
+                out[a] = {"cache_revision": t.cache_rv, "seconds_behind": round(t.seconds_behind(now), 1),
+                          "frozen": t.frozen, "pods_missing": len(missing),
+                          "missing": [f"{p} ({p.uid})" for p in missing[:READYZ_PODS]]}
+            return out
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
