@@ -115,9 +115,12 @@ class CacheHealthMonitor:
                     pod = missing.pop(uid)
                     log.info("apiserver replica %s shows pod %s uid %s now (or it is no longer pending): no longer "
                              "missing", replica, pod, uid)
+            # A replica whose cache was last seen behind etcd lags or froze: what it does not show yet
+            # is not missing (the frozen rule speaks for it); checking each pod would cost a GET apiece.
+            behind = {r for r, t in self._tracks.items() if t.behind_since is not None}
             suspects = [(r, u) for r, u in replica_health.missing_suspects(
                 shown, synced, self._first_seen, now=now, missing_after=self.settings.missing_after)
-                if u not in self._missing.get(r, {}) and self._next_check.get((r, u), -1e18) <= now]
+                if r not in behind and u not in self._missing.get(r, {}) and self._next_check.get((r, u), -1e18) <= now]
         for replica, uid in suspects[:MAX_CONFIRMATIONS_PER_TICK]:
             self._confirm(clients[replica], pods[uid], now)
 

@@ -1,0 +1,148 @@
+"""The running guard on the lab names a replica that misses a pod (its watch lost the creation and
+flowed on) and a replica whose watch froze, and never a replica that merely lags.
+
+Real etcd, three real HTTPS apiserver replicas with their own watch caches, a real `ghost-guard serve`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fixtures_lab import cached_names, pod_manifest
+from polling import eventually
+
+pytestmark = pytest.mark.timeout(240)
+
+REVISION_PROBE = "/api/v1/namespaces/default/pods"
+
+
+def replica(lab, i: int) -> str:
+    return f"{lab.replicas[i].ip}:{lab.replicas[i].port}"
+
+
+def start(lab, start_guard, tmp_path, *extra: str):
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(tmp_path / "audit.db"),
+                     "--discovery-interval", "5", *extra])
+    eventually(lambda: all(v["watch"] and v["watch"]["state"] == "synced"
+                           for v in g.get("/readyz", timeout=5).json()["details"]["replicas"].values())
+               and len(g.get("/readyz", timeout=5).json()["details"]["replicas"]) == 3,
+               20, what="synced watches on the three replicas", process=g)
+    return g
+
+
+def missing_events(lab, uid: str) -> list:
+    return [e for e in lab.core_v1(0).list_namespaced_event("default", _request_timeout=5).items
+            if e.involved_object.uid == uid and e.reason == "PodMissingFromReplica"]
+
+
+def caches(g) -> dict:
+    time.sleep(2.1)  # /readyz reuses its answer for 2 s
+    return g.get("/readyz", timeout=5).json()["details"]["replica_caches"]
+
+
+def test_a_pod_whose_creation_a_replica_lost_is_reported_missing_there_until_it_is_written_again(
+        lab, start_guard, tmp_path):
+    g = start(lab, start_guard, tmp_path, "--missing-after", "2")
+    lost = replica(lab, 1)
+    lab.replicas[1].faults.drop_creates(namespace="default", name="lost")
+    api = lab.core_v1(0)
+    created = time.monotonic()
+    uid = api.create_namespaced_pod("default", pod_manifest("lost"), _request_timeout=5).metadata.uid
+
+    eventually(lambda: g.metric("ghost_guard_replica_pods_missing", replica=lost) == 1, 30,
+               what="the missing-pod gauge", process=g)
+    took = time.monotonic() - created
+    print(f"\nmissing pod reported {took:.2f}s after its creation (--missing-after 2)")
+    assert took >= 2.0  # never before --missing-after
+    assert g.metric("ghost_guard_replica_pods_missing_detections_total", replica=lost) == 1
+    for other in (0, 2):
+        assert g.metric("ghost_guard_replica_pods_missing", replica=replica(lab, other)) == 0
+        assert g.metric("ghost_guard_replica_pods_missing_detections_total", replica=replica(lab, other)) == 0
+    assert "lost" not in cached_names(lab, 1, "default") and "lost" in cached_names(lab, 0, "default")
+
+    (event,) = eventually(lambda: missing_events(lab, uid), 10, what="the PodMissingFromReplica Event")
+    assert event.type == "Warning" and lost in event.message and "ghost-guard heal default/lost" in event.message
+    detail = caches(g)
+    assert (detail[lost]["pods_missing"], detail[lost]["missing"], detail[lost]["frozen"]) == (
+        1, [f"default/lost ({uid})"], False)
+    assert all(detail[replica(lab, i)]["pods_missing"] == 0 for i in (0, 2))
+    time.sleep(3)  # more ticks: still one detection, one Event (deduplicated), count 1
+    assert g.metric("ghost_guard_replica_pods_missing_detections_total", replica=lost) == 1
+    (event,) = missing_events(lab, uid)
+    assert event.count == 1
+
+    # One write to the pod reaches every cache whose watch flows (what `ghost-guard heal` does):
+    # replica 2 stores it, its watchers see it ADDED, the guard sees it there.
+    api.patch_namespaced_pod("lost", "default", {"metadata": {"annotations": {"touched": "1"}}}, _request_timeout=5)
+    eventually(lambda: g.metric("ghost_guard_replica_pods_missing", replica=lost) == 0, 20,
+               what="the gauge to clear", process=g)
+    assert "lost" in cached_names(lab, 1, "default")
+    assert g.metric("ghost_guard_replica_frozen") == 0
+
+
+def test_a_frozen_replica_is_named_and_a_thawed_one_cleared(lab, start_guard, tmp_path):
+    g = start(lab, start_guard, tmp_path, "--frozen-after", "6")  # revisions read every 2 s
+    frozen = replica(lab, 2)
+    lab.replicas[2].faults.freeze_watch()
+    froze = time.monotonic()
+    api = lab.core_v1(0)
+    for i in range(3):  # etcd moves on
+        api.create_namespaced_pod("default", pod_manifest(f"after-{i}"), _request_timeout=5)
+    eventually(lambda: g.metric("ghost_guard_replica_frozen", replica=frozen) == 1, 30,
+               what="the frozen gauge", process=g)
+    took = time.monotonic() - froze
+    print(f"\nfrozen replica named {took:.2f}s after its watch froze (--frozen-after 6)")
+    assert took >= 6.0
+    for other in (0, 1):
+        assert g.metric("ghost_guard_replica_frozen", replica=replica(lab, other)) == 0
+        assert g.metric("ghost_guard_replica_seconds_behind", replica=replica(lab, other)) == 0
+    assert g.metric("ghost_guard_replica_seconds_behind", replica=frozen) >= 6
+    # Its pods are behind, not missing: a frozen cache has not reached their revision.
+    assert g.metric("ghost_guard_replica_pods_missing_detections_total") == 0
+    detail = caches(g)
+    assert detail[frozen]["frozen"] is True and detail[frozen]["cache_revision"] < lab.revision()
+    assert "watch is frozen" in g.logs()
+
+    lab.replicas[2].faults.unfreeze_watch()
+    eventually(lambda: g.metric("ghost_guard_replica_frozen", replica=frozen) == 0, 20,
+               what="the frozen gauge to clear", process=g)
+    eventually(lambda: g.metric("ghost_guard_replica_seconds_behind", replica=frozen) == 0, 10,
+               what="seconds behind to clear", process=g)
+    assert g.metric("ghost_guard_replica_pods_missing_detections_total") == 0
+
+
+def test_a_replica_that_lags_past_missing_after_is_not_blamed(lab, start_guard, tmp_path):
+    g = start(lab, start_guard, tmp_path, "--missing-after", "1", "--frozen-after", "30")
+    lagging = lab.replicas[1]
+    lagging.faults.freeze_watch()  # it will catch up: a lag longer than --missing-after
+    since = time.time()
+    lab.core_v1(0).create_namespaced_pod("default", pod_manifest("slow"), _request_timeout=5)
+    # the guard suspects the pod on that replica and checks its cache: behind the pod's revision, so not missing
+    eventually(lambda: [r for r in lagging.requests(method="GET", path="/api/v1/namespaces/default/pods", since=since)
+                        if r.query.get("fieldSelector") == "metadata.name=slow" and r.query.get("resourceVersion") == "0"],
+               20, what="the guard's confirmation read on the lagging replica", process=g)
+    lagging.faults.unfreeze_watch()
+    eventually(lambda: "slow" in cached_names(lab, 1, "default"), 10, what="the replica to catch up")
+    time.sleep(3)
+    assert g.metric("ghost_guard_replica_pods_missing_detections_total") == 0
+    assert g.metric("ghost_guard_replica_pods_missing") == 0
+    assert g.metric("ghost_guard_replica_frozen") == 0
+    assert [e for e in lab.core_v1(0).list_namespaced_event("default", _request_timeout=5).items
+            if e.reason == "PodMissingFromReplica"] == []
+
+
+def test_the_checks_cost_two_small_lists_per_replica_per_revision_interval(lab, start_guard, tmp_path):
+    """Counted in the lab's request log, in an idle lab: --frozen-after 6 reads every replica's revision every
+    2 s (a consistent read and a resourceVersion=0 read of one name); the default 30 s, every 10 s."""
+    g = start(lab, start_guard, tmp_path, "--frozen-after", "6")
+    r = lab.replicas[0]
+    since = time.time()
+    time.sleep(10)
+    reads = [x for x in r.requests(method="GET", path=REVISION_PROBE, since=since)
+             if x.query.get("fieldSelector") == "metadata.name=ghost-guard-revision-probe"]
+    consistent = [x for x in reads if "resourceVersion" not in x.query]
+    print(f"\nrevision reads on one replica in 10 s at a 2 s interval: {len(reads)} ({len(consistent)} consistent)")
+    assert 8 <= len(reads) <= 12 and len(consistent) * 2 == len(reads)
+    assert all(x.source == "cache" and x.status == 200 for x in reads)  # served by the cache, not etcd
+    assert g.proc.poll() is None
