@@ -632,13 +632,17 @@ def test_prometheus_rules_use_real_metrics(rendered):
     exposed = {s.name for fam in REGISTRY.collect() for s in fam.samples} | {fam.name for fam in REGISTRY.collect()}
     rule = one(rendered["monitoring"], "PrometheusRule")
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert set(alerts) == {"GhostGuardGhostsBlocked", "GhostGuardStaleApiserverReplica", "GhostGuardFailingOpen", "GhostGuardDown"}
+    assert set(alerts) == {"GhostGuardGhostsBlocked", "GhostGuardStaleApiserverReplica", "GhostGuardFailingOpen",
+                           "GhostGuardDown", "GhostGuardPodsMissingFromReplica", "GhostGuardApiserverReplicaFrozen",
+                           "GhostGuardReplicaWatchDown", "GhostGuardAuditStoreUnwritable"}
     used = set()
     for a in alerts.values():
         assert set(a) == {"alert", "expr", "for", "labels", "annotations"}
         assert a["labels"]["severity"] in ("warning", "critical")
-        used |= set(re.findall(r"\bghost_guard_[a-z_]+", a["expr"]))
-    assert used == {"ghost_guard_verdicts_total", "ghost_guard_stale_replica", "ghost_guard_fail_open_total"}
+        used |= set(re.findall(r"\bghost_guard_[a-z_]+", a["expr"] + a["annotations"]["description"]))
+    assert used >= {"ghost_guard_verdicts_total", "ghost_guard_stale_replica", "ghost_guard_fail_open_total",
+                    "ghost_guard_replica_pods_missing", "ghost_guard_replica_frozen", "ghost_guard_replica_watch_up",
+                    "ghost_guard_audit_store_healthy"}
     families = {fam.name for fam in REGISTRY.collect()}
     for name in used:  # counters are registered without _total, exposed with it
         assert name in exposed or name.removesuffix("_total") in families, name
