@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from guard import metrics, replica_health
-from guard.attribution import pending_in_etcd
+from guard.attribution import is_pending, pending_in_etcd
 from guard.kube import Kube, ReplicaClient, emit_event
 from guard.replica_health import CacheTrack, RevisionSample
 from guard.replicas import ReplicaPool
@@ -125,15 +125,7 @@ class CacheHealthMonitor:
             self._confirm(clients[replica], pods[uid], now)
 
     def _confirm(self, client: ReplicaClient, pod: PodRef, now: float) -> str:
-        read = self.kube.quorum_get(pod.namespace, pod.name)
-        shows, cache_rv = None, None
-        if pending_in_etcd(read, pod.uid):  # else nothing is missing (or etcd cannot say): no cache read
-            client.consistent_revision(pod.namespace, pod.name)  # a flowing cache catches up with etcd first
-            items, rv, error = client.read_cache(pod.namespace, pod.name)
-            if error is None:
-                shows = any((i.get("metadata") or {}).get("uid") == pod.uid for i in items)
-                cache_rv = _int(rv)
-        outcome = replica_health.confirm_missing(read, pod.uid, cache_shows=shows, cache_rv=cache_rv)
+        outcome, read, cache_rv = confirm_pod(self.kube, client, pod)
         replica = client.replica.address
         with self._lock:
             if outcome != replica_health.MISSING:
@@ -162,13 +154,7 @@ class CacheHealthMonitor:
     def revision_round(self, clients: dict[str, ReplicaClient], now: float) -> dict[str, CacheTrack]:
         """Every replica's consistent read, then every replica's cache revision; assessed together."""
         order = sorted(clients)
-        consistent = list(self._reads.map(
-            lambda a: clients[a].consistent_revision(REVISION_PROBE_NAMESPACE, REVISION_PROBE_NAME), order))
-        caches = list(self._reads.map(
-            lambda a: clients[a].read_cache(REVISION_PROBE_NAMESPACE, REVISION_PROBE_NAME), order))
-        etcd = replica_health.round_etcd_revision({a: rv for a, (rv, _) in zip(order, consistent)})
-        samples = [RevisionSample(a, now, etcd[a], None if error else _int(rv))
-                   for a, (_, rv, error) in zip(order, caches)]
+        etcd, samples = read_revisions(self._reads, clients, now)
         with self._lock:
             before = self._tracks
             self._tracks = after = replica_health.assess(
@@ -206,6 +192,88 @@ class CacheHealthMonitor:
                           "frozen": t.frozen, "pods_missing": len(missing),
                           "missing": [f"{p} ({p.uid})" for p in missing[:READYZ_PODS]]}
             return out
+
+
+def confirm_pod(kube: Kube, client: ReplicaClient, pod: PodRef) -> tuple[str, object, int | None]:
+    """Is ``pod`` missing from ``client``'s replica? (replica_health outcome, the quorum read, the cache
+    revision). A quorum GET first; only for a pod etcd has pending, a consistent read on the replica
+    (a flowing cache catches up with etcd) and then its cache read directly (resourceVersion=0)."""
+    read = kube.quorum_get(pod.namespace, pod.name)
+    shows, cache_rv = None, None
+    if pending_in_etcd(read, pod.uid):  # else nothing is missing (or etcd cannot say): no cache read
+        client.consistent_revision(pod.namespace, pod.name)
+        items, rv, error = client.read_cache(pod.namespace, pod.name)
+        if error is None:
+            shows = any((i.get("metadata") or {}).get("uid") == pod.uid for i in items)
+            cache_rv = _int(rv)
+    return replica_health.confirm_missing(read, pod.uid, cache_shows=shows, cache_rv=cache_rv), read, cache_rv
+
+
+def read_revisions(pool: ThreadPoolExecutor, clients: dict[str, ReplicaClient],
+                   at: float) -> tuple[dict[str, int | None], list[RevisionSample]]:
+    """Every replica's consistent read (in parallel), then every replica's cache revision: the etcd
+    revision each sample is compared with, and the samples."""
+    order = sorted(clients)
+    consistent = list(pool.map(
+        lambda a: clients[a].consistent_revision(REVISION_PROBE_NAMESPACE, REVISION_PROBE_NAME), order))
+    caches = list(pool.map(lambda a: clients[a].read_cache(REVISION_PROBE_NAMESPACE, REVISION_PROBE_NAME), order))
+    etcd = replica_health.round_etcd_revision({a: rv for a, (rv, _) in zip(order, consistent)})
+    return etcd, [RevisionSample(a, at, etcd[a], None if error else _int(rv)) for a, (_, rv, error) in zip(order, caches)]
+
+
+# One look for `ghost-guard report --live`: the frozen rule over this window (two revision reads).
+LIVE_WINDOW_SECONDS = 5.0
+
+
+def check_now(kube: Kube, clients: list[ReplicaClient], *, window: float = LIVE_WINDOW_SECONDS,
+              sleep: Callable[[float], None] = time.sleep) -> list[dict]:
+    """Every replica's cache checked once, for ``report --live``: its revision read twice ``window``
+    seconds apart (frozen: behind etcd both times, unmoved, while another replica was caught up), and
+    the pending pods other replicas' caches list but it does not, each confirmed as the guard does
+    (no --missing-after: a cache past the pod's revision that lacks it misses it, however young)."""
+    by_address = {c.replica.address: c for c in clients}
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-cache-check") as pool:
+        etcd, samples = read_revisions(pool, by_address, 0.0)
+        tracks = replica_health.assess({}, samples, frozen_after=window)
+        sleep(window)
+        etcd, samples = read_revisions(pool, by_address, window)
+        tracks = replica_health.assess(tracks, samples, frozen_after=window)
+        listed = dict(zip(sorted(by_address), pool.map(_pending_or_none, [by_address[a] for a in sorted(by_address)])))
+    errors = {s.replica: None for s in samples if s.cache_rv is not None}
+    views = {a: set(p) for a, p in listed.items() if p is not None}
+    pods = {uid: pod for p in listed.values() if p for uid, pod in p.items()}
+    missing: dict[str, list[dict]] = {a: [] for a in by_address}
+    for replica, uid in replica_health.missing_suspects(views, list(views), {u: 0.0 for u in pods}, now=0.0,
+                                                        missing_after=0.0):
+        if tracks.get(replica, CacheTrack()).behind_since is not None:
+            continue  # behind etcd: it lags or froze, it does not show new pods yet
+        outcome, read, cache_rv = confirm_pod(kube, by_address[replica], pods[uid])
+        if outcome == replica_health.MISSING:
+            pod = pods[uid]
+            missing[replica].append({"namespace": pod.namespace, "name": pod.name, "uid": uid,
+                                     "resource_version": read.resource_version, "cache_resource_version": cache_rv})
+    out = []
+    for a in sorted(by_address):
+        t = tracks.get(a, CacheTrack())
+        out.append({"replica": a, "cache_revision": t.cache_rv, "etcd_revision": etcd.get(a),
+                    "seconds_behind": round(t.seconds_behind(window), 1), "frozen": t.frozen,
+                    "answered": a in errors, "pending_listed": a in views, "missing": missing[a]})
+    return out
+
+
+def _pending_or_none(client: ReplicaClient) -> dict[str, PodRef] | None:
+    """The pending pods one replica's cache lists (uid -> PodRef), None when it did not answer."""
+    try:
+        _, items = client.pending_pods()
+    except Exception as e:  # one replica's trouble: no claim about it
+        log.info("cannot list pending pods on %s: %s", client.replica, str(e)[:200])
+        return None
+    out = {}
+    for obj in items:
+        meta = obj.get("metadata") or {}
+        if meta.get("uid") and meta.get("name") and is_pending(obj):
+            out[meta["uid"]] = PodRef(meta.get("namespace") or "default", meta["name"], meta["uid"])
+    return out
 
 
 def _int(value: str | None) -> int | None:

@@ -267,16 +267,81 @@ def audit(db: str | None, namespace: str | None, verdict: str | None, replica: s
 @click.option("--since", default=None, metavar="WHEN",
               help="Only ghosts seen since then: a duration back from now (30m, 1h, 2d, 1w) or an ISO-8601 time (UTC if no offset).")
 @click.option("--output", "-o", default="table", type=click.Choice(["table", "json"]), help="Output format.")
-def report(db: str | None, namespace: str | None, since: str | None, output: str) -> None:
-    """Per apiserver replica, the ghosts its watch cache serves and since when, then the remediation in order."""
+@option("--live", is_flag=True, default=False,
+        help="Also check every apiserver replica's cache now (about 10s): its revision against etcd's (frozen?) and "
+             "the pending pods it misses. Needs cluster credentials; works without an audit store.")
+@option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+        help="With --live: cluster credentials. Default: in-cluster service account, then $KUBECONFIG / ~/.kube/config.")
+@option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
+        help="With --live: replicas to check; default: discovered from the default/kubernetes EndpointSlice.")
+@option("--apiserver-server-name", default="kubernetes.default.svc",
+        help="With --live: TLS server name verified when dialling a replica by IP.")
+def report(db: str | None, namespace: str | None, since: str | None, output: str, live: bool, kubeconfig: str | None,
+           apiserver_replicas: str | None, apiserver_server_name: str) -> None:
+    """Per apiserver replica, the ghosts its watch cache serves and since when, then the remediation in order.
+
+    The ghosts come from the audit store (what `serve` recorded). With --live, a second section checks every
+    replica's cache now: frozen watches and pods missing from a cache (exit 1 when it finds any).
+    """
+    import os
+
+    from guard.audit import DEFAULT_AUDIT_DB
     from guard.report import render_report
 
-    store = _open_audit_store("report", db)
+    text, records = "", None
+    if not (live and not os.path.exists(db or DEFAULT_AUDIT_DB)):
+        store = _open_audit_store("report", db)
+        try:
+            records = _audit_records("report", store, namespace=namespace, verdict=None, replica=None, since=since,
+                                     limit=None)
+        finally:
+            store.close()
+        text = render_report(records, output)
+    if not live:
+        click.echo(text, nl=False)
+        return
+    caches = _live_caches(kubeconfig, apiserver_replicas, apiserver_server_name)
+    if output == "json":
+        import json
+
+        doc = json.loads(text) if text else {"audit_store": None}
+        doc["replica_caches"] = caches
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        from guard.cache_health import LIVE_WINDOW_SECONDS
+        from guard.report import render_replica_caches
+
+        if not text:
+            text = f"No audit store at {db or DEFAULT_AUDIT_DB}: ghosts not reported.\n"
+        click.echo(text + "\n" + render_replica_caches(caches, window=LIVE_WINDOW_SECONDS), nl=False)
+    sys.exit(1 if any(c["frozen"] or c["missing"] for c in caches) else 0)
+
+
+def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_name: str) -> list[dict]:
+    """guard.cache_health.check_now over every replica; exit 2 with one line when it cannot run."""
+    from guard.cache_health import check_now
+    from guard.kube import Kube, KubeConfigError, load_configuration
+    from guard.replicas import ReplicaPool
+    from guard.settings import Settings, SettingsError
+
     try:
-        records = _audit_records("report", store, namespace=namespace, verdict=None, replica=None, since=since, limit=None)
+        settings = Settings(apiserver_replicas=apiserver_replicas, apiserver_server_name=server_name,
+                            probe_timeout=2.0, get_timeout=2.0)
+        kube = Kube(load_configuration(kubeconfig), timeout=2.0, pool_size=8)
+        pool = ReplicaPool(settings, kube)
+    except (KubeConfigError, SettingsError) as e:
+        click.echo(f"ghost-guard report: {e}", err=True)
+        sys.exit(2)
+    try:
+        clients = pool.clients()
+        if not clients:
+            click.echo("ghost-guard report: no apiserver replica found (default/kubernetes EndpointSlice and "
+                       "Endpoints unreadable); pass --apiserver-replicas", err=True)
+            sys.exit(2)
+        return check_now(kube, clients)
     finally:
-        store.close()
-    click.echo(render_report(records, output), nl=False)
+        pool.close()
+        kube.close()
 
 
 

@@ -418,3 +418,44 @@ def render_diagnosis(
     if unchecked:
         lines.append("unchecked: " + ", ".join(f"{_cell(r)} ({k})" for r, k in unchecked))
     return "\n".join(lines) + "\n"
+
+
+# --- report --live: replica caches checked now (guard.cache_health.check_now) -----------------------
+
+
+def render_replica_caches(caches: Sequence[Mapping[str, Any]], output: str = "table", *,
+                          window: float = 5.0) -> str:
+    """The ``report --live`` section: per replica, its cache revision against etcd's, frozen or not,
+    and the pending pods it misses; then what to do. JSON: the list as given."""
+    _check_output(output, ("table", "json"))
+    if output == "json":
+        return _dumps(list(caches)) + "\n"
+    lines = [f"Replica caches, checked now (revisions read {window:g}s apart):"]
+    rows = [(c["replica"], c["cache_revision"] if c["answered"] else "no answer", c["etcd_revision"],
+             f"{c['seconds_behind']:g}s" if c["seconds_behind"] else "-", "yes" if c["frozen"] else "no",
+             len(c["missing"]) if c["pending_listed"] else "no answer") for c in caches]
+    lines += _table(("REPLICA", "CACHE RV", "ETCD RV", "BEHIND", "FROZEN", "PODS MISSING"), rows, indent="  ")
+    missing = [(c["replica"], m) for c in caches for m in c["missing"]]
+    if missing:
+        lines += ["", "Pods pending in etcd that a replica's cache lacks (past their revision):"]
+        lines += _table(("REPLICA", "POD", "UID", "POD RV", "CACHE RV"),
+                        [(r, f"{m['namespace']}/{m['name']}", m["uid"], m["resource_version"], m["cache_resource_version"])
+                         for r, m in missing], indent="  ")
+    steps = []
+    pods = sorted({f"{m['namespace']}/{m['name']}" for _, m in missing})
+    if pods:
+        steps.append(f"`ghost-guard heal {' '.join(pods)}`: one write to each pod reaches every cache whose watch "
+                     "flows")
+    for c in caches:
+        if c["frozen"]:
+            steps.append(f"restart kube-apiserver {c['replica']}: its watch is frozen (writes cannot heal it), then "
+                         "kube-scheduler if it read from that replica")
+    lines.append("")
+    if steps:
+        lines.append("For the replica caches, in order:")
+        lines += [f"  {i}. {step}" for i, step in enumerate(steps, 1)]
+    elif all(c["answered"] and c["pending_listed"] for c in caches):
+        lines.append("Every replica's cache keeps up with etcd and misses no pending pod.")
+    else:
+        lines.append("No replica cache problem found among the replicas that answered.")
+    return "\n".join(lines) + "\n"

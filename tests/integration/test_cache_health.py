@@ -146,3 +146,40 @@ def test_the_checks_cost_two_small_lists_per_replica_per_revision_interval(lab, 
     assert 8 <= len(reads) <= 12 and len(consistent) * 2 == len(reads)
     assert all(x.source == "cache" and x.status == 200 for x in reads)  # served by the cache, not etcd
     assert g.proc.poll() is None
+
+
+def test_report_live_names_the_missing_pod_and_the_frozen_replica(lab, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    lab.replicas[1].faults.drop_creates(namespace="default", name="lost")
+    api = lab.core_v1(0)
+    uid = api.create_namespaced_pod("default", pod_manifest("lost"), _request_timeout=5).metadata.uid
+    assert lab.wait_synced()
+    lab.replicas[2].faults.freeze_watch()
+    api.create_namespaced_pod("default", pod_manifest("later"), _request_timeout=5)  # etcd moves on
+    cmd = [sys.executable, "-m", "guard", "report", "--live", "--kubeconfig", lab.kubeconfig(0),
+           "--db", str(tmp_path / "none.db")]
+    r = subprocess.run([*cmd, "-o", "json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    caches = {c["replica"]: c for c in json.loads(r.stdout)["replica_caches"]}
+    ok, lost, frozen = (replica(lab, i) for i in range(3))
+    assert [(m["namespace"], m["name"], m["uid"]) for m in caches[lost]["missing"]] == [("default", "lost", uid)]
+    assert (caches[lost]["frozen"], caches[ok]["frozen"], caches[ok]["missing"]) == (False, False, [])
+    # the frozen replica lacks "later" too, but it is behind etcd: frozen, not missing
+    assert (caches[frozen]["frozen"], caches[frozen]["missing"]) == (True, [])
+    assert caches[frozen]["cache_revision"] < caches[frozen]["etcd_revision"]
+
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stdout.startswith(f"No audit store at {tmp_path / 'none.db'}: ghosts not reported.\n")
+    assert "  1. `ghost-guard heal default/lost`" in r.stdout
+    assert f"  2. restart kube-apiserver {frozen}: its watch is frozen" in r.stdout
+
+    lab.replicas[2].faults.unfreeze_watch()
+    api.patch_namespaced_pod("lost", "default", {"metadata": {"annotations": {"touched": "1"}}}, _request_timeout=5)
+    assert lab.wait_synced()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == "Every replica's cache keeps up with etcd and misses no pending pod."

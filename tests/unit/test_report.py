@@ -369,3 +369,47 @@ def test_render_diagnosis_json() -> None:
         "stale_replicas": [B],
         "unchecked": [{"replica": C, "state": "not-ready"}],
     }
+
+
+# --- report --live: the replica-cache section ------------------------------------------------------------
+
+def _cache(replica, **kw):
+    base = {"replica": replica, "cache_revision": 120, "etcd_revision": 120, "seconds_behind": 0.0, "frozen": False,
+            "answered": True, "pending_listed": True, "missing": []}
+    return {**base, **kw}
+
+
+def test_replica_caches_section_names_missing_pods_and_frozen_replicas_with_the_steps():
+    from guard.report import render_replica_caches
+
+    caches = [_cache("10.0.0.1:6443"),
+              _cache("10.0.0.2:6443", missing=[{"namespace": "default", "name": "lost", "uid": "u1",
+                                                 "resource_version": "110", "cache_resource_version": 120}]),
+              _cache("10.0.0.3:6443", cache_revision=90, seconds_behind=5.0, frozen=True)]
+    out = render_replica_caches(caches, window=5.0)
+    assert out.splitlines()[0] == "Replica caches, checked now (revisions read 5s apart):"
+    assert "  10.0.0.2:6443  default/lost  u1   110     120" in out
+    assert out.splitlines()[-2:] == [
+        "  1. `ghost-guard heal default/lost`: one write to each pod reaches every cache whose watch flows",
+        "  2. restart kube-apiserver 10.0.0.3:6443: its watch is frozen (writes cannot heal it), then kube-scheduler "
+        "if it read from that replica"]
+
+
+@pytest.mark.parametrize("caches, last", [
+    pytest.param([_cache("a"), _cache("b")], "Every replica's cache keeps up with etcd and misses no pending pod.",
+                 id="all-well"),
+    pytest.param([_cache("a"), _cache("b", answered=False, cache_revision=None)],
+                 "No replica cache problem found among the replicas that answered.", id="one-did-not-answer"),
+])
+def test_replica_caches_section_when_nothing_is_wrong(caches, last):
+    from guard.report import render_replica_caches
+
+    assert render_replica_caches(caches).splitlines()[-1] == last
+
+
+def test_replica_caches_section_json_is_the_list():
+    import json
+
+    from guard.report import render_replica_caches
+
+    assert json.loads(render_replica_caches([_cache("a")], "json")) == [_cache("a")]
