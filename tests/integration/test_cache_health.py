@@ -118,10 +118,18 @@ def test_a_replica_that_lags_past_missing_after_is_not_blamed(lab, start_guard, 
     lagging.faults.freeze_watch()  # it will catch up: a lag longer than --missing-after
     since = time.time()
     lab.core_v1(0).create_namespaced_pod("default", pod_manifest("slow"), _request_timeout=5)
-    # the guard suspects the pod on that replica and checks its cache: behind the pod's revision, so not missing
-    eventually(lambda: [r for r in lagging.requests(method="GET", path="/api/v1/namespaces/default/pods", since=since)
-                        if r.query.get("fieldSelector") == "metadata.name=slow" and r.query.get("resourceVersion") == "0"],
-               20, what="the guard's confirmation read on the lagging replica", process=g)
+    # Past --missing-after the guard suspects the pod there and either reads that cache (behind the pod's
+    # revision: not missing) or already knows the cache is behind etcd (a revision read came first: it checks
+    # no pod there while that lasts). Either way it looked, and held back.
+    lag = replica(lab, 1)
+
+    def looked() -> bool:
+        confirmation = [r for r in lagging.requests(method="GET", path="/api/v1/namespaces/default/pods", since=since)
+                        if r.query.get("fieldSelector") == "metadata.name=slow" and r.query.get("resourceVersion") == "0"]
+        return bool(confirmation) or g.metric("ghost_guard_replica_seconds_behind", replica=lag) > 0
+
+    eventually(looked, 20, what="the guard's look at the lagging replica", process=g)
+    time.sleep(1.5)  # past --missing-after once more, still lagging
     lagging.faults.unfreeze_watch()
     eventually(lambda: "slow" in cached_names(lab, 1, "default"), 10, what="the replica to catch up")
     time.sleep(3)
