@@ -44,3 +44,28 @@ def test_serve_flags_repeat_the_settings_defaults():
     options = [p for p in serve.params if p.name != "help"]
     assert {p.name for p in options} == set(fields)
     assert {p.name: p.default for p in options} == fields
+
+
+_LOCAL = {"insecure_http": True, "bind": "127.0.0.1:80"}
+
+
+@pytest.mark.parametrize("kw,reason", [
+    pytest.param({"missing_after": 0}, "--missing-after must be between 0 and 3600 seconds, got 0", id="missing-zero"),
+    pytest.param({"missing_after": -1}, "--missing-after must be between 0 and 3600 seconds, got -1", id="missing-negative"),
+    pytest.param({"frozen_after": 7200}, "--frozen-after must be between 0 and 3600 seconds, got 7200", id="frozen-large"),
+    pytest.param({"frozen_after": float("nan")}, "--frozen-after must be between 0 and 3600 seconds, got nan",
+                 id="frozen-nan"),
+])
+def test_cache_health_flags_are_checked(kw, reason):
+    with pytest.raises(SettingsError) as e:
+        Settings(**_LOCAL, **kw).validate()
+    assert str(e.value) == reason
+
+
+@pytest.mark.parametrize("frozen_after, interval", [
+    pytest.param(30.0, 10.0, id="default-every-10s"),
+    pytest.param(1.5, 1.0, id="at-least-1s"),
+    pytest.param(600.0, 20.0, id="at-most-20s"),
+])
+def test_revision_interval_is_a_third_of_frozen_after_within_bounds(frozen_after, interval):
+    assert Settings(**_LOCAL, frozen_after=frozen_after).validate().revision_interval == interval
