@@ -65,6 +65,7 @@ class CacheHealthMonitor:
         self._next_check: dict[tuple[str, str], float] = {}  # (replica, uid) -> earliest next confirmation
         self._missing: dict[str, dict[str, PodRef]] = {}  # replica -> uid -> pod confirmed missing there
         self._tracks: dict[str, CacheTrack] = {}
+        self._errors: dict[str, str | None] = {}  # replica -> why its last revision read got no answer
         self._last_round = -1e18
         self._reads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-cache-health")
         self._stop = threading.Event()
@@ -105,6 +106,8 @@ class CacheHealthMonitor:
         for _, (_, p) in views.items():
             pods.update(p)
         with self._lock:
+            for gone in [r for r in self._missing if r not in clients]:  # no longer a replica
+                del self._missing[gone]
             for uid in pods:
                 self._first_seen.setdefault(uid, now)
             for uid in [u for u in self._first_seen if u not in pods]:  # pending nowhere any more
@@ -154,8 +157,9 @@ class CacheHealthMonitor:
     def revision_round(self, clients: dict[str, ReplicaClient], now: float) -> dict[str, CacheTrack]:
         """Every replica's consistent read, then every replica's cache revision; assessed together."""
         order = sorted(clients)
-        etcd, samples = read_revisions(self._reads, clients, now)
+        etcd, samples, errors = read_revisions(self._reads, clients, now)
         with self._lock:
+            self._errors = errors
             before = self._tracks
             self._tracks = after = replica_health.assess(
                 {a: t for a, t in before.items() if a in clients}, samples, frozen_after=self.settings.frozen_after)
@@ -185,11 +189,11 @@ class CacheHealthMonitor:
         now = self._clock()
         with self._lock:
             out = {}
-            for a in sorted(set(self._tracks) | set(self._missing)):
+            for a in sorted(set(self._tracks) | set(self._missing) | set(self._errors)):
                 t = self._tracks.get(a, CacheTrack())
                 missing = sorted(self._missing.get(a, {}).values(), key=str)
                 out[a] = {"cache_revision": t.cache_rv, "seconds_behind": round(t.seconds_behind(now), 1),
-                          "frozen": t.frozen, "pods_missing": len(missing),
+                          "frozen": t.frozen, "read_error": self._errors.get(a), "pods_missing": len(missing),
                           "missing": [f"{p} ({p.uid})" for p in missing[:READYZ_PODS]]}
             return out
 
@@ -209,16 +213,18 @@ def confirm_pod(kube: Kube, client: ReplicaClient, pod: PodRef) -> tuple[str, ob
     return replica_health.confirm_missing(read, pod.uid, cache_shows=shows, cache_rv=cache_rv), read, cache_rv
 
 
-def read_revisions(pool: ThreadPoolExecutor, clients: dict[str, ReplicaClient],
-                   at: float) -> tuple[dict[str, int | None], list[RevisionSample]]:
+def read_revisions(pool: ThreadPoolExecutor, clients: dict[str, ReplicaClient], at: float
+                   ) -> tuple[dict[str, int | None], list[RevisionSample], dict[str, str | None]]:
     """Every replica's consistent read (in parallel), then every replica's cache revision: the etcd
-    revision each sample is compared with, and the samples."""
+    revision each sample is compared with, the samples, and per replica why its cache read got no
+    answer (None when it answered)."""
     order = sorted(clients)
     consistent = list(pool.map(
         lambda a: clients[a].consistent_revision(REVISION_PROBE_NAMESPACE, REVISION_PROBE_NAME), order))
     caches = list(pool.map(lambda a: clients[a].read_cache(REVISION_PROBE_NAMESPACE, REVISION_PROBE_NAME), order))
     etcd = replica_health.round_etcd_revision({a: rv for a, (rv, _) in zip(order, consistent)})
-    return etcd, [RevisionSample(a, at, etcd[a], None if error else _int(rv)) for a, (_, rv, error) in zip(order, caches)]
+    samples = [RevisionSample(a, at, etcd[a], None if error else _int(rv)) for a, (_, rv, error) in zip(order, caches)]
+    return etcd, samples, {a: error for a, (_, _, error) in zip(order, caches)}
 
 
 # One look for `ghost-guard report --live`: the frozen rule over this window (two revision reads).
@@ -233,10 +239,10 @@ def check_now(kube: Kube, clients: list[ReplicaClient], *, window: float = LIVE_
     (no --missing-after: a cache past the pod's revision that lacks it misses it, however young)."""
     by_address = {c.replica.address: c for c in clients}
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-cache-check") as pool:
-        etcd, samples = read_revisions(pool, by_address, 0.0)
+        etcd, samples, _ = read_revisions(pool, by_address, 0.0)
         tracks = replica_health.assess({}, samples, frozen_after=window)
         sleep(window)
-        etcd, samples = read_revisions(pool, by_address, window)
+        etcd, samples, _ = read_revisions(pool, by_address, window)
         tracks = replica_health.assess(tracks, samples, frozen_after=window)
         listed = dict(zip(sorted(by_address), pool.map(_pending_or_none, [by_address[a] for a in sorted(by_address)])))
     errors = {s.replica: None for s in samples if s.cache_rv is not None}
