@@ -8,6 +8,7 @@ audit log.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -76,6 +77,14 @@ WATCH_FALLBACK = Gauge("ghost_guard_watch_fallback", "1 while no apiserver repli
 REPLICA_PROBE_ERRORS = Counter("ghost_guard_replica_probe_errors", "Cache probes of an apiserver replica that got "
                                "no answer, by replica and kind (unreachable: timeout or refused, not-ready: 429, error).",
                                ["replica", "kind"])
+
+
+@functools.lru_cache(maxsize=1024)
+def labelled(metric, *values: str):
+    """``metric.labels(*values)``, looked up once: the per-pod paths count several labelled metrics per
+    call, and each ``labels()`` validates and locks (about 2.5 us). Only for label values from small
+    fixed sets (verdicts, outcomes, endpoints, status codes); the bound keeps a mistake from growing."""
+    return metric.labels(*values)
 
 
 def registry() -> CollectorRegistry | None:
