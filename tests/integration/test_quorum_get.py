@@ -194,3 +194,19 @@ def test_the_token_refresh_hook_runs_for_every_get(shared_lab, lab_namespace, co
     finally:
         kube.close()
     assert (reads, len(calls)) == ([ReadStatus.FOUND] * 3, 3)
+
+
+def test_a_proxy_from_the_environment_is_kept_across_token_refreshes(shared_lab, monkeypatch):
+    """The kubeconfig's token hook re-assigns the host on every GET; the proxy resolved at load
+    time (here: HTTPS_PROXY, where nothing listens) is still the one every GET goes through."""
+    for var in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{free_port()}")
+    cfg = load_configuration(shared_lab.kubeconfig(0))
+    assert cfg.refresh_api_key_hook is not None
+    kube = kube_for(cfg)
+    try:
+        reads = [kube.quorum_get("default", "p") for _ in range(2)]
+    finally:
+        kube.close()
+    assert reads == [QuorumRead.failed("connection error: ProxyError")] * 2
