@@ -22,7 +22,11 @@ raw collapsed stacks to ``DIR``; ``python3 -m pip install py-spy``); the CPU fig
 profiled run include py-spy's small cost to the guard, so profile and measure in separate runs.
 ``benchmarks/profile_summary.py DIR/*.txt --pods N`` groups the samples.
 
-Run: ``python benchmarks/cpu_per_pod.py [--pods 500] [--nodes 100,1000] [--rounds 2] [-- GUARD FLAGS]``.
+``--baseline TREE`` adds a third extender to each alternation: the guard of another source tree
+(``git archive <commit> | tar -x -C TREE``), so that a change is measured before and after in
+one run, side by side, on a machine whose load changes from minute to minute.
+
+Run: ``python benchmarks/cpu_per_pod.py [--pods 500] [--nodes 100,1000] [--rounds 2] [--baseline TREE] [-- GUARD FLAGS]``.
 """
 
 from __future__ import annotations
@@ -115,11 +119,29 @@ def delete_namespace_pods(lab: LabProcess, namespace: str, pods: int) -> None:
                                                            _request_timeout=10), range(pods)))
 
 
-def start_guard(lab: LabProcess, tmp: str, n: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_guard(lab: LabProcess, tmp: str, n: int, extra: list[str], tree: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A guard from this checkout, or from another source tree (``--baseline``: same flags, its code)."""
     port = free_port()
-    proc = start([sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind", f"127.0.0.1:{port}",
-                  "--kubeconfig", lab.kubeconfig(0), "--no-access-log", "--no-events", "--log-level", "warning",
-                  "--audit-db", f"{tmp}/{n}.db", *extra], port)
+    cmd = [sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind", f"127.0.0.1:{port}",
+           "--kubeconfig", lab.kubeconfig(0), "--no-access-log", "--no-events", "--log-level", "warning",
+           "--audit-db", f"{tmp}/{n}.db", *extra]
+    if tree is None:
+        proc = start(cmd, port)
+    else:  # ``python -m`` puts the working directory first on sys.path: run it from the other tree
+        pin = (lambda: os.sched_setaffinity(0, filter_latency.EXTENDER_CPUS)) if filter_latency.EXTENDER_CPUS else None
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": tree}, cwd=tree, preexec_fn=pin)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                stop(proc)
+                raise RuntimeError(f"the guard from {tree} did not start")
+            time.sleep(0.1)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20  # its watches run on every replica
     while requests.get(url + "/readyz", timeout=2).status_code != 200 and time.monotonic() < deadline:
@@ -175,6 +197,8 @@ def main() -> int:
     ap.add_argument("--cases", default="live,backlog", help="live, backlog (comma-separated)")
     ap.add_argument("--no-pin", action="store_true", help="don't give the extender its own CPU")
     ap.add_argument("--profile", metavar="DIR", help="sample each guard run with py-spy into DIR (no pass-through runs)")
+    ap.add_argument("--baseline", metavar="TREE", help="also run the guard of another source tree (e.g. a `git archive` "
+                    "of the commit before a change), alternating with this one and the pass-through")
     ap.add_argument("guard_flags", nargs="*", help="extra flags for ghost-guard serve (after --)")
     args = ap.parse_args()
     if not args.no_pin:
@@ -194,15 +218,19 @@ def main() -> int:
             for nodes in [int(x) for x in args.nodes.split(",")]:
                 prepared_burst.NODES = [f"node-{i:04d}" for i in range(nodes)]
                 for key, label, rate in cases:
-                    agg: dict[str, list[dict]] = {"guard": [], "pass-through": []}
+                    variants = ["guard"] + (["baseline"] if args.baseline else []) + ([] if args.profile else ["pass-through"])
+                    agg: dict[str, list[dict]] = {v: [] for v in ("guard", "baseline", "pass-through")}
                     for rnd in range(args.rounds):
-                        for which in ("guard",) if args.profile else ("guard", "pass-through"):
+                        for which in variants:
                             n += 1
-                            proc, url = (start_guard(lab, tmp, n, args.guard_flags) if which == "guard"
-                                         else start_passthrough())
+                            if which == "pass-through":
+                                proc, url = start_passthrough()
+                            else:
+                                proc, url = start_guard(lab, tmp, n, args.guard_flags,
+                                                        args.baseline if which == "baseline" else None)
                             namespace = f"c{n}"
                             try:
-                                profile = f"{args.profile}/{key}-{nodes}-{rnd}" if args.profile else None
+                                profile = f"{args.profile}/{which}-{key}-{nodes}-{rnd}" if args.profile else None
                                 res = measured_case(lab, proc, url, namespace, args.pods, rate, profile)
                                 agg[which].append(res)
                                 print(f"{nodes} nodes, {label}, {which}: {res}", file=sys.stderr, flush=True)
@@ -229,12 +257,17 @@ def main() -> int:
         return statistics.mean(r[k] for r in rs) if rs else float("nan")
 
     for nodes, label, agg in rows:
-        g, p = agg["guard"], agg["pass-through"]
-        print(f"| {nodes} | {label} | {mean(g, 'cpu_ms_per_pod'):.2f} | {mean(p, 'cpu_ms_per_pod'):.2f} "
-              f"| {mean(g, 'cpu_ms_per_pod') - mean(p, 'cpu_ms_per_pod'):.2f} | {mean(g, 'requests_per_pod'):.2f} "
-              f"| {mean(g, 'gets_per_pod'):.2f} | {mean(g, 'watch_events_per_pod'):.2f} | {mean(g, 'pods_per_s'):.0f} "
-              f"| {mean(p, 'pods_per_s'):.0f} | {mean(g, 'pods_per_s') / mean(p, 'pods_per_s'):.2f} "
-              f"| {mean(g, 'p50_ms'):.2f} | {mean(p, 'p50_ms'):.2f} |")
+        p = agg["pass-through"]
+        for which in ("baseline", "guard"):
+            g = agg[which]
+            if not g:
+                continue
+            name = label if not args.baseline else f"{label}, {'this checkout' if which == 'guard' else 'baseline'}"
+            print(f"| {nodes} | {name} | {mean(g, 'cpu_ms_per_pod'):.2f} | {mean(p, 'cpu_ms_per_pod'):.2f} "
+                  f"| {mean(g, 'cpu_ms_per_pod') - mean(p, 'cpu_ms_per_pod'):.2f} | {mean(g, 'requests_per_pod'):.2f} "
+                  f"| {mean(g, 'gets_per_pod'):.2f} | {mean(g, 'watch_events_per_pod'):.2f} | {mean(g, 'pods_per_s'):.0f} "
+                  f"| {mean(p, 'pods_per_s'):.0f} | {mean(g, 'pods_per_s') / mean(p, 'pods_per_s'):.2f} "
+                  f"| {mean(g, 'p50_ms'):.2f} | {mean(p, 'p50_ms'):.2f} |")
     return 0
 
 
