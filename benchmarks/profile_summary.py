@@ -99,7 +99,7 @@ def main() -> int:
         for name, n in counter.most_common():
             print(f"| {name} | {n * per_pod:.3f} | {n / max(total, 1):.0%} |")
         print()
-    print(f"| top innermost functions | ms/pod |\n|---|---:|")
+    print("| top innermost functions | ms/pod |\n|---|---:|")
     for name, n in leaves.most_common(args.top):
         print(f"| `{name}` | {n * per_pod:.3f} |")
     return 0
