@@ -210,3 +210,18 @@ def test_a_proxy_from_the_environment_is_kept_across_token_refreshes(shared_lab,
     finally:
         kube.close()
     assert reads == [QuorumRead.failed("connection error: ProxyError")] * 2
+
+
+def test_a_token_that_cannot_be_read_fails_open(configuration):
+    """An in-cluster token file gone missing (the hook raises): no verdict from it, a connection error."""
+    cfg = copy.deepcopy(configuration)
+
+    def refresh(c) -> None:
+        open("/nonexistent/serviceaccount/token").close()
+
+    cfg.refresh_api_key_hook = refresh
+    kube = kube_for(cfg)
+    try:
+        assert kube.quorum_get("default", "p") == QuorumRead.failed("connection error: FileNotFoundError")
+    finally:
+        kube.close()
