@@ -52,7 +52,7 @@ class Checker:
     def _timed_get(self, namespace: str, name: str, timeout: float) -> QuorumRead:
         start = time.perf_counter()
         read = self._quorum_get(namespace, name, timeout)
-        metrics.QUORUM_GET_DURATION.labels(read.status.value).observe(time.perf_counter() - start)
+        metrics.labelled(metrics.QUORUM_GET_DURATION, read.status.value).observe(time.perf_counter() - start)
         return read
 
     def deadline(self, arrived: float | None = None) -> float:
@@ -72,10 +72,10 @@ class Checker:
         except Exception:  # a bug of ours must never block a real pod
             log.exception("internal error while checking pod %s; failing open", pod)
             decision = Decision(Verdict.UNKNOWN, f"internal error while checking pod {pod}")
-            metrics.VERDICTS.labels(decision.verdict.value).inc()
+            metrics.labelled(metrics.VERDICTS, decision.verdict.value).inc()
             self._count_undecided("internal-error")
             return decision
-        metrics.VERDICTS.labels(decision.verdict.value).inc()
+        metrics.labelled(metrics.VERDICTS, decision.verdict.value).inc()
         if decision.verdict is Verdict.UNKNOWN:
             self._count_undecided("budget" if self._timer() >= deadline else "apiserver")
             log.warning("%s; %s", decision.reason, "failing closed" if self.settings.fail_closed else "failing open")
@@ -86,17 +86,17 @@ class Checker:
         return decision.is_ghost or (decision.verdict is Verdict.UNKNOWN and self.settings.fail_closed)
 
     def _count_undecided(self, reason: str) -> None:
-        (metrics.FAIL_CLOSED if self.settings.fail_closed else metrics.FAIL_OPEN).labels(reason).inc()
+        metrics.labelled(metrics.FAIL_CLOSED if self.settings.fail_closed else metrics.FAIL_OPEN, reason).inc()
 
     def _check(self, pod: PodRef, deadline: float, record: bool) -> Decision:
         known_at = self.cache.tick()  # the guard knows this identity from here on
         cached = self.cache.ghost(pod)
         if cached is not None:
-            metrics.CACHE_LOOKUPS.labels("ghosts", "hit").inc()
+            metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "hit").inc()
             if record:
                 self._scheduled_ghost(pod, cached)
             return cached
-        metrics.CACHE_LOOKUPS.labels("ghosts", "miss").inc()
+        metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "miss").inc()
         prepared = self.cache.take_prepared(pod)
         if prepared is not None:
             metrics.VERDICTS_PREPARED.inc()
@@ -125,7 +125,7 @@ class Checker:
         if prepare and self.cache.was_asked(pod):
             return None
         decision, _ = self._verify(pod, known_at, self._timer() + self.settings.get_timeout)
-        metrics.PREVERIFIED.labels(decision.verdict.value).inc()
+        metrics.labelled(metrics.PREVERIFIED, decision.verdict.value).inc()
         if prepare and decision.verdict is Verdict.ALIVE and pod.uid:
             self.cache.prepare(pod, decision)
         return decision
@@ -135,7 +135,7 @@ class Checker:
         ``known_at`` (the tick at which the guard knew this UID): a read cached or in flight from
         before may pass the pod, never condemn it, so the name is read again past every cache."""
         read = self.cache.read(pod.namespace, pod.name, timeout=self._left(deadline))
-        metrics.CACHE_LOOKUPS.labels("reads", "miss" if read.own else "hit").inc()
+        metrics.labelled(metrics.CACHE_LOOKUPS, "reads", "miss" if read.own else "hit").inc()
         decision = decide(pod, read.read)
         gone_at = self.cache.gone_since(pod) if decision.verdict is Verdict.ALIVE else 0
         if gone_at and read.started <= gone_at:
@@ -184,7 +184,7 @@ class Checker:
             self._followup(self.sighting_listeners, pod, entry.decision)
 
     def _first_sighting(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
-        metrics.GHOSTS_BLOCKED.labels(decision.verdict.value).inc()
+        metrics.labelled(metrics.GHOSTS_BLOCKED, decision.verdict.value).inc()
         log.warning("%s", decision.reason)
         self._followup(self.listeners, pod, decision, read)
 

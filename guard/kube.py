@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import orjson
 import urllib3
@@ -49,13 +50,18 @@ def load_configuration(kubeconfig: str | None) -> client.Configuration:
 
 
 def _status_reason(e: ApiException) -> tuple[str, dict]:
+    return _error_reason(e.body, e.reason)
+
+
+def _error_reason(data: str | bytes | None, http_reason: str | None) -> tuple[str, dict]:
+    """The apiserver's Status ``reason`` of an error reply (else the HTTP reason phrase), and the Status."""
     try:
-        body = orjson.loads(e.body) if e.body else {}
+        body = orjson.loads(data) if data else {}
     except orjson.JSONDecodeError:
         body = {}
     if not isinstance(body, dict):
         body = {}
-    return str(body.get("reason") or e.reason or ""), body
+    return str(body.get("reason") or http_reason or ""), body
 
 
 class Kube:
@@ -71,42 +77,87 @@ class Kube:
         self.core = client.CoreV1Api(self.api_client)
         self.version = client.VersionApi(self.api_client)
         self.host = configuration.host
+        # The client's own pool (TLS and proxy from the configuration), for quorum_get.
+        self._pool: urllib3.PoolManager = self.api_client.rest_client.pool_manager
+        # quorum_get's copy of the configuration, for its auth headers and URL. The kubeconfig
+        # loader's token hook assigns ``host`` again on every call, and while the proxy counts as
+        # "from the environment" that assignment re-reads every environment variable
+        # (urllib.request.getproxies: 140 us with 38 variables, more in a pod with service links).
+        # The pool was built with the proxy resolved once and never looks again, so the copy pins
+        # it: the same proxy, token, hooks and host as the client's own calls, without the scan.
+        self._auth: client.Configuration = copy.deepcopy(configuration)
+        self._auth.proxy = configuration.proxy
 
     def quorum_get(self, namespace: str, name: str, timeout: float | None = None) -> QuorumRead:
         """GET the pod with no resourceVersion: served by etcd (linearizable), never by a watch cache.
 
         ``timeout`` (seconds, total) is what is left of the caller's request budget, capped at
-        ``--get-timeout``."""
+        ``--get-timeout``.
+
+        The request goes straight through the kubernetes client's own urllib3 pool (the
+        kubeconfig's TLS: CA, client certificate, server name, proxy; no retries) with the
+        client's auth headers (``Configuration.auth_settings()``, which runs the token refresh
+        hook), not through ``CoreV1Api``, whose per-call argument validation, parameter
+        serialisation and response wrapping cost about 0.1 ms of CPU per GET (with the
+        environment scan avoided in ``__init__``, 0.3 ms; docs/BENCHMARKS.md, "CPU per pod").
+        Redirects are not followed (an apiserver never redirects a pod GET; a redirect is an
+        error, the caller fails open)."""
         timeout = self.timeout if timeout is None else min(timeout, self.timeout)
         try:
-            resp = self.core.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=timeout)
-            obj = orjson.loads(resp.data)
-        except ApiException as e:
-            if not e.status:  # the REST layer wraps TLS failures as status 0
-                return QuorumRead.failed("TLS error talking to the apiserver")
-            reason, body = _status_reason(e)
-            details = body.get("details") if isinstance(body.get("details"), dict) else {}
-            if e.status == 404 and reason == "NotFound" and details.get("kind") in ("pods", None):
-                return QuorumRead.not_found()
-            # A 404 that is not the apiserver's "pods NAME not found" (a proxy, a wrong path) is
-            # no evidence that the pod is gone: treat it as an error and fail open.
-            return QuorumRead.failed(f"HTTP {e.status} {reason or 'error'}", http_status=e.status or 0)
+            headers = self._headers()  # first: the auth hook may rewrite the host (the client's own order)
+            resp = self._pool.request("GET", self._pod_url(namespace, name), headers=headers,
+                                      timeout=urllib3.Timeout(total=timeout), retries=False, redirect=False,
+                                      preload_content=True)
+            status = resp.status
+            data = resp.data
+        except urllib3.exceptions.SSLError:
+            return QuorumRead.failed("TLS error talking to the apiserver")
         except urllib3.exceptions.NewConnectionError as e:  # before TimeoutError: urllib3 makes it a subclass
             return QuorumRead.failed(f"connection error: {type(e).__name__}")
         except (urllib3.exceptions.TimeoutError, TimeoutError):
             return QuorumRead.failed(f"timeout after {timeout:g}s")
         except (urllib3.exceptions.HTTPError, OSError) as e:
             return QuorumRead.failed(f"connection error: {type(e).__name__}")
-        except (orjson.JSONDecodeError, ValueError) as e:
+        if not 200 <= status <= 299:
+            reason, body = _error_reason(data, resp.reason)
+            details = body.get("details") if isinstance(body.get("details"), dict) else {}
+            if status == 404 and reason == "NotFound" and details.get("kind") in ("pods", None):
+                return QuorumRead.not_found()
+            # A 404 that is not the apiserver's "pods NAME not found" (a proxy, a wrong path) is
+            # no evidence that the pod is gone: treat it as an error and fail open.
+            return QuorumRead.failed(f"HTTP {status} {reason or 'error'}", http_status=status)
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
             return QuorumRead.failed(f"undecodable apiserver reply: {type(e).__name__}")
+        if not isinstance(obj, dict):
+            return QuorumRead.failed("undecodable apiserver reply: not an object")
         meta = obj.get("metadata") or {}
         spec = obj.get("spec") or {}
+        if not isinstance(meta, dict) or not isinstance(spec, dict):
+            return QuorumRead.failed("undecodable apiserver reply: not a pod")
         return QuorumRead.found(
             str(meta.get("uid") or ""),
             node_name=str(spec.get("nodeName") or ""),
             deletion_timestamp=str(meta.get("deletionTimestamp") or ""),
             resource_version=str(meta.get("resourceVersion") or ""),
         )
+
+    def _pod_url(self, namespace: str, name: str) -> str:
+        # As the client builds it: host (read after the auth hook, which may rewrite it), then
+        # the path parameters percent-encoded with the configuration's safe characters.
+        safe = self._auth.safe_chars_for_path_param
+        return f"{self._auth.host}/api/v1/namespaces/{quote(namespace, safe=safe)}/pods/{quote(name, safe=safe)}"
+
+    def _headers(self) -> dict[str, str]:
+        """The client's default headers (User-Agent), JSON, and its auth (the refresh hook runs here)."""
+        headers = {**self.api_client.default_headers, "Accept": "application/json"}
+        if self.api_client.cookie:
+            headers["Cookie"] = self.api_client.cookie
+        for auth in self._auth.auth_settings().values():
+            if auth.get("in") == "header" and auth.get("value"):
+                headers[auth["key"]] = auth["value"]
+        return headers
 
     def ping(self) -> str | None:
         """None when the apiserver answers ``/version``, else a short reason."""

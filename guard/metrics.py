@@ -8,6 +8,7 @@ audit log.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -90,6 +91,14 @@ REPLICA_SECONDS_BEHIND = Gauge("ghost_guard_replica_seconds_behind", "Seconds an
 REPLICA_FROZEN = Gauge("ghost_guard_replica_frozen", "1 while an apiserver replica's watch cache revision stands "
                        "still behind etcd's (a frozen watch: only a restart of that replica helps), else 0.",
                        ["replica"], multiprocess_mode="livemax")
+
+
+@functools.lru_cache(maxsize=1024)
+def labelled(metric, *values: str):
+    """``metric.labels(*values)``, looked up once: the per-pod paths count several labelled metrics per
+    call, and each ``labels()`` validates and locks (about 2.5 us). Only for label values from small
+    fixed sets (verdicts, outcomes, endpoints, status codes); the bound keeps a mistake from growing."""
+    return metric.labels(*values)
 
 
 def registry() -> CollectorRegistry | None:

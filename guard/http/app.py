@@ -108,8 +108,8 @@ def record_request(settings: Settings, method: str, path: str, status: int, elap
                    pod: PodRef | None = None, verdict: str | None = None) -> None:
     """Metrics and the access-log line of one answered request (both lanes)."""
     endpoint = path if path in ENDPOINTS else "other"
-    metrics.REQUESTS.labels(endpoint, str(status)).inc()
-    metrics.REQUEST_DURATION.labels(endpoint).observe(elapsed)
+    metrics.labelled(metrics.REQUESTS, endpoint, str(status)).inc()
+    metrics.labelled(metrics.REQUEST_DURATION, endpoint).observe(elapsed)
     if settings.access_log and endpoint not in ("/healthz", "/metrics"):
         entry = {"method": method, "path": path[:200], "status": status, "duration_ms": round(elapsed * 1000, 3),
                  "remote": remote}

@@ -231,6 +231,8 @@ class Replica:
         self._stopping = threading.Event()
         self._log: collections.deque[RequestRecord] = collections.deque(maxlen=200_000)
         self._log_lock = threading.Lock()
+        # Watch events written, by the watch's path and event type (what each watcher costs to decode).
+        self._watch_events: collections.Counter[tuple[str, str]] = collections.Counter()
         self._ssl = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         with tempfile.NamedTemporaryFile("wb", suffix=".pem") as f:
             f.write(serving.cert_pem + serving.key_pem)
@@ -332,6 +334,16 @@ class Replica:
     def clear_requests(self) -> None:
         with self._log_lock:
             self._log.clear()
+            self._watch_events.clear()
+
+    def watch_events(self) -> dict[str, dict[str, int]]:
+        """Watch events written so far, by the watch's path and then event type."""
+        with self._log_lock:
+            counts = list(self._watch_events.items())
+        out: dict[str, dict[str, int]] = {}
+        for (path, typ), n in counts:
+            out.setdefault(path, {})[typ] = n
+        return out
 
     @property
     def cache_revision(self) -> int:
@@ -636,6 +648,8 @@ class Replica:
             line = orjson.dumps({"type": typ, "object": obj}) + b"\n"
             h.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
             h.wfile.flush()
+            with self._log_lock:
+                self._watch_events[(ctx.path, typ)] += 1
 
         def end() -> None:
             h.wfile.write(b"0\r\n\r\n")
@@ -728,7 +742,8 @@ class Replica:
                 raise ApiError(404, "NotFound", f"fault {rid} not found", {"name": str(rid), "kind": "faults"})
             return self._send(ctx, 200, self.faults.snapshot())
         if p == "/lab/requests" and ctx.method == "GET":
-            return self._send(ctx, 200, {"requests": [r.to_dict() for r in self.requests()]})
+            return self._send(ctx, 200, {"requests": [r.to_dict() for r in self.requests()],
+                                         "watchEvents": self.watch_events()})
         if p == "/lab/cache" and ctx.method == "GET":
             cache = self.cache
             return self._send(ctx, 200, {"resourceVersion": str(cache.rv if cache else 0),

@@ -37,6 +37,22 @@ def test_watch_replays_from_a_resource_version(shared_lab, lab_namespace):
         ("ADDED", "b", None), ("MODIFIED", "b", None), ("MODIFIED", "a", "deleting"), ("DELETED", "a", "deleting")]
 
 
+def test_the_replica_counts_the_watch_events_it_writes(shared_lab, lab_namespace):
+    """The benchmarks' per-pod watch cost: events written, by the watch's path and type."""
+    api = shared_lab.core_v1(0)
+    rv = api.create_namespaced_pod(lab_namespace, pod_manifest("a"), _request_timeout=5).metadata.resource_version
+    api.create_namespaced_pod(lab_namespace, pod_manifest("b"), _request_timeout=5)
+    api.delete_namespaced_pod("b", lab_namespace, grace_period_seconds=0, _request_timeout=5)
+    assert shared_lab.wait_synced()
+    path = f"/api/v1/namespaces/{lab_namespace}/pods"
+    before = shared_lab.replicas[1].watch_events().get(path, {})
+    assert events(shared_lab, 1, lab_namespace, resource_version=rv) == [
+        ("ADDED", "b", None), ("MODIFIED", "b", "deleting"), ("DELETED", "b", "deleting")]
+    after = shared_lab.replicas[1].watch_events()[path]
+    assert {t: n - before.get(t, 0) for t, n in after.items() if n != before.get(t, 0)} == {
+        "ADDED": 1, "MODIFIED": 1, "DELETED": 1}
+
+
 def test_a_pod_delete_is_two_writes_even_with_grace_period_zero(shared_lab, lab_namespace):
     """store.go updateForGracefulDeletionAndFinalizers: deletionTimestamp first, then the delete."""
     api = shared_lab.core_v1(0)

@@ -1,0 +1,275 @@
+"""CPU per scheduled pod: the guard's process against the pass-through extender, and its load on the lab.
+
+The setup of ``benchmarks/prepared_burst.py`` (the lab in its own process: real etcd, 3 apiserver
+replicas; a serial client with its own informer plays kube-scheduler, one ``/filter`` call per pod),
+guard and pass-through alternating in one run, at several node counts. Per case it reports:
+
+- **CPU per pod** of the extender's processes (utime + stime from ``/proc/PID/stat`` of the
+  server process and every descendant: gunicorn's master and its forked workers), read just
+  before the first pod is created and after the last ``/filter`` answer, divided by the pods;
+- **requests per pod** the guard made to the lab (from the replicas' request logs: everything
+  in the window but the client's own creates, LIST and WATCH), of which **quorum GETs per pod**;
+- **watch events per pod** the replicas wrote to the guard's watches of unscheduled pods
+  (``/api/v1/pods``, all replicas; the replicas count them, ``watchEvents`` of ``/lab/requests``),
+  and to the client's own informer for comparison;
+- the client's pods/s and ``/filter`` p50, as in prepared_burst.
+
+Cases: ``live`` (500 pods created by 4 threads while the client runs; the client keeps pace
+with creation) and ``backlog`` (the pods land before the client reaches them).
+
+With ``--profile DIR`` each guard run is sampled by py-spy (``record --gil --nonblocking``,
+raw collapsed stacks to ``DIR``; ``python3 -m pip install py-spy``); the CPU figures of a
+profiled run include py-spy's small cost to the guard, so profile and measure in separate runs.
+``benchmarks/profile_summary.py DIR/*.txt --pods N`` groups the samples.
+
+``--baseline TREE`` adds a third extender to each alternation: the guard of another source tree
+(``git archive <commit> | tar -x -C TREE``), so that a change is measured before and after in
+one run, side by side, on a machine whose load changes from minute to minute.
+
+Run: ``python benchmarks/cpu_per_pod.py [--pods 500] [--nodes 100,1000] [--rounds 2] [--baseline TREE] [-- GUARD FLAGS]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import orjson
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from benchmarks import filter_latency, prepared_burst  # noqa: E402
+from benchmarks.filter_latency import free_port, pin_harness, start, stop  # noqa: E402
+from benchmarks.prepared_burst import LabProcess, metric, run_case  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+GUARD_WATCH = "/api/v1/pods"  # the guard's watches of unscheduled pods (all namespaces)
+
+
+def tree_cpu(pid: int) -> float:
+    """utime + stime (seconds) of ``pid`` and every live descendant, plus what reaped children used."""
+    parents: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+        parents[int(entry)] = int(fields[1])
+        stats[int(entry)] = fields
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier.extend(kids)
+    # fields[11..14] = utime, stime, cutime, cstime (stat fields 14-17)
+    return sum(sum(int(x) for x in stats[p][11:15]) for p in tree if p in stats) / TICK
+
+
+def lab_log(lab: LabProcess) -> tuple[list[dict], dict[str, dict[str, int]]]:
+    """Every replica's request log (concatenated) and watch events, summed by path and type."""
+    import urllib3
+
+    http = urllib3.PoolManager(ca_certs=lab.state["ca"], cert_reqs="CERT_REQUIRED")
+    reqs: list[dict] = []
+    events: dict[str, dict[str, int]] = {}
+    for url in lab.state["urls"]:
+        doc = orjson.loads(http.request("GET", url + "/lab/requests",
+                                        headers={"Authorization": f"Bearer {lab.state['token']}"}).data)
+        reqs.extend(doc["requests"])
+        for path, by_type in doc.get("watchEvents", {}).items():
+            for typ, n in by_type.items():
+                events.setdefault(path, {}).setdefault(typ, 0)
+                events[path][typ] += n
+    return reqs, events
+
+
+def events_between(before: dict, after: dict, path: str) -> dict[str, int]:
+    b, a = before.get(path, {}), after.get(path, {})
+    return {t: n - b.get(t, 0) for t, n in a.items() if n - b.get(t, 0)}
+
+
+def guard_requests(reqs: list[dict], namespace: str, since: float) -> list[dict]:
+    """The requests in the window that the client did not make (its creates, its informer's LIST and WATCH)."""
+    mine = {f"/api/v1/namespaces/{namespace}/pods", "/api/v1/namespaces", "/lab/requests"}
+    return [q for q in reqs if q["time"] >= since and q["path"] not in mine]
+
+
+def delete_namespace_pods(lab: LabProcess, namespace: str, pods: int) -> None:
+    """Remove a case's pods, so that the next guard does not verify them all at its start."""
+    api = lab.core_v1(0)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: api.delete_namespaced_pod(f"p-{i:04d}", namespace, grace_period_seconds=0,
+                                                           _request_timeout=10), range(pods)))
+
+
+def start_guard(lab: LabProcess, tmp: str, n: int, extra: list[str], tree: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A guard from this checkout, or from another source tree (``--baseline``: same flags, its code)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind", f"127.0.0.1:{port}",
+           "--kubeconfig", lab.kubeconfig(0), "--no-access-log", "--no-events", "--log-level", "warning",
+           "--audit-db", f"{tmp}/{n}.db", *extra]
+    if tree is None:
+        proc = start(cmd, port)
+    else:  # ``python -m`` puts the working directory first on sys.path: run it from the other tree
+        pin = (lambda: os.sched_setaffinity(0, filter_latency.EXTENDER_CPUS)) if filter_latency.EXTENDER_CPUS else None
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": tree}, cwd=tree, preexec_fn=pin)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                stop(proc)
+                raise RuntimeError(f"the guard from {tree} did not start")
+            time.sleep(0.1)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20  # its watches run on every replica
+    while requests.get(url + "/readyz", timeout=2).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    settled, last = 0, -1.0  # and its startup verification of the pending pods it listed is done
+    while settled < 4 and time.monotonic() < deadline + 60:
+        time.sleep(0.25)
+        now = metric(url, "ghost_guard_preverified_total")
+        settled, last = (settled + 1 if now == last else 0), now
+    return proc, url
+
+
+def start_passthrough() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = start([sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "16", "-w", "1",
+                  "--no-control-socket", "--log-level", "warning", "-b", f"127.0.0.1:{port}",
+                  "benchmarks.passthrough_extender:app"], port)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: str, pods: int, rate: float | None,
+                  profile: str | None) -> dict:
+    spy = None
+    if profile:
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--subprocesses", "--gil", "--nonblocking",
+                                "--rate", "250", "--format", "raw", "--output", f"{profile}.txt"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # py-spy attaches
+    _, ev_before = lab_log(lab)
+    since = time.time()
+    cpu0 = tree_cpu(proc.pid)
+    res = run_case(lab, namespace, url, pods, rate)
+    cpu = tree_cpu(proc.pid) - cpu0
+    reqs, ev_after = lab_log(lab)
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(30)
+    mine = guard_requests(reqs, namespace, since)
+    guard_events = events_between(ev_before, ev_after, GUARD_WATCH)
+    client_events = events_between(ev_before, ev_after, f"/api/v1/namespaces/{namespace}/pods")
+    res.update(cpu_ms_per_pod=cpu * 1000 / pods, requests_per_pod=len(mine) / pods,
+               watch_events_per_pod=sum(guard_events.values()) / pods,
+               client_watch_events_per_pod=sum(client_events.values()) / pods,
+               watch_events=guard_events)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pods", type=int, default=500)
+    ap.add_argument("--nodes", default="100,1000", help="node names per /filter call (comma-separated counts)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of guard and pass-through per cell")
+    ap.add_argument("--cases", default="live,backlog", help="live, backlog (comma-separated)")
+    ap.add_argument("--no-pin", action="store_true", help="don't give the extender its own CPU")
+    ap.add_argument("--profile", metavar="DIR", help="sample each guard run with py-spy into DIR (no pass-through runs)")
+    ap.add_argument("--baseline", metavar="TREE", help="also run the guard of another source tree (e.g. a `git archive` "
+                    "of the commit before a change), alternating with this one and the pass-through")
+    ap.add_argument("guard_flags", nargs="*", help="extra flags for ghost-guard serve (after --)")
+    args = ap.parse_args()
+    if not args.no_pin:
+        pin_harness()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    all_cases = {"live": ("live (created while the client runs)", None), "backlog": ("backlog", 0.0)}
+    try:
+        cases = [(c.strip(), *all_cases[c.strip()]) for c in args.cases.split(",")]
+    except KeyError as e:
+        ap.error(f"unknown case {e}; choose from live, backlog")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        lab = LabProcess(f"{tmp}/lab")
+        n = 0
+        try:
+            for nodes in [int(x) for x in args.nodes.split(",")]:
+                prepared_burst.NODES = [f"node-{i:04d}" for i in range(nodes)]
+                for key, label, rate in cases:
+                    variants = ["guard"] + (["baseline"] if args.baseline else []) + ([] if args.profile else ["pass-through"])
+                    agg: dict[str, list[dict]] = {v: [] for v in ("guard", "baseline", "pass-through")}
+                    for rnd in range(args.rounds):
+                        for which in variants:
+                            n += 1
+                            if which == "pass-through":
+                                proc, url = start_passthrough()
+                            else:
+                                proc, url = start_guard(lab, tmp, n, args.guard_flags,
+                                                        args.baseline if which == "baseline" else None)
+                            namespace = f"c{n}"
+                            try:
+                                profile = f"{args.profile}/{which}-{key}-{nodes}-{rnd}" if args.profile else None
+                                res = measured_case(lab, proc, url, namespace, args.pods, rate, profile)
+                                agg[which].append(res)
+                                print(f"{nodes} nodes, {label}, {which}: {res}", file=sys.stderr, flush=True)
+                            finally:
+                                stop(proc)
+                            delete_namespace_pods(lab, namespace, args.pods)
+                    rows.append((nodes, label, agg))
+        finally:
+            lab.close()
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    pinning = (f"extender pinned to CPU {sorted(filter_latency.EXTENDER_CPUS)}" if filter_latency.EXTENDER_CPUS
+               else "no CPU pinning")
+    print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.pods} pods, {args.rounds} rounds per cell, "
+          f"means; {pinning}\n")
+    print("| nodes | case | guard CPU ms/pod | pass-through CPU ms/pod | difference ms/pod | guard requests/pod "
+          "| quorum GETs/pod | guard watch events/pod | guard pods/s | pass-through pods/s | pods/s ratio "
+          "| guard p50 ms | pass-through p50 ms |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def mean(rs: list[dict], k: str) -> float:
+        return statistics.mean(r[k] for r in rs) if rs else float("nan")
+
+    for nodes, label, agg in rows:
+        p = agg["pass-through"]
+        for which in ("baseline", "guard"):
+            g = agg[which]
+            if not g:
+                continue
+            name = label if not args.baseline else f"{label}, {'this checkout' if which == 'guard' else 'baseline'}"
+            print(f"| {nodes} | {name} | {mean(g, 'cpu_ms_per_pod'):.2f} | {mean(p, 'cpu_ms_per_pod'):.2f} "
+                  f"| {mean(g, 'cpu_ms_per_pod') - mean(p, 'cpu_ms_per_pod'):.2f} | {mean(g, 'requests_per_pod'):.2f} "
+                  f"| {mean(g, 'gets_per_pod'):.2f} | {mean(g, 'watch_events_per_pod'):.2f} | {mean(g, 'pods_per_s'):.0f} "
+                  f"| {mean(p, 'pods_per_s'):.0f} | {mean(g, 'pods_per_s') / mean(p, 'pods_per_s'):.2f} "
+                  f"| {mean(g, 'p50_ms'):.2f} | {mean(p, 'p50_ms'):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
