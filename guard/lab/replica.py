@@ -29,6 +29,8 @@ from guard.lab.api import (
     method_not_allowed, not_found, parse_field_selector, parse_label_selector, path_not_found, resource_for,
     too_many_requests, unauthorized,
 )
+from guard.lab import openapi
+from guard.lab.api import FIELD_VALIDATION_DIRECTIVES, unknown_fields
 from guard.lab.cache import WatchCache
 from guard.lab.faults import FaultError, Faults
 from guard.lab.pki import KeyPair
@@ -449,6 +451,13 @@ class Replica:
             return
         if p == "/version":
             return self._send(ctx, 200, KUBE_VERSION)
+        if p == "/openapi/v3":
+            return self._send(ctx, 200, openapi.index())
+        if p.startswith("/openapi/v3/"):
+            doc = openapi.document_bytes(p[len("/openapi/v3/"):])
+            if doc is None:
+                raise path_not_found()
+            return self._send(ctx, 200, doc)
         if p == "/api":
             return self._send(ctx, 200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
                 {"clientCIDR": "0.0.0.0/0", "serverAddress": f"{self.ip}:{self.port}"}]})
@@ -486,7 +495,9 @@ class Replica:
             if m == "POST":
                 if r.namespaced and namespace is None:
                     raise method_not_allowed(m)
-                return self._send(ctx, 201, self.registry.create(r, namespace, ctx.json()))
+                body = ctx.json()
+                warnings = self._field_validation(ctx, r, body)
+                return self._send(ctx, 201, self.registry.create(r, namespace, body), warnings)
             raise method_not_allowed(m)
         if r.namespaced and namespace is None:
             raise path_not_found()
@@ -498,13 +509,35 @@ class Replica:
         if m == "GET":
             return self._get(ctx, r, namespace, name)
         if m == "PUT":
-            return self._send(ctx, 200, self.registry.update(r, namespace, name, ctx.json(), status_only=sub == "status"))
+            body = ctx.json()
+            warnings = self._field_validation(ctx, r, body)
+            return self._send(ctx, 200, self.registry.update(r, namespace, name, body, status_only=sub == "status"),
+                              warnings)
         if m == "PATCH":
             return self._send(ctx, 200, self.registry.patch(r, namespace, name, ctx.headers.get("Content-Type") or "",
                                                             ctx.body(), status_only=sub == "status"))
         if m == "DELETE" and sub is None:
             return self._delete(ctx, r, namespace, name)
         raise method_not_allowed(m)
+
+    def _field_validation(self, ctx: _Ctx, r: Resource, body: Any) -> dict[str, str]:
+        """``fieldValidation`` on a create or update (KEP-2885): Strict refuses unknown fields (400),
+        Warn answers them in a ``Warning`` header, Ignore (and no directive) keeps quiet. The lab
+        checks the top level and ``metadata`` only (guard.lab.api.unknown_fields)."""
+        directive = ctx.query.get("fieldValidation", "")
+        if directive and directive not in FIELD_VALIDATION_DIRECTIVES:
+            raise bad_request(f"fieldValidation: Unsupported value: {directive!r}: supported values: "
+                              f"{', '.join(repr(d) for d in FIELD_VALIDATION_DIRECTIVES)}")
+        if directive not in ("Strict", "Warn"):
+            return {}
+        unknown = unknown_fields(r, body)
+        if not unknown:
+            return {}
+        if directive == "Strict":
+            what = ", ".join(f'unknown field "{f}"' for f in unknown)
+            raise bad_request(f'{r.kind} in version "{r.version}" cannot be handled as a {r.kind}: '
+                              f"strict decoding error: {what}")
+        return {"Warning": ", ".join(f'299 - "unknown field \\"{f}\\""' for f in unknown)}
 
     def _groups(self) -> list[str]:
         return sorted({r.group for r in RESOURCES if r.group})
