@@ -214,7 +214,7 @@ class WatchCache:
                         self.rv = e.mod_revision
                         continue
                     typ = "MODIFIED" if prev is not None else "ADDED"
-                if self._dropped(typ, r, e.key, obj, prev):
+                if self._dropped(typ, r, e.key, obj, prev, created=e.type != "DELETE" and e.create_revision == e.mod_revision):
                     self.rv = e.mod_revision
                     continue
                 if typ == "DELETED":
@@ -232,13 +232,14 @@ class WatchCache:
                 self.rv = header_rev  # progress notification
             self._cond.notify_all()
 
-    def _dropped(self, typ: str, r: Resource, key: str, obj: Obj, prev: Obj | None) -> bool:
+    def _dropped(self, typ: str, r: Resource, key: str, obj: Obj, prev: Obj | None, *, created: bool = False) -> bool:
         ns, name = split_key(r, key)
         has = bool(obj.get("metadata", {}).get("deletionTimestamp"))
         had = bool(prev and prev.get("metadata", {}).get("deletionTimestamp"))
-        if not self._faults.should_drop(typ, r.plural, ns, name, has, had):
+        if not self._faults.should_drop(typ, r.plural, ns, name, has, had, created=created):
             return False
-        self._faults.record_drop(DroppedEvent(typ, r.plural, ns, name, str(obj.get("metadata", {}).get("uid", "")),
+        self._faults.record_drop(DroppedEvent("ADDED" if created else typ, r.plural, ns, name,
+                                              str(obj.get("metadata", {}).get("uid", "")),
                                               int(obj["metadata"]["resourceVersion"])))
         return True
 

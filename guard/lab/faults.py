@@ -1,4 +1,4 @@
-"""Per-replica fault injection: request faults, dropped DELETE events, a frozen watch.
+"""Per-replica fault injection: request faults, dropped DELETE (or creation) events, a frozen watch.
 
 Used through ``Replica.faults`` (Python) or the replica's ``/lab/faults`` admin
 endpoint (JSON). Every method is thread-safe.
@@ -51,20 +51,34 @@ class FaultRule:
 
 @dataclass
 class DropRule:
-    """Drop the watch events that would tell this replica's cache an object is going away.
+    """Drop watch events of matching objects from this replica's cache; the watch flows on.
 
-    Both the update that sets ``deletionTimestamp`` and the DELETE are dropped
-    (a cache that missed only the DELETE holds a terminating pod, which the
-    scheduler skips; the incident needs both missed, facts §3b). The cache's
-    resourceVersion still advances past them.
+    ``events="deletes"`` (the ghost incident): the events that would tell the
+    cache an object is going away. Both the update that sets
+    ``deletionTimestamp`` and the DELETE are dropped (a cache that missed only
+    the DELETE holds a terminating pod, which the scheduler skips; the incident
+    needs both missed). ``count`` counts DELETEs.
+
+    ``events="creates"`` (a missing pod): the etcd PUT that created the key
+    (create_revision == mod_revision, which k8s.io/apiserver storage/etcd3
+    turns into an ADDED) and nothing else. A later write to the same key still
+    reaches the cache, as in the real watch cache: watch_cache.go processEvent
+    finds no previous object for the key (no PrevObject) and stores the new
+    one, and cache_watcher.go convertToWatchEvent turns an event whose current
+    object passes a watcher's filter and whose PrevObject is nil into an ADDED
+    for that watcher. So a pod whose creation was lost stays missing only until
+    it is written again (a status update, a touch). ``count`` counts creations.
+
+    Either way the cache's resourceVersion still advances past the dropped events.
     """
 
     id: int
     resource: str = "pods"
     namespace: str | None = None
     name: str | None = None
-    count: int | None = None  # how many more DELETEs to drop; None: all
+    count: int | None = None  # how many more DELETEs (or creations) to drop; None: all
     dropped: int = 0
+    events: str = "deletes"  # or "creates"
 
     def matches(self, resource: str, namespace: str, name: str) -> bool:
         return (resource == self.resource and (self.namespace is None or self.namespace == namespace)
@@ -77,7 +91,7 @@ class DropRule:
 
 @dataclass(frozen=True)
 class DroppedEvent:
-    type: str  # "MODIFIED" (deletionTimestamp set) or "DELETED"
+    type: str  # "MODIFIED" (deletionTimestamp set), "DELETED", or "ADDED" (a creation, drop_creates)
     resource: str
     namespace: str
     name: str
@@ -168,15 +182,37 @@ class Faults:
             self._drops.append(rule)
             return rule
 
+    def drop_creates(self, namespace: str | None = None, name: str | None = None, *, resource: str = "pods",
+                     count: int | None = None) -> DropRule:
+        """A lost creation: this replica's cache misses the creation of matching objects (the next
+        write to one of them reaches it, see DropRule)."""
+        if count is not None and count < 1:
+            raise FaultError("count must be >= 1")
+        with self._lock:
+            rule = DropRule(next(self._ids), resource, namespace, name, count, events="creates")
+            self._drops.append(rule)
+            return rule
+
     def should_drop(self, kind: str, resource: str, namespace: str, name: str, has_deletion_timestamp: bool,
-                    had_deletion_timestamp: bool) -> bool:
-        """Called by the watch cache for each event; True means the cache skips it."""
+                    had_deletion_timestamp: bool, *, created: bool = False) -> bool:
+        """Called by the watch cache for each event; True means the cache skips it. ``created``: the
+        event is the etcd PUT that created the key."""
+        if created:
+            with self._lock:
+                for rule in self._drops:
+                    if rule.events == "creates" and rule.matches(resource, namespace, name):
+                        rule.dropped += 1
+                        if rule.count is not None:
+                            rule.count -= 1
+                            if rule.count <= 0:
+                                self._drops.remove(rule)
+                        return True
         deleting = kind == "DELETED" or (kind == "MODIFIED" and has_deletion_timestamp and not had_deletion_timestamp)
         if not deleting:
             return False
         with self._lock:
             for rule in self._drops:
-                if rule.matches(resource, namespace, name):
+                if rule.events == "deletes" and rule.matches(resource, namespace, name):
                     if kind == "DELETED":
                         rule.dropped += 1
                         if rule.count is not None:
@@ -230,14 +266,15 @@ class Faults:
         with self._lock:
             return {
                 "rules": [r.to_dict() for r in self._rules],
-                "dropDeletes": [d.to_dict() for d in self._drops],
+                "dropDeletes": [d.to_dict() for d in self._drops if d.events == "deletes"],
+                "dropCreates": [d.to_dict() for d in self._drops if d.events == "creates"],
                 "watchFrozen": self._frozen,
                 "dropped": [{"type": e.type, "resource": e.resource, "namespace": e.namespace, "name": e.name,
                              "uid": e.uid, "resourceVersion": str(e.resource_version)} for e in self.dropped],
             }
 
     def apply_json(self, body: Any) -> dict[str, Any]:
-        """One admin request: ``{"action": "latency"|"status"|"hang"|"drop-deletes"|"freeze-watch"|"unfreeze-watch", ...}``."""
+        """One admin request: ``{"action": "latency"|"status"|"hang"|"drop-deletes"|"drop-creates"|"freeze-watch"|"unfreeze-watch", ...}``."""
         if not isinstance(body, dict):
             raise FaultError("body must be a JSON object")
         action = body.get("action")
@@ -254,6 +291,9 @@ class Faults:
 
         if action == "drop-deletes":
             return self.drop_deletes(opt("namespace", str), opt("name", str), resource=opt("resource", str) or "pods",
+                                     count=opt("count", int)).to_dict()
+        if action == "drop-creates":
+            return self.drop_creates(opt("namespace", str), opt("name", str), resource=opt("resource", str) or "pods",
                                      count=opt("count", int)).to_dict()
         if action == "freeze-watch":
             self.freeze_watch()

@@ -42,6 +42,9 @@ class WatchEvent:
     key: str
     value: bytes  # empty for DELETE
     mod_revision: int  # for DELETE: the revision of the deletion
+    # etcd's create_revision: equal to mod_revision for the PUT that created the key (clientv3
+    # Event.IsCreate; k8s.io/apiserver storage/etcd3 event.go parseEvent makes it an ADDED)
+    create_revision: int = 0
 
 
 def _b64(s: str | bytes) -> str:
@@ -228,6 +231,7 @@ class EtcdWatch:
                     key=_unb64(e["kv"].get("key")).decode(),
                     value=_unb64(e["kv"].get("value")),
                     mod_revision=int(e["kv"].get("mod_revision", 0)),
+                    create_revision=int(e["kv"].get("create_revision", 0)),
                 )
                 for e in res.get("events") or []
             ]

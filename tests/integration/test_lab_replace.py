@@ -19,7 +19,7 @@ from polling import eventually
 
 from guard.lab.demo import node_manifest
 
-GATE = {"name": "ghost-guard.io/placeholder"}
+GATE = {"name": "kube-ghost-guard.io/placeholder"}
 
 
 def events(lab, replica: int, ns: str, rv: str, **kw) -> list[tuple[str, str, str, bool, str]]:
