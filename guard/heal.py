@@ -107,7 +107,12 @@ class Healer:
             p = healing.plan(read, views)
             if p.outcome is not None or dry_run:
                 detail = p.reason if not dry_run or p.action is Action.NONE else f"dry run: would {p.action}: {p.reason}"
-                return self._result(namespace, name, p.action, p.outcome or Outcome.FAILED, detail, start, 0, p, read,
+                unreadable = [v.replica for v in views if not v.reachable]
+                outcome = p.outcome or Outcome.FAILED
+                if unreadable and outcome in (Outcome.HEALED, Outcome.ALIVE):
+                    outcome = Outcome.FAILED
+                    detail += f"; but {', '.join(unreadable)} could not be read"
+                return self._result(namespace, name, p.action, outcome, detail, start, 0, p, read,
                                     before, views, {}, (), dry_run=dry_run)
             try:
                 if p.action is Action.PLACEHOLDER:

@@ -411,7 +411,10 @@ class Replica:
             if code >= 500:
                 raise ApiError(code, "InternalError" if code == 500 else "ServiceUnavailable",
                                "Internal error occurred: lab fault" if code == 500 else "lab fault", {"causes": [{"message": "lab fault"}]})
-            raise ApiError(code, "BadRequest", "lab fault")
+            # the reason a real apiserver gives with that code (k8s.io/apimachinery/pkg/api/errors)
+            reason = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict", 410: "Expired",
+                      413: "RequestEntityTooLarge", 415: "UnsupportedMediaType", 422: "Invalid"}.get(code, "BadRequest")
+            raise ApiError(code, reason, "lab fault")
         elif rule.action == "hang":
             ctx.source = "fault"
             self._record(ctx)  # logged on arrival: a hung request never gets an answer to log it by
