@@ -120,6 +120,14 @@ def main() -> None:
 @option("--max-nodes", type=int, default=5000,
         help="Most Nodes.items accepted in a nodes-mode /filter (whole v1.Node objects; 413 above). "
              "Names mode (nodeCacheCapable: true) is bounded by --max-body-bytes only.")
+@option("--heal/--no-heal", default=False,
+        help="Heal automatically: once a replica is confirmed to serve a ghost, write under its name as "
+             "`ghost-guard heal` does (placeholder or one annotation), one heal at a time. Needs create, delete and "
+             "patch on pods (the opt-in manifests/components/heal).")
+@option("--heal-rate", type=float, default=1.0, help="Automatic heals per second at most, on average (with --heal).")
+@option("--heal-burst", type=int, default=3, help="Automatic heals at once at most before --heal-rate applies.")
+@option("--heal-timeout", type=float, default=10.0,
+        help="Seconds one automatic heal may take until every replica agrees with etcd.")
 def serve(**kwargs) -> None:
     """Serve the extender (/filter, /preempt), probes and metrics under gunicorn."""
     from guard.server import StartupError, preflight, serve as run
