@@ -150,10 +150,11 @@ class Healer:
         bad = set(p.ghosts) | {uid}
         delete_error = None
         try:
-            # every reachable replica shows the placeholder (or its cache is already past it)
+            # every reachable replica shows the placeholder (or its cache is already past it); a frozen one never
+            # will, so this wait takes at most half of what is left: the delete and its wait get the rest
             self._wait(clients, namespace, name,
                        lambda v: healing.shows(v, uid) or (v.reachable and v.revision is not None and v.revision >= write_rv),
-                       deadline, written, {})
+                       min(deadline, written + max(0.0, deadline - written) / 2), written, {})
         finally:
             delete_error = self._delete_placeholder(namespace, name, uid)
             writes += 1

@@ -88,11 +88,33 @@ class _Ctx:
 
     def body(self) -> bytes:
         if self.body_cache is None:
+            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                self.body_cache = self._chunked()  # Go's net/http takes chunked bodies (kubectl create --raw -f sends one)
+                return self.body_cache
             n = int(self.headers.get("Content-Length") or 0)
             if n > MAX_BODY:
                 raise ApiError(413, "RequestEntityTooLarge", "the request is too large")
             self.body_cache = self.handler.rfile.read(n) if n else b""
         return self.body_cache
+
+    def _chunked(self) -> bytes:
+        rfile, out = self.handler.rfile, bytearray()
+        while True:
+            line = rfile.readline(1024)
+            try:
+                size = int(line.split(b";", 1)[0].strip() or b"x", 16)
+            except ValueError as e:
+                self.handler.close_connection = True
+                raise bad_request("malformed chunked request body") from e
+            if size == 0:
+                while rfile.readline(1024) not in (b"\r\n", b"\n", b""):  # trailers
+                    pass
+                return bytes(out)
+            if len(out) + size > MAX_BODY:
+                self.handler.close_connection = True
+                raise ApiError(413, "RequestEntityTooLarge", "the request is too large")
+            out += rfile.read(size)
+            rfile.readline(1024)  # the CRLF after the chunk
 
     def json(self) -> Any:
         try:

@@ -75,3 +75,12 @@ def test_openapi_v3_index_points_at_documents_that_name_each_kind(shared_lab):
     status, body = raw(shared_lab, 0, "POST", "/api/v1/namespaces/default/pods?fieldValidation=Loose",
                        body={"metadata": {"name": "x"}, "spec": {"containers": [{"name": "a", "image": "b"}]}})
     assert (status, body["reason"]) == (400, "BadRequest")
+
+
+def test_kubectl_raw_writes_with_a_chunked_body_reach_the_admin_endpoint(lab):
+    """``kubectl create --raw -f -`` streams its body chunked (Go's net/http takes it): a fault set by hand."""
+    r = subprocess.run([KUBECTL, "--kubeconfig", lab.kubeconfig(1), "create", "--raw", "/lab/faults", "-f", "-"],
+                       input='{"action": "freeze-watch"}', capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert lab.replicas[1].faults.watch_frozen
+    lab.replicas[1].faults.unfreeze_watch()
