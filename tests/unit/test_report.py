@@ -382,3 +382,27 @@ def test_render_diagnosis_json() -> None:
         "unchecked": [{"replica": C, "state": "not-ready"}],
         "next": "ghost-guard heal default/web-1 (no restart; restart a replica only if heal reports it frozen)",
     }
+
+
+# -- heal attempts (serve --heal) ---------------------------------------------------------
+
+
+def test_audit_and_report_show_heal_attempts_newest_first() -> None:
+    import dataclasses
+
+    from guard.audit import HealAttempt
+
+    healed = dataclasses.replace(WEB, heals=(HealAttempt(T0 + 5, "placeholder", "frozen", "replica B frozen"),
+                                             HealAttempt(T0 + 65, "placeholder", "healed", "every replica agrees")))
+    table = render_records([healed], "table").splitlines()
+    assert table[-4:] == [
+        "Heal attempts (ghost-guard serve --heal), newest first:",
+        "  POD            UID            AT                    ACTION       OUTCOME  DETAIL",
+        "  default/web-1  11111111-aaaa  2026-05-28T20:27:45Z  placeholder  healed   every replica agrees",
+        "  default/web-1  11111111-aaaa  2026-05-28T20:26:45Z  placeholder  frozen   replica B frozen",
+    ]
+    assert json.loads(render_records([healed], "json"))[0]["heals"] == [
+        {"at": "2026-05-28T20:26:45Z", "action": "placeholder", "outcome": "frozen", "detail": "replica B frozen"},
+        {"at": "2026-05-28T20:27:45Z", "action": "placeholder", "outcome": "healed", "detail": "every replica agrees"}]
+    assert "Heal attempts (ghost-guard serve --heal), newest first:" in render_report([healed], "table")
+    assert "Heal attempts" not in render_records([WEB], "table") + render_report([WEB], "table")
