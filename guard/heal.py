@@ -97,6 +97,10 @@ class Healer:
         start = time.monotonic()
         deadline = start + self.timeout
         clients = list(self._replicas())
+        if not clients:
+            return HealResult(namespace, name, Action.NONE, Outcome.FAILED,
+                              "no apiserver replica known (discovery found none): nothing checked, nothing written",
+                              time.monotonic() - start, etcd="not read")
         before = self._observe(clients, namespace, name)
         views = before
         read = QuorumRead.failed("not read")

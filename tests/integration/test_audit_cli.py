@@ -66,7 +66,7 @@ def test_audit_json(populated: str) -> None:
     assert [r["uid"] for r in records] == ["uid-web-1", "uid-api-0"]
     web = records[0]
     assert set(web) == {"namespace", "name", "uid", "verdict", "evidence", "first_seen", "last_seen", "times_blocked", "retracted_at",
-                        "stale_replicas", "replicas"}
+                        "stale_replicas", "replicas", "heals"}
     assert (web["namespace"], web["name"], web["verdict"], web["times_blocked"], web["stale_replicas"]) == (
         "default", "web-1", "ghost-deleted", 2, [R2])
     assert web["evidence"] == {"quorum_status": 404, "reason": "NotFound"}
