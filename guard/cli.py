@@ -123,7 +123,7 @@ def main() -> None:
 @option("--heal/--no-heal", default=False,
         help="Heal automatically: once a replica is confirmed to serve a ghost, write under its name as "
              "`ghost-guard heal` does (placeholder or one annotation), one heal at a time. Needs create, delete and "
-             "patch on pods (the opt-in manifests/components/heal).")
+             "patch on pods (the opt-in manifests/heal).")
 @option("--heal-rate", type=float, default=1.0, help="Automatic heals per second at most, on average (with --heal).")
 @option("--heal-burst", type=int, default=3, help="Automatic heals at once at most before --heal-rate applies.")
 @option("--heal-timeout", type=float, default=10.0,
@@ -339,10 +339,11 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
 
 @main.command("heal")
 @click.argument("pods", nargs=-1, metavar="NAMESPACE/NAME...")
+# --all has no environment variable on purpose: a variable set for something else must never widen a write.
 @click.option("--all", "all_", is_flag=True, default=False,
               help="Heal every ghost the replicas serve: pods a replica's cache serves as pending under a UID etcd "
                    "does not have pending.")
-@click.option("--dry-run", is_flag=True, default=False, help="Read and plan only; write nothing (exit 1 if a heal is needed).")
+@option("--dry-run", is_flag=True, default=False, help="Read and plan only; write nothing (exit 1 if a heal is needed).")
 @option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
         help="Cluster credentials (they need create, delete and patch on pods). Default: in-cluster service "
              "account, then $KUBECONFIG / ~/.kube/config.")
