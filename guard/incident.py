@@ -14,7 +14,10 @@ Runs on background threads, never on the scheduling path:
    reported stale (gauge, counter, ``StaleWatchCache`` Event, audit);
 3. a ``GhostPodBlocked`` Warning Event on the pod, aggregated;
 4. later sightings of the same ghost re-probe at most every
-   ``--reprobe-interval``, so a restarted replica is seen to have healed.
+   ``--reprobe-interval``, so a restarted replica is seen to have healed;
+5. with ``serve --heal``, a ghost confirmed stale on a replica is handed to
+   :class:`guard.autoheal.AutoHealer` (``heal``), which probes again after
+   each heal (:meth:`IncidentRecorder.after_heal`).
 
 The pure rules (what counts as stale, healed, missed delete) are in
 :mod:`guard.attribution`.
@@ -270,7 +273,7 @@ class IncidentRecorder:
         if self._heal is not None:
             self._heal(pod)
 
-    def healed(self, pod: PodRef, result) -> None:
+    def after_heal(self, pod: PodRef, result) -> None:
         """After an automatic heal (serve --heal): probe the replicas again, so the stale gauge and the audit
         show which replicas no longer serve the ghost."""
         if result.ok:

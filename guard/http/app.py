@@ -140,7 +140,7 @@ def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | No
     incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract, audit_error=audit_error,
                                  heal=healer.submit if healer is not None else None)
     if healer is not None:
-        healer.done = incidents.healed
+        healer.done = incidents.after_heal
     checker.listeners.append(incidents.new_ghost)
     checker.sighting_listeners.append(incidents.sighting)
     preverifier = None
