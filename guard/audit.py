@@ -45,7 +45,7 @@ VERDICTS: Final = tuple(v.value for v in Verdict)
 """Every verdict string (``guard.verdict.Verdict``); the store accepts only these."""
 
 APPLICATION_ID: Final = 0x47474144  # "GGAD": marks the file as a ghost-guard audit store
-SCHEMA_VERSION: Final = 2  # 2: ghosts.retracted_at
+SCHEMA_VERSION: Final = 3  # 2: ghosts.retracted_at; 3: heal_attempts
 BUSY_TIMEOUT_SECONDS: Final = 5.0
 CHECK_BUSY_TIMEOUT_SECONDS: Final = 1.0
 PRUNE_EVERY_WRITES: Final = 1000
@@ -88,7 +88,20 @@ CREATE TABLE IF NOT EXISTS replica_observations (
     PRIMARY KEY (uid, replica)
 );
 CREATE INDEX IF NOT EXISTS replica_observations_replica ON replica_observations (replica);
+CREATE TABLE IF NOT EXISTS heal_attempts (
+    uid     TEXT NOT NULL,
+    at      REAL NOT NULL,
+    action  TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    detail  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS heal_attempts_uid ON heal_attempts (uid, at);
 """
+
+HEAL_ACTIONS: Final = ("placeholder", "annotate", "none")
+HEAL_OUTCOMES: Final = ("healed", "frozen", "refused", "failed", "alive", "timeout")
+MAX_HEALS_PER_GHOST: Final = 20  # the newest attempts kept per ghost
+MAX_HEAL_DETAIL: Final = 1024
 
 
 class AuditError(Exception):
@@ -144,6 +157,16 @@ class ReplicaState:
 
 
 @dataclass(frozen=True, slots=True)
+class HealAttempt:
+    """One heal of a ghost (``ghost-guard serve --heal``): what was written and how it ended."""
+
+    at: float
+    action: str  # placeholder | annotate | none
+    outcome: str  # healed | frozen | refused | failed | alive | timeout
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
 class AuditRecord:
     """One blocked ghost Pod, deduplicated by UID."""
 
@@ -157,6 +180,7 @@ class AuditRecord:
     times_blocked: int
     replicas: tuple[ReplicaState, ...] = field(default=())
     retracted_at: float | None = None  # the verdict was withdrawn: etcd showed the pod pending after all
+    heals: tuple[HealAttempt, ...] = field(default=())  # oldest first, at most MAX_HEALS_PER_GHOST
 
     @property
     def stale_replicas(self) -> list[str]:
@@ -337,6 +361,31 @@ class AuditStore:
         except sqlite3.Error as e:
             raise AuditError(f"cannot record probes of ghost {uid} in {self.path}: {e}") from e
 
+    def record_heal(self, *, uid: str, action: str, outcome: str, detail: str, at: float) -> None:
+        """Record one heal attempt of ghost ``uid`` (the newest MAX_HEALS_PER_GHOST are kept).
+
+        Raises :class:`UnknownGhostError` if ``uid`` has no record, ValueError for an unknown
+        ``action``/``outcome``; ``detail`` is clipped to 1024 characters."""
+        _check_text("uid", uid, MAX_UID)
+        if action not in HEAL_ACTIONS:
+            raise ValueError(f"action must be one of {', '.join(HEAL_ACTIONS)}; not {action!r}")
+        if outcome not in HEAL_OUTCOMES:
+            raise ValueError(f"outcome must be one of {', '.join(HEAL_OUTCOMES)}; not {outcome!r}")
+        if not isinstance(detail, str):
+            raise ValueError("detail must be a string")
+        at = _check_time("at", at)
+        conn = self._connection()
+        try:
+            with _immediate(conn):
+                if conn.execute("SELECT 1 FROM ghosts WHERE uid = ?", (uid,)).fetchone() is None:
+                    raise UnknownGhostError(f"no audit record for uid {uid!r}: record_block first")
+                conn.execute("INSERT INTO heal_attempts (uid, at, action, outcome, detail) VALUES (?, ?, ?, ?, ?)",
+                             (uid, at, action, outcome, detail[:MAX_HEAL_DETAIL]))
+                conn.execute("DELETE FROM heal_attempts WHERE uid = ?1 AND rowid NOT IN (SELECT rowid FROM heal_attempts"
+                             " WHERE uid = ?1 ORDER BY at DESC, rowid DESC LIMIT ?2)", (uid, MAX_HEALS_PER_GHOST))
+        except sqlite3.Error as e:
+            raise AuditError(f"cannot record a heal of ghost {uid} in {self.path}: {e}") from e
+
     def prune(self, *, now: float) -> int:
         """Drop records last seen before ``now - max_age_seconds``, then the oldest beyond ``max_records``.
 
@@ -353,6 +402,7 @@ class AuditStore:
                 ).rowcount
                 if by_age or by_count:
                     conn.execute("DELETE FROM replica_observations WHERE uid NOT IN (SELECT uid FROM ghosts)")
+                    conn.execute("DELETE FROM heal_attempts WHERE uid NOT IN (SELECT uid FROM ghosts)")
         except sqlite3.Error as e:
             raise AuditError(f"cannot prune {self.path}: {e}") from e
         return by_age + by_count
@@ -416,6 +466,7 @@ class AuditStore:
             try:
                 rows = conn.execute(sql, params).fetchall()
                 replicas = self._replica_rows(conn, [r[0] for r in rows])
+                heals = self._heal_rows(conn, [r[0] for r in rows])
             finally:
                 conn.execute("COMMIT")
         except sqlite3.Error as e:
@@ -432,6 +483,7 @@ class AuditStore:
                 times_blocked=tb,
                 replicas=tuple(replicas.get(uid, ())),
                 retracted_at=ra,
+                heals=tuple(heals.get(uid, ())),
             )
             for uid, ns, nm, vd, ev, fs, ls, tb, ra in rows
         ]
@@ -538,6 +590,8 @@ class AuditStore:
                     raise AuditPathError(f"{self.path} is an SQLite database of another program (application_id {app_id}, {tables} schema objects)")
             if app_id == APPLICATION_ID and version == 1:  # 1 -> 2: a verdict can be withdrawn
                 conn.execute("ALTER TABLE ghosts ADD COLUMN retracted_at REAL")
+            # 2 -> 3: heal attempts (serve --heal) get their own table, created with the schema below
+
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
@@ -570,6 +624,19 @@ class AuditStore:
                         healed_at=healed_at,
                     )
                 )
+        return out
+
+    @staticmethod
+    def _heal_rows(conn: sqlite3.Connection, uids: list[str]) -> dict[str, list[HealAttempt]]:
+        out: dict[str, list[HealAttempt]] = {}
+        for start in range(0, len(uids), 500):
+            chunk = uids[start : start + 500]
+            marks = ",".join("?" * len(chunk))  # placeholders only; values are bound
+            for uid, at, action, outcome, detail in conn.execute(
+                f"SELECT uid, at, action, outcome, detail FROM heal_attempts WHERE uid IN ({marks}) ORDER BY uid, at, rowid",
+                chunk,
+            ):
+                out.setdefault(uid, []).append(HealAttempt(at, action, outcome, detail))
         return out
 
     def _maybe_prune(self, at: float) -> None:

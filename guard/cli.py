@@ -126,6 +126,14 @@ def main() -> None:
 @option("--max-nodes", type=int, default=5000,
         help="Most Nodes.items accepted in a nodes-mode /filter (whole v1.Node objects; 413 above). "
              "Names mode (nodeCacheCapable: true) is bounded by --max-body-bytes only.")
+@option("--heal/--no-heal", default=False,
+        help="Heal automatically: once a replica is confirmed to serve a ghost, write under its name as "
+             "`ghost-guard heal` does (placeholder or one annotation), one heal at a time. Needs create, delete and "
+             "patch on pods (the opt-in manifests/heal).")
+@option("--heal-rate", type=float, default=1.0, help="Automatic heals per second at most, on average (with --heal).")
+@option("--heal-burst", type=int, default=3, help="Automatic heals at once at most before --heal-rate applies.")
+@option("--heal-timeout", type=float, default=10.0,
+        help="Seconds one automatic heal may take until every replica agrees with etcd.")
 def serve(**kwargs) -> None:
     """Serve the extender (/filter, /preempt), probes and metrics under gunicorn."""
     from guard.server import StartupError, preflight, serve as run
@@ -398,6 +406,88 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
         kube.close()
     click.echo(text, nl=False)
     sys.exit(1 if stale else 0)
+
+
+@main.command("heal")
+@click.argument("pods", nargs=-1, metavar="NAMESPACE/NAME...")
+# --all has no environment variable on purpose: a variable set for something else must never widen a write.
+@click.option("--all", "all_", is_flag=True, default=False,
+              help="Heal every ghost the replicas serve: pods a replica's cache serves as pending under a UID etcd "
+                   "does not have pending.")
+@option("--dry-run", is_flag=True, default=False, help="Read and plan only; write nothing (exit 1 if a heal is needed).")
+@option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+        help="Cluster credentials (they need create, delete and patch on pods). Default: in-cluster service "
+             "account, then $KUBECONFIG / ~/.kube/config.")
+@option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
+        help="Replicas to check; default: discovered from the default/kubernetes EndpointSlice.")
+@option("--apiserver-server-name", default="kubernetes.default.svc",
+        help="TLS server name verified when dialling a replica by IP.")
+@option("--timeout", type=float, default=10.0,
+        help="Seconds per pod, from the first read to the last check of every replica.")
+@option("--probe-timeout", type=float, default=2.0, help="Seconds allowed for each read.")
+@click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", help="Output format.")
+def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | None, apiserver_replicas: str | None,
+         apiserver_server_name: str, timeout: float, probe_timeout: float, output: str) -> None:
+    """Make every apiserver replica's watch cache agree with etcd for these pods, restarting nothing.
+
+    For each pod, re-verifies by a quorum GET, then: a deleted ghost gets a placeholder pod under its name
+    (scheduling-gated, never run) created and deleted at once (UID precondition); a replaced, bound or
+    terminating ghost gets one annotation on the live pod (resourceVersion precondition). Either write
+    replaces the stale copy in every cache whose watch still flows. A pod etcd has pending that every
+    replica serves is never touched. A frozen replica (its cache revision does not move) cannot be healed
+    by writes: restart that replica only.
+
+    Exit status: 0 every replica agrees with etcd, 1 some pod is not healed (frozen replica, refused
+    write, timeout), 2 bad arguments or no cluster access, 130 interrupted (nothing left behind).
+    """
+    from guard.heal import Healer
+    from guard.healing import render
+    from guard.kube import Kube, KubeConfigError, load_configuration
+    from guard.replicas import ReplicaPool
+    from guard.settings import Settings, SettingsError
+
+    if all_ == bool(pods):
+        raise click.UsageError("give NAMESPACE/NAME arguments or --all (not both)")
+    targets = []
+    for pod in pods:
+        namespace, sep, name = pod.partition("/")
+        if not sep or not namespace or not name or "/" in name:
+            raise click.BadParameter(f"expected NAMESPACE/NAME, got {pod!r}", param_hint="NAMESPACE/NAME")
+        targets.append((namespace, name))
+    if not timeout > 0:
+        raise click.BadParameter("must be positive", param_hint="--timeout")
+    if not probe_timeout > 0:
+        raise click.BadParameter("must be positive", param_hint="--probe-timeout")
+    try:
+        settings = Settings(apiserver_replicas=apiserver_replicas, apiserver_server_name=apiserver_server_name,
+                            probe_timeout=probe_timeout, get_timeout=probe_timeout)
+        kube = Kube(load_configuration(kubeconfig), timeout=probe_timeout, pool_size=8)
+        pool = ReplicaPool(settings, kube)
+    except (KubeConfigError, SettingsError) as e:
+        click.echo(f"ghost-guard heal: {e}", err=True)
+        sys.exit(2)
+    healer = Healer(kube, pool.clients, timeout=timeout)
+    try:
+        if not pool.clients():
+            click.echo("ghost-guard heal: no apiserver replica found (default/kubernetes EndpointSlice and Endpoints "
+                       "unreadable); pass --apiserver-replicas", err=True)
+            sys.exit(2)
+        if all_:
+            targets, errors = healer.ghosts()
+            for e in errors:
+                click.echo(f"ghost-guard heal: {e}", err=True)
+        results = []
+        for namespace, name in targets:
+            results.append(healer.heal(namespace, name, dry_run=dry_run))
+        click.echo(render(results, output), nl=False)
+    except KeyboardInterrupt:
+        click.echo("ghost-guard heal: interrupted (no placeholder left behind)", err=True)
+        sys.exit(130)
+    finally:
+        healer.close()
+        pool.close()
+        kube.close()
+    sys.exit(0 if all(r.ok for r in results) else 1)
 
 
 # --- lab, demo (guard/lab/): imported lazily, never on the serving path ------

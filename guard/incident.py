@@ -14,7 +14,10 @@ Runs on background threads, never on the scheduling path:
    reported stale (gauge, counter, ``StaleWatchCache`` Event, audit);
 3. a ``GhostPodBlocked`` Warning Event on the pod, aggregated;
 4. later sightings of the same ghost re-probe at most every
-   ``--reprobe-interval``, so a restarted replica is seen to have healed.
+   ``--reprobe-interval``, so a restarted replica is seen to have healed;
+5. with ``serve --heal``, a ghost confirmed stale on a replica is handed to
+   :class:`guard.autoheal.AutoHealer` (``heal``), which probes again after
+   each heal (:meth:`IncidentRecorder.after_heal`).
 
 The pure rules (what counts as stale, healed, missed delete) are in
 :mod:`guard.attribution`.
@@ -111,7 +114,8 @@ class IncidentRecorder:
 
     def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditStore | None, *,
                  retract: Callable[[PodRef], bool] | None = None,
-                 later: Callable[..., None] | None = None, audit_error: str | None = None) -> None:
+                 later: Callable[..., None] | None = None, audit_error: str | None = None,
+                 heal: Callable[[PodRef], bool] | None = None) -> None:
         self.settings = settings
         self.kube = kube
         self.pool = pool
@@ -133,6 +137,7 @@ class IncidentRecorder:
         self._last_probes: dict[str, dict] = {}  # replica address -> its newest probe's outcome, for /readyz
         self._timers: list[threading.Timer] = []
         self._closed = False
+        self._heal = heal  # serve --heal: AutoHealer.submit
 
     # -- entry points (Checker listeners) ----------------------------------------
 
@@ -258,11 +263,21 @@ class IncidentRecorder:
             verdict = self._verdicts.get(pod, Verdict.GHOST_DELETED)
         message = (f"apiserver replica {client.replica} still serves pod {pod} uid {pod.uid} from its watch cache as "
                    f"waiting to be scheduled (cache resourceVersion {obs.cache_resource_version}) although etcd "
-                   f"{_TRUTH[verdict]}{note}; restart that apiserver replica, then restart kube-scheduler so its "
-                   f"informer re-lists")
+                   f"{_TRUTH[verdict]}{note}; " + (
+                       "healing it (serve --heal)" if self._heal is not None else
+                       f"heal it without a restart: ghost-guard heal {pod.namespace}/{pod.name} (restart that "
+                       "replica only if heal reports it frozen)"))
         log.warning("%s", message)
         if self.settings.events:
             self._event(pod, "StaleWatchCache", message, key=replica)
+        if self._heal is not None:
+            self._heal(pod)
+
+    def after_heal(self, pod: PodRef, result) -> None:
+        """After an automatic heal (serve --heal): probe the replicas again, so the stale gauge and the audit
+        show which replicas no longer serve the ghost."""
+        if result.ok:
+            self.probe(pod, confirm=False)
 
     def _healed(self, pod: PodRef, replica: str) -> None:
         with self._lock:

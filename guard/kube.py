@@ -64,8 +64,18 @@ def _error_reason(data: str | bytes | None, http_reason: str | None) -> tuple[st
     return str(body.get("reason") or http_reason or ""), body
 
 
+class KubeWriteError(Exception):
+    """A write the apiserver refused or did not answer: ``status`` (0: no answer), ``reason``, ``message``."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {reason}: {message}" if status else f"{reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
 class Kube:
-    """The guard's apiserver client: quorum GETs and readiness."""
+    """The guard's apiserver client: quorum GETs, readiness, and the heal's writes."""
 
     def __init__(self, configuration: client.Configuration, *, timeout: float, pool_size: int) -> None:
         configuration.connection_pool_maxsize = max(pool_size, 1)
@@ -158,6 +168,49 @@ class Kube:
             if auth.get("in") == "header" and auth.get("value"):
                 headers[auth["key"]] = auth["value"]
         return headers
+    # --- writes (ghost-guard heal; guard/heal.py) ----------------------------------------------
+    # Each returns the object as JSON or raises KubeWriteError (status 0: no answer).
+
+    def create_pod(self, namespace: str, body: dict, timeout: float | None = None) -> dict:
+        return self._write(lambda t: self.core.create_namespaced_pod(namespace, body, _preload_content=False,
+                                                                     _request_timeout=t), timeout)
+
+    def read_pod(self, namespace: str, name: str, timeout: float | None = None) -> dict:
+        """The pod as etcd has it (GET without resourceVersion), whole; 404 raises KubeWriteError too."""
+        return self._write(lambda t: self.core.read_namespaced_pod(name, namespace, _preload_content=False,
+                                                                   _request_timeout=t), timeout)
+
+    def delete_pod(self, namespace: str, name: str, uid: str, timeout: float | None = None) -> dict:
+        """DELETE with a UID precondition (409 Conflict if the name now holds another pod) and no grace period."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+        return self._write(lambda t: self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False,
+                                                                     _request_timeout=t), timeout)
+
+    def merge_patch_pod(self, namespace: str, name: str, patch: dict, timeout: float | None = None) -> dict:
+        """A JSON merge patch; a ``metadata.resourceVersion`` in it is a precondition (409 Conflict otherwise)."""
+        return self._write(lambda t: self.core.patch_namespaced_pod(name, namespace, patch, _preload_content=False,
+                                                                    _content_type="application/merge-patch+json",
+                                                                    _request_timeout=t), timeout)
+
+    def _write(self, call, timeout: float | None) -> dict:
+        t = self.timeout if timeout is None else timeout
+        try:
+            resp = call(t)
+            return orjson.loads(resp.data)
+        except ApiException as e:
+            if not e.status:
+                raise KubeWriteError(0, "TLSError", "TLS error talking to the apiserver") from e
+            reason, body = _status_reason(e)
+            message = str(body.get("message") or e.reason or "")[:1000]
+            raise KubeWriteError(e.status, reason or "Error", message) from e
+        except (urllib3.exceptions.TimeoutError, TimeoutError) as e:
+            if isinstance(e, urllib3.exceptions.NewConnectionError):
+                raise KubeWriteError(0, "Unreachable", f"connection error: {type(e).__name__}") from e
+            raise KubeWriteError(0, "Timeout", f"no answer within {t:g}s") from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise KubeWriteError(0, "Unreachable", f"connection error: {type(e).__name__}") from e
+        except (orjson.JSONDecodeError, ValueError) as e:
+            raise KubeWriteError(0, "Undecodable", f"undecodable apiserver reply: {type(e).__name__}") from e
 
     def ping(self) -> str | None:
         """None when the apiserver answers ``/version``, else a short reason."""

@@ -101,6 +101,11 @@ def labelled(metric, *values: str):
     return metric.labels(*values)
 
 
+HEALS = Counter("ghost_guard_heals", "Automatic heals of stale watch caches (serve --heal), by action (placeholder, "
+                "annotate, none) and outcome (healed, frozen, refused, failed, alive, timeout).", ["action", "outcome"])
+HEALS_DROPPED = Counter("ghost_guard_heals_dropped", "Automatic heals not queued because the heal queue was full.")
+
+
 def registry() -> CollectorRegistry | None:
     """The registry to expose: a fresh multiprocess collector under gunicorn, else the default."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

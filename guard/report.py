@@ -137,6 +137,8 @@ def record_to_dict(record: AuditRecord) -> dict[str, Any]:
         "times_blocked": record.times_blocked,
         "retracted_at": format_time(record.retracted_at) if record.retracted_at is not None else None,
         "stale_replicas": sorted(r.replica for r in record.replicas if r.stale),
+        "heals": [{"at": format_time(h.at), "action": h.action, "outcome": h.outcome, "detail": h.detail}
+                  for h in getattr(record, "heals", ())],
         "replicas": [
             {
                 "replica": r.replica,
@@ -178,7 +180,21 @@ def render_records(records: Sequence[AuditRecord], output: str = "table") -> str
         )
         for r in records
     ]
-    return "\n".join(_table(AUDIT_COLUMNS, rows)) + "\n"
+    return "\n".join(_table(AUDIT_COLUMNS, rows) + _heal_lines(records)) + "\n"
+
+
+HEAL_COLUMNS: Final = ("POD", "UID", "AT", "ACTION", "OUTCOME", "DETAIL")
+
+
+def _heal_lines(records: Sequence[AuditRecord], indent: str = "  ") -> list[str]:
+    """The heal attempts of these records (``serve --heal``), newest first; nothing when there are none."""
+    rows = [(f"{r.namespace}/{r.name}", r.uid, h.at, h.action, h.outcome, h.detail)
+            for r in records for h in getattr(r, "heals", ())]
+    if not rows:
+        return []
+    rows.sort(key=lambda row: -row[2])
+    return ["", "Heal attempts (ghost-guard serve --heal), newest first:"] + _table(
+        HEAL_COLUMNS, [(p, u, format_time(at), a, o, d) for p, u, at, a, o, d in rows], indent=indent)
 
 
 # -- ghost-guard report -------------------------------------------------------------
@@ -247,14 +263,19 @@ def build_report(records: Sequence[AuditRecord]) -> dict[str, Any]:
 
 
 def remediation_steps(replicas: Sequence[Mapping[str, Any]], unattributed: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The runbook, in order, for the stale replicas and the ghosts no replica is known to serve."""
+    """The runbook, in order, for the stale replicas and the ghosts no replica is known to serve.
+
+    ``ghost-guard heal`` first: a write under the ghost's name corrects every cache whose watch still
+    flows, and kube-scheduler's informer with it; a restart only for a replica heal reports frozen."""
     pods = sorted({f"{g['namespace']}/{g['name']}" for r in replicas for g in r["ghosts"]})
     steps: list[str] = []
     if replicas:
         names = ", ".join(r["replica"] for r in replicas)
         steps.append(
-            f"Restart the apiserver replica{'s' if len(replicas) > 1 else ''} {names}"
-            f"{', one at a time' if len(replicas) > 1 else ''}: a restarted replica rebuilds its watch cache from etcd."
+            f"Heal without restarting anything: ghost-guard heal {' '.join(pods)} (a placeholder created and deleted "
+            "under a deleted ghost's name, or one annotation on the pod etcd has, replaces the stale copy in every "
+            "watch cache that still follows etcd, and in kube-scheduler's informer with it; exit 0 when every replica "
+            "agrees with etcd)."
         )
         steps.append(
             "Confirm no cache serves the ghost any more: "
@@ -262,19 +283,21 @@ def remediation_steps(replicas: Sequence[Mapping[str, Any]], unattributed: Seque
             + " (expect 'verdict: consistent')."
         )
         steps.append(
-            "Restart kube-scheduler so its informer re-lists: it keeps the ghost otherwise, "
-            f"even after the replica is fixed ({SCHEDULER_ISSUE})."
+            f"Only if heal reports a replica frozen (its cache revision no longer moves; among {names}): restart that "
+            "apiserver replica alone (its watch cache is rebuilt from etcd), run ghost-guard heal again, and restart "
+            f"kube-scheduler only if it still tries to bind the ghost afterwards ({SCHEDULER_ISSUE})."
         )
     elif unattributed:
         others = sorted({f"{g['namespace']}/{g['name']}" for g in unattributed})
         steps.append(
-            "No replica is known to serve these ghosts now. Find one: "
+            "No replica is known to serve these ghosts now. Check: "
             + "; ".join(f"ghost-guard diagnose {p}" for p in others)
-            + ". If a replica serves a ghost, restart it (its watch cache is rebuilt from etcd)."
+            + f". If a replica serves one, heal it: ghost-guard heal {' '.join(others)} (restart a replica only if heal "
+            "reports it frozen)."
         )
         steps.append(
-            "If the scheduler still tries to bind them, restart kube-scheduler so its informer re-lists "
-            f"({SCHEDULER_ISSUE})."
+            "If the scheduler still tries to bind them, ghost-guard heal makes its informer drop them too; restart "
+            f"kube-scheduler only if it still does afterwards ({SCHEDULER_ISSUE})."
         )
     return steps
 
@@ -317,6 +340,9 @@ def render_report(records: Sequence[AuditRecord], output: str = "table") -> str:
         ]
         lines += _table(("POD", "UID", "VERDICT", "LAST SEEN", "HEALED REPLICAS"), rows, indent="  ")
         lines.append("")
+    heal_lines = _heal_lines(records)
+    if heal_lines:
+        lines += heal_lines[1:] + [""]
     if report["replica_probes"]:
         lines.append("Newest cache probe of each replica:")
         rows = [(p["replica"], p["last_probe"], format_time(p["last_checked"]), p["error"] or "-")
@@ -410,6 +436,7 @@ def render_diagnosis(
                 "verdict": verdict,
                 "stale_replicas": stale_replicas(observations),
                 "unchecked": [{"replica": r, "state": k} for r, k in unchecked],
+                "next": heal_advice(namespace, name) if stale_replicas(observations) else None,
             }
         ) + "\n"
     lines = [f"Pod {_cell(namespace)}/{_cell(name)}"]
@@ -417,6 +444,8 @@ def render_diagnosis(
     lines.append(f"verdict: {verdict}")
     if unchecked:
         lines.append("unchecked: " + ", ".join(f"{_cell(r)} ({k})" for r, k in unchecked))
+    if stale_replicas(observations):
+        lines.append(f"next: {heal_advice(namespace, name)}")
     return "\n".join(lines) + "\n"
 
 
@@ -459,3 +488,6 @@ def render_replica_caches(caches: Sequence[Mapping[str, Any]], output: str = "ta
     else:
         lines.append("No replica cache problem found among the replicas that answered.")
     return "\n".join(lines) + "\n"
+def heal_advice(namespace: str, name: str) -> str:
+    """What ``diagnose`` recommends for a pod some replica serves stale."""
+    return (f"ghost-guard heal {namespace}/{name} (no restart; restart a replica only if heal reports it frozen)")

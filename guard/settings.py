@@ -88,6 +88,11 @@ class Settings:
     monitoring_identities: str = "ghost-guard-monitoring"
     # request bounds (memory per request; the body is bounded by max_body_bytes)
     max_nodes: int = 5000
+    # serve --heal: heal a ghost once a replica is confirmed to serve it stale (guard/autoheal.py)
+    heal: bool = False
+    heal_rate: float = 1.0  # heals per second on average
+    heal_burst: int = 3  # heals at once at most
+    heal_timeout: float = 10.0  # seconds per heal
 
     @property
     def revision_interval(self) -> float:
@@ -158,6 +163,12 @@ class Settings:
         if self.apiserver_replicas is not None:
             parse_replicas(self.apiserver_replicas)
         self._validate_serving()
+        if not 0 < self.heal_rate <= 100:
+            raise SettingsError(f"--heal-rate must be between 0 and 100 heals per second, got {self.heal_rate:g}")
+        if not 1 <= self.heal_burst <= 100:
+            raise SettingsError(f"--heal-burst must be between 1 and 100, got {self.heal_burst}")
+        if not 0 < self.heal_timeout <= 300:
+            raise SettingsError(f"--heal-timeout must be between 0 and 300 seconds, got {self.heal_timeout:g}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"--log-level must be debug, info, warning or error, got {self.log_level!r}")
         return self

@@ -133,7 +133,15 @@ def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | No
     # health is a metric, a log line and a /readyz detail (IncidentRecorder.check_audit).
     audit, audit_error = open_audit_store(settings)
     pool = ReplicaPool(settings, kube)
-    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract, audit_error=audit_error)
+    healer = None
+    if settings.heal:
+        from guard.autoheal import AutoHealer
+
+        healer = AutoHealer(settings, kube, pool, audit)
+    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract, audit_error=audit_error,
+                                 heal=healer.submit if healer is not None else None)
+    if healer is not None:
+        healer.done = incidents.after_heal
     checker.listeners.append(incidents.new_ghost)
     checker.sighting_listeners.append(incidents.sighting)
     preverifier = None

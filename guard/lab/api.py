@@ -190,6 +190,37 @@ def path_not_found() -> ApiError:
     return ApiError(404, "NotFound", "the server could not find the requested resource", {})
 
 
+# --- field validation (fieldValidation=Strict|Warn|Ignore, KEP-2885) -------------------
+
+FIELD_VALIDATION_DIRECTIVES = ("Ignore", "Warn", "Strict")
+# The fields of ObjectMeta (k8s.io/apimachinery/pkg/apis/meta/v1/types.go) and of each kind's top
+# level the lab knows; deeper fields are not checked (the lab has no full schema).
+_OBJECT_META = frozenset({"name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation",
+                          "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels",
+                          "annotations", "ownerReferences", "finalizers", "managedFields"})
+_TOP = {"Pod": {"spec", "status"}, "Node": {"spec", "status"}, "Namespace": {"spec", "status"},
+        "Service": {"spec", "status"}, "Lease": {"spec"}, "Endpoints": {"subsets"},
+        "EndpointSlice": {"addressType", "endpoints", "ports"}}
+_EVENT_CORE = {"involvedObject", "reason", "message", "source", "firstTimestamp", "lastTimestamp", "count", "type",
+               "eventTime", "series", "action", "related", "reportingComponent", "reportingInstance"}
+_EVENT_V1 = {"eventTime", "series", "reportingController", "reportingInstance", "action", "reason", "regarding",
+             "related", "note", "type", "deprecatedSource", "deprecatedFirstTimestamp", "deprecatedLastTimestamp",
+             "deprecatedCount"}
+
+
+def unknown_fields(r: Resource, obj: Obj) -> list[str]:
+    """Top-level and ``metadata`` fields ``obj`` has that kind ``r`` does not (what a strict decode names)."""
+    if not isinstance(obj, dict):
+        return []
+    known = {"apiVersion", "kind", "metadata"} | (
+        (_EVENT_V1 if r.group else _EVENT_CORE) if r.kind == "Event" else _TOP.get(r.kind, set()))
+    out = [k for k in obj if k not in known]
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        out += [f"metadata.{k}" for k in meta if k not in _OBJECT_META]
+    return out
+
+
 # --- selectors ------------------------------------------------------------------
 
 

@@ -56,21 +56,29 @@ class CacheWatcher:
         self.closed = False
 
     def offer(self, ev: CacheEvent) -> None:
-        """Translate a cache event for this watcher (cacher.go watchCacheEvent filtering)."""
+        """Translate a cache event for this watcher, as cacheWatcher.convertToWatchEvent does
+        (k8s.io/apiserver/pkg/storage/cacher/cache_watcher.go).
+
+        The event's type from etcd does not decide what the watcher sees; the filter does, applied to
+        the new object (never for a delete) and to the object the cache held before (``prev``):
+        both pass -> MODIFIED; only the new one -> ADDED; only the old one -> DELETED carrying the
+        *old* object at the event's resourceVersion. So a pod created under the name of a ghost
+        the cache still holds reaches a watcher that selected the ghost as MODIFIED, and its
+        delete as DELETED; with the unscheduled-pods selector (``spec.nodeName=``) a pending pod
+        replacing a bound copy is ADDED and a bound pod replacing a pending copy is DELETED.
+        """
         if not ev.key.startswith(self.prefix):
             return
-        if ev.type == "DELETED":
-            if self.matches(ev.obj):
-                self._put("DELETED", ev.obj)
-            return
-        now = self.matches(ev.obj)
-        before = ev.prev is not None and self.matches(ev.prev)
-        if now and before:
+        cur_passes = ev.type != "DELETED" and self.matches(ev.obj)
+        old_passes = ev.prev is not None and self.matches(ev.prev)
+        if cur_passes and old_passes:
             self._put("MODIFIED", ev.obj)
-        elif now:
+        elif cur_passes:
             self._put("ADDED", ev.obj)
-        elif before:
-            self._put("DELETED", ev.obj)
+        elif old_passes:
+            old = copy.deepcopy(ev.prev)
+            old.setdefault("metadata", {})["resourceVersion"] = str(ev.rv)
+            self._put("DELETED", old)
 
     def _put(self, typ: str, obj: Obj) -> None:
         with self._cond:
@@ -175,6 +183,14 @@ class WatchCache:
     # --- applying events ----------------------------------------------------
 
     def _apply(self, events: list, header_rev: int) -> None:
+        """Apply etcd watch events as watchCache.processEvent does (cacher/watch_cache.go).
+
+        The store is keyed by the object's key: an event for a key the cache already holds
+        *replaces* what it holds, whatever the UID (the previous element becomes the event's
+        PrevObject), and a DELETE removes the key. So a new pod written under a ghost's name
+        (another UID) drops the ghost from a cache whose watch still flows, and the delete of
+        that pod empties the key; only a cache that receives no events (a frozen watch) keeps it.
+        """
         with self._cond:
             for e in events:
                 if e.mod_revision < self.rv:

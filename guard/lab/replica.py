@@ -29,6 +29,8 @@ from guard.lab.api import (
     method_not_allowed, not_found, parse_field_selector, parse_label_selector, path_not_found, resource_for,
     too_many_requests, unauthorized,
 )
+from guard.lab import openapi
+from guard.lab.api import FIELD_VALIDATION_DIRECTIVES, unknown_fields
 from guard.lab.cache import WatchCache
 from guard.lab.faults import FaultError, Faults
 from guard.lab.pki import KeyPair
@@ -86,11 +88,33 @@ class _Ctx:
 
     def body(self) -> bytes:
         if self.body_cache is None:
+            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                self.body_cache = self._chunked()  # Go's net/http takes chunked bodies (kubectl create --raw -f sends one)
+                return self.body_cache
             n = int(self.headers.get("Content-Length") or 0)
             if n > MAX_BODY:
                 raise ApiError(413, "RequestEntityTooLarge", "the request is too large")
             self.body_cache = self.handler.rfile.read(n) if n else b""
         return self.body_cache
+
+    def _chunked(self) -> bytes:
+        rfile, out = self.handler.rfile, bytearray()
+        while True:
+            line = rfile.readline(1024)
+            try:
+                size = int(line.split(b";", 1)[0].strip() or b"x", 16)
+            except ValueError as e:
+                self.handler.close_connection = True
+                raise bad_request("malformed chunked request body") from e
+            if size == 0:
+                while rfile.readline(1024) not in (b"\r\n", b"\n", b""):  # trailers
+                    pass
+                return bytes(out)
+            if len(out) + size > MAX_BODY:
+                self.handler.close_connection = True
+                raise ApiError(413, "RequestEntityTooLarge", "the request is too large")
+            out += rfile.read(size)
+            rfile.readline(1024)  # the CRLF after the chunk
 
     def json(self) -> Any:
         try:
@@ -421,7 +445,10 @@ class Replica:
             if code >= 500:
                 raise ApiError(code, "InternalError" if code == 500 else "ServiceUnavailable",
                                "Internal error occurred: lab fault" if code == 500 else "lab fault", {"causes": [{"message": "lab fault"}]})
-            raise ApiError(code, "BadRequest", "lab fault")
+            # the reason a real apiserver gives with that code (k8s.io/apimachinery/pkg/api/errors)
+            reason = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict", 410: "Expired",
+                      413: "RequestEntityTooLarge", 415: "UnsupportedMediaType", 422: "Invalid"}.get(code, "BadRequest")
+            raise ApiError(code, reason, "lab fault")
         elif rule.action == "hang":
             ctx.source = "fault"
             self._record(ctx)  # logged on arrival: a hung request never gets an answer to log it by
@@ -461,6 +488,13 @@ class Replica:
             return
         if p == "/version":
             return self._send(ctx, 200, KUBE_VERSION)
+        if p == "/openapi/v3":
+            return self._send(ctx, 200, openapi.index())
+        if p.startswith("/openapi/v3/"):
+            doc = openapi.document_bytes(p[len("/openapi/v3/"):])
+            if doc is None:
+                raise path_not_found()
+            return self._send(ctx, 200, doc)
         if p == "/api":
             return self._send(ctx, 200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
                 {"clientCIDR": "0.0.0.0/0", "serverAddress": f"{self.ip}:{self.port}"}]})
@@ -498,7 +532,9 @@ class Replica:
             if m == "POST":
                 if r.namespaced and namespace is None:
                     raise method_not_allowed(m)
-                return self._send(ctx, 201, self.registry.create(r, namespace, ctx.json()))
+                body = ctx.json()
+                warnings = self._field_validation(ctx, r, body)
+                return self._send(ctx, 201, self.registry.create(r, namespace, body), warnings)
             raise method_not_allowed(m)
         if r.namespaced and namespace is None:
             raise path_not_found()
@@ -510,13 +546,35 @@ class Replica:
         if m == "GET":
             return self._get(ctx, r, namespace, name)
         if m == "PUT":
-            return self._send(ctx, 200, self.registry.update(r, namespace, name, ctx.json(), status_only=sub == "status"))
+            body = ctx.json()
+            warnings = self._field_validation(ctx, r, body)
+            return self._send(ctx, 200, self.registry.update(r, namespace, name, body, status_only=sub == "status"),
+                              warnings)
         if m == "PATCH":
             return self._send(ctx, 200, self.registry.patch(r, namespace, name, ctx.headers.get("Content-Type") or "",
                                                             ctx.body(), status_only=sub == "status"))
         if m == "DELETE" and sub is None:
             return self._delete(ctx, r, namespace, name)
         raise method_not_allowed(m)
+
+    def _field_validation(self, ctx: _Ctx, r: Resource, body: Any) -> dict[str, str]:
+        """``fieldValidation`` on a create or update (KEP-2885): Strict refuses unknown fields (400),
+        Warn answers them in a ``Warning`` header, Ignore (and no directive) keeps quiet. The lab
+        checks the top level and ``metadata`` only (guard.lab.api.unknown_fields)."""
+        directive = ctx.query.get("fieldValidation", "")
+        if directive and directive not in FIELD_VALIDATION_DIRECTIVES:
+            raise bad_request(f"fieldValidation: Unsupported value: {directive!r}: supported values: "
+                              f"{', '.join(repr(d) for d in FIELD_VALIDATION_DIRECTIVES)}")
+        if directive not in ("Strict", "Warn"):
+            return {}
+        unknown = unknown_fields(r, body)
+        if not unknown:
+            return {}
+        if directive == "Strict":
+            what = ", ".join(f'unknown field "{f}"' for f in unknown)
+            raise bad_request(f'{r.kind} in version "{r.version}" cannot be handled as a {r.kind}: '
+                              f"strict decoding error: {what}")
+        return {"Warning": ", ".join(f'299 - "unknown field \\"{f}\\""' for f in unknown)}
 
     def _groups(self) -> list[str]:
         return sorted({r.group for r in RESOURCES if r.group})

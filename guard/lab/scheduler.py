@@ -813,11 +813,17 @@ class Scheduler:
     # informer handlers (eventhandlers.go)
 
     def _responsible(self, pod: Obj) -> bool:
+        """A pod this scheduler must place: unbound, its schedulerName, not finished, and not gated.
+
+        A pod with ``spec.schedulingGates`` never enters activeQ: the SchedulingGates PreEnqueue plugin
+        (pkg/scheduler/framework/plugins/schedulinggates) keeps it out until the gates are removed, so
+        it is never filtered, bound or preempted for."""
         spec = pod.get("spec") or {}
         return (
             not spec.get("nodeName")
             and (spec.get("schedulerName") or "default-scheduler") == self.scheduler_name
             and not _terminal(pod)
+            and not spec.get("schedulingGates")
         )
 
     def _replace_pods(self, items: dict[str, Obj]) -> None:
@@ -874,6 +880,9 @@ class Scheduler:
             self._move_all_locked()
             return
         if not self._responsible(pod):
+            queued = self._queue.get(key)
+            if queued is not None and queued.where != "inflight":  # e.g. gated now: out of the queues
+                del self._queue[key]
             return
         queued = self._queue.get(key)
         if queued is None:

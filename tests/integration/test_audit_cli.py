@@ -66,7 +66,7 @@ def test_audit_json(populated: str) -> None:
     assert [r["uid"] for r in records] == ["uid-web-1", "uid-api-0"]
     web = records[0]
     assert set(web) == {"namespace", "name", "uid", "verdict", "evidence", "first_seen", "last_seen", "times_blocked", "retracted_at",
-                        "stale_replicas", "replicas"}
+                        "stale_replicas", "replicas", "heals"}
     assert (web["namespace"], web["name"], web["verdict"], web["times_blocked"], web["stale_replicas"]) == (
         "default", "web-1", "ghost-deleted", 2, [R2])
     assert web["evidence"] == {"quorum_status": 404, "reason": "NotFound"}
@@ -121,9 +121,13 @@ def test_report_names_the_stale_replica_and_the_runbook(populated: str) -> None:
     assert lines[2].split()[:2] == ["default/web-1", "uid-web-1"]
     assert lines[-4:] == [
         "Remediation, in order:",
-        f"  1. Restart the apiserver replica {R2}: a restarted replica rebuilds its watch cache from etcd.",
+        "  1. Heal without restarting anything: ghost-guard heal default/web-1 (a placeholder created and deleted under a "
+        "deleted ghost's name, or one annotation on the pod etcd has, replaces the stale copy in every watch cache that "
+        "still follows etcd, and in kube-scheduler's informer with it; exit 0 when every replica agrees with etcd).",
         "  2. Confirm no cache serves the ghost any more: ghost-guard diagnose default/web-1 (expect 'verdict: consistent').",
-        "  3. Restart kube-scheduler so its informer re-lists: it keeps the ghost otherwise, even after the replica is fixed (kubernetes#123072).",
+        f"  3. Only if heal reports a replica frozen (its cache revision no longer moves; among {R2}): restart that "
+        "apiserver replica alone (its watch cache is rebuilt from etcd), run ghost-guard heal again, and restart "
+        "kube-scheduler only if it still tries to bind the ghost afterwards (kubernetes#123072).",
     ]
     as_json = run("report", "--db", populated, "-o", "json")
     assert as_json.returncode == 0, as_json.stderr

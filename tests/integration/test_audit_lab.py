@@ -76,12 +76,14 @@ def test_stale_replica_named_then_healed_after_restart(lab, clients, tmp_path: P
 
         diagnosis = render_diagnosis(namespace="default", name="web-1", quorum_status=read.http_status,
                                      quorum_detail="NotFound", observations=[*first, again])
-        assert diagnosis.splitlines()[-1] == f"verdict: stale replicas {stale}"
+        assert diagnosis.splitlines()[-2:] == [f"verdict: stale replicas {stale}", "next: ghost-guard heal default/web-1 "
+                                               "(no restart; restart a replica only if heal reports it frozen)"]
 
         report = cli("report", "--db", db, "-o", "json")
         assert [r["replica"] for r in report["stale_replicas"]] == [stale]
         assert [(g["namespace"], g["name"], g["uid"]) for g in report["stale_replicas"][0]["ghosts"]] == [("default", "web-1", uid)]
-        assert report["remediation"][0] == f"Restart the apiserver replica {stale}: a restarted replica rebuilds its watch cache from etcd."
+        assert report["remediation"][0].startswith("Heal without restarting anything: ghost-guard heal default/web-1 (")
+        assert f"Only if heal reports a replica frozen (its cache revision no longer moves; among {stale})" in report["remediation"][2]
 
         # The operator restarts that replica: its cache is rebuilt from etcd, the next probe sees it healed.
         lab.replicas[1].restart()

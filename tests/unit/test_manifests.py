@@ -123,6 +123,8 @@ EXPECTED["rbac"] = {i for i in EXPECTED["base"] if i[0] in ("ClusterRole", "Clus
 EXPECTED["overlays/deployment"] = EXPECTED["base"]
 EXPECTED["overlays/deployment-webhook"] = EXPECTED["base"] | EXPECTED["webhook"]
 EXPECTED["overlays/sidecar"] = EXPECTED["rbac"]
+EXPECTED["heal"] = {("ClusterRole", "", "ghost-guard-heal"), ("ClusterRoleBinding", "", "ghost-guard-heal")}
+EXPECTED["overlays/deployment-heal"] = EXPECTED["base"] | EXPECTED["heal"]
 
 
 def test_every_kustomization_is_known():
@@ -197,6 +199,27 @@ def granted(objs: list[dict]) -> set[tuple[str, str, str, str]]:
 @pytest.mark.parametrize("kustomization", ["base", "overlays/sidecar"])
 def test_rbac_exact(rendered, kustomization):
     assert granted(rendered[kustomization]) == EXPECTED_RULES
+
+
+HEAL_RULES = {("*", "", "pods", "create"), ("*", "", "pods", "delete"), ("*", "", "pods", "patch")}
+
+
+@pytest.mark.parametrize("kustomization", ["rbac", "base", "overlays/deployment", "overlays/deployment-webhook",
+                                           "overlays/sidecar"])
+def test_no_default_install_can_write_pods(rendered, kustomization):
+    """Writing pods (the heal) is opt-in: only manifests/heal grants it."""
+    assert not {r for r in granted(rendered[kustomization]) if r[2] == "pods" and r[3] not in ("get", "list", "watch")}
+
+
+def test_the_heal_overlay_adds_exactly_the_pod_writes_and_turns_heal_on(rendered):
+    assert granted(rendered["heal"]) == HEAL_RULES
+    assert granted(rendered["overlays/deployment-heal"]) == EXPECTED_RULES | HEAL_RULES
+    (binding,) = [b for b in by_kind(rendered["heal"], "ClusterRoleBinding")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ghost-guard", "namespace": NAMESPACE}]
+    (container,) = one(rendered["overlays/deployment-heal"], "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert args_to_settings(container["args"]).heal is True
+    (default,) = one(rendered["base"], "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert args_to_settings(default["args"]).heal is False
 
 
 @pytest.mark.parametrize("kustomization,subject", [

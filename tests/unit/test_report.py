@@ -158,6 +158,7 @@ def test_audit_json_record_shape() -> None:
         "times_blocked": 7,
         "retracted_at": None,
         "stale_replicas": [B],
+        "heals": [],
         "replicas": [
             {"replica": A, "state": "consistent", "serves": False, "cache_resource_version": "120", "error": None,
              "last_checked": "2026-05-28T20:26:41Z", "first_seen_serving": None, "healed_at": None},
@@ -213,9 +214,13 @@ def test_report_table_per_replica_then_remediation() -> None:
         f"  {C}  stale        2026-05-28T20:27:10Z  -",
         "",
         "Remediation, in order:",
-        f"  1. Restart the apiserver replicas {B}, {C}, one at a time: a restarted replica rebuilds its watch cache from etcd.",
+        "  1. Heal without restarting anything: ghost-guard heal default/web-1 prod/api-0 (a placeholder created and deleted "
+        "under a deleted ghost's name, or one annotation on the pod etcd has, replaces the stale copy in every watch cache "
+        "that still follows etcd, and in kube-scheduler's informer with it; exit 0 when every replica agrees with etcd).",
         "  2. Confirm no cache serves the ghost any more: ghost-guard diagnose default/web-1; ghost-guard diagnose prod/api-0 (expect 'verdict: consistent').",
-        "  3. Restart kube-scheduler so its informer re-lists: it keeps the ghost otherwise, even after the replica is fixed (kubernetes#123072).",
+        f"  3. Only if heal reports a replica frozen (its cache revision no longer moves; among {B}, {C}): restart that "
+        "apiserver replica alone (its watch cache is rebuilt from etcd), run ghost-guard heal again, and restart "
+        "kube-scheduler only if it still tries to bind the ghost afterwards (kubernetes#123072).",
     ]
 
 
@@ -238,9 +243,13 @@ def test_report_json_shape() -> None:
              "error": "HTTP 429: Too Many Requests"},
         ],
         "remediation": [
-            f"Restart the apiserver replica {B}: a restarted replica rebuilds its watch cache from etcd.",
+            "Heal without restarting anything: ghost-guard heal default/web-1 (a placeholder created and deleted under a "
+            "deleted ghost's name, or one annotation on the pod etcd has, replaces the stale copy in every watch cache that "
+            "still follows etcd, and in kube-scheduler's informer with it; exit 0 when every replica agrees with etcd).",
             "Confirm no cache serves the ghost any more: ghost-guard diagnose default/web-1 (expect 'verdict: consistent').",
-            "Restart kube-scheduler so its informer re-lists: it keeps the ghost otherwise, even after the replica is fixed (kubernetes#123072).",
+            f"Only if heal reports a replica frozen (its cache revision no longer moves; among {B}): restart that apiserver "
+            "replica alone (its watch cache is rebuilt from etcd), run ghost-guard heal again, and restart kube-scheduler "
+            "only if it still tries to bind the ghost afterwards (kubernetes#123072).",
         ],
     }
 
@@ -264,8 +273,10 @@ def test_report_json_shape() -> None:
             f"  {A}  consistent  2026-05-28T19:36:40Z  -",
             "",
             "Remediation, in order:",
-            "  1. No replica is known to serve these ghosts now. Find one: ghost-guard diagnose prod/job-9. If a replica serves a ghost, restart it (its watch cache is rebuilt from etcd).",
-            "  2. If the scheduler still tries to bind them, restart kube-scheduler so its informer re-lists (kubernetes#123072).",
+            "  1. No replica is known to serve these ghosts now. Check: ghost-guard diagnose prod/job-9. If a replica serves "
+            "one, heal it: ghost-guard heal prod/job-9 (restart a replica only if heal reports it frozen).",
+            "  2. If the scheduler still tries to bind them, ghost-guard heal makes its informer drop them too; restart "
+            "kube-scheduler only if it still does afterwards (kubernetes#123072).",
         ], id="all-healed"),
     ],
 )
@@ -315,6 +326,7 @@ def probe(replica: str, serves: bool | None, rv: str | None = None, error: str |
                 f"watch cache  {B}        serves the ghost (list resourceVersion 99)",
                 f"watch cache  {C}        serves the ghost (list resourceVersion 100)",
                 f"verdict: stale replicas {B}, {C}",
+                "next: ghost-guard heal default/web-1 (no restart; restart a replica only if heal reports it frozen)",
             ],
             id="two-stale-with-etcd",
         ),
@@ -368,6 +380,7 @@ def test_render_diagnosis_json() -> None:
         "verdict": f"stale replicas {B}",
         "stale_replicas": [B],
         "unchecked": [{"replica": C, "state": "not-ready"}],
+        "next": "ghost-guard heal default/web-1 (no restart; restart a replica only if heal reports it frozen)",
     }
 
 
@@ -413,3 +426,25 @@ def test_replica_caches_section_json_is_the_list():
     from guard.report import render_replica_caches
 
     assert json.loads(render_replica_caches([_cache("a")], "json")) == [_cache("a")]
+# -- heal attempts (serve --heal) ---------------------------------------------------------
+
+
+def test_audit_and_report_show_heal_attempts_newest_first() -> None:
+    import dataclasses
+
+    from guard.audit import HealAttempt
+
+    healed = dataclasses.replace(WEB, heals=(HealAttempt(T0 + 5, "placeholder", "frozen", "replica B frozen"),
+                                             HealAttempt(T0 + 65, "placeholder", "healed", "every replica agrees")))
+    table = render_records([healed], "table").splitlines()
+    assert table[-4:] == [
+        "Heal attempts (ghost-guard serve --heal), newest first:",
+        "  POD            UID            AT                    ACTION       OUTCOME  DETAIL",
+        "  default/web-1  11111111-aaaa  2026-05-28T20:27:45Z  placeholder  healed   every replica agrees",
+        "  default/web-1  11111111-aaaa  2026-05-28T20:26:45Z  placeholder  frozen   replica B frozen",
+    ]
+    assert json.loads(render_records([healed], "json"))[0]["heals"] == [
+        {"at": "2026-05-28T20:26:45Z", "action": "placeholder", "outcome": "frozen", "detail": "replica B frozen"},
+        {"at": "2026-05-28T20:27:45Z", "action": "placeholder", "outcome": "healed", "detail": "every replica agrees"}]
+    assert "Heal attempts (ghost-guard serve --heal), newest first:" in render_report([healed], "table")
+    assert "Heal attempts" not in render_records([WEB], "table") + render_report([WEB], "table")

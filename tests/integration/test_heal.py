@@ -1,0 +1,249 @@
+"""``ghost-guard heal`` against the lab (issue 13, part 1): real etcd, three replicas with their own watch
+caches, the scheduler simulator looping on replica 1, and the CLI as a subprocess.
+
+The CLI reads and writes through replica 0 (its kubeconfig); replica 0's request log counts its
+writes. Each test checks what the replicas serve, what etcd holds and that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fixtures_lab import create, make_ghost, pod_manifest, quorum_pod
+from polling import eventually
+
+from guard.lab.demo import node_manifest
+from guard.lab.scheduler import Timings
+
+FAST = Timings(pod_initial_backoff=0.05, pod_max_backoff=0.2, backoff_flush_period=0.05, request_timeout=5.0,
+               retry_period=0.1, sync_timeout=10.0)
+NS = "default"
+PODS = f"/api/v1/namespaces/{NS}/pods"
+
+
+def heal(lab, *args: str, timeout: float = 60) -> tuple[int, dict, str]:
+    r = subprocess.run([sys.executable, "-m", "guard", "heal", *args, "--kubeconfig", lab.kubeconfig(0), "-o", "json"],
+                       capture_output=True, text=True, timeout=timeout)
+    try:
+        doc = json.loads(r.stdout)
+    except ValueError:
+        doc = {}
+    return r.returncode, doc, r.stderr
+
+
+def cache_uids(lab, replica: int, name: str) -> list[str]:
+    items = lab.core_v1(replica).list_namespaced_pod(NS, field_selector=f"metadata.name={name}", resource_version="0",
+                                                     _request_timeout=5).items
+    return [p.metadata.uid for p in items]
+
+
+def writes(lab, replica: int = 0) -> list[tuple[str, str, int]]:
+    """The pod writes a replica received: (method, path, status)."""
+    return [(r.method, r.path, r.status) for r in lab.replicas[replica].requests()
+            if r.method in ("POST", "PUT", "PATCH", "DELETE") and r.path.startswith(PODS)]
+
+
+def looping(sched, key: str, at_least: int = 2) -> None:
+    eventually(lambda: (sched.stats().get(key) and sched.stats()[key].bind_failures_total >= at_least), 15,
+               what=f"{key}'s bind loop")
+
+
+def loop_stopped(sched, key: str, uid: str) -> None:
+    """The ghost left the scheduler's informer and its bind failures stop (over 10 max backoffs)."""
+    eventually(lambda: all(p["metadata"]["uid"] != uid for p in sched.informer_pods().values()), 5,
+               what="the ghost gone from the scheduler's informer")
+    failures = sched.stats()[key].bind_failures_total
+    time.sleep(10 * FAST.pod_max_backoff)  # an absence over a window: a live loop would add ~10 failures
+    assert sched.stats()[key].bind_failures_total == failures
+    assert key not in sched.queue()
+
+
+def strip(pod: dict) -> dict:
+    meta = {k: v for k, v in pod["metadata"].items() if k not in ("resourceVersion", "annotations")}
+    return {**pod, "metadata": meta}
+
+
+@pytest.fixture
+def world(lab, lab_scheduler):
+    """A node and a bystander pod bound to it; ``world.schedule()`` starts the scheduler simulator on replica 1."""
+    api = lab.core_v1(2)
+    create(api, node_manifest("node-a"))
+    bystander = create(api, pod_manifest("bystander", node="node-a"))
+    assert lab.wait_synced()
+
+    class World:
+        pass
+
+    w = World()
+    w.bystander = bystander
+    w.schedule = lambda: lab_scheduler(lab.kubeconfig(1), timings=FAST)
+    return w
+
+
+def test_a_deleted_ghost_is_healed_with_two_writes_and_the_loop_stops(lab, world):
+    ghost = make_ghost(lab, NS, "web-0", stale=1)
+    lab.replicas[1].faults.clear()  # the watch lost the delete and flows on
+    sched = world.schedule()
+    looping(sched, f"{NS}/web-0")
+    for r in lab.replicas:
+        r.clear_requests()
+
+    t0 = time.monotonic()
+    rc, doc, err = heal(lab, f"{NS}/web-0")
+    wall = time.monotonic() - t0
+    assert rc == 0, err
+    (res,) = doc["results"]
+    assert (res["action"], res["outcome"], res["writes"], res["ghostUIDs"]) == ("placeholder", "healed", 2, [ghost])
+    assert all(r["agrees"] for r in res["replicas"]) and len(res["replicas"]) == 3
+    print(f"\nheal of a deleted ghost: {res['seconds']:.3f}s in the heal, {wall:.2f}s for the whole CLI run")
+    assert res["seconds"] < 10
+
+    # two writes, both on the name: the placeholder's create, its delete with a UID precondition
+    assert [(m, p) for m, p, _ in writes(lab)] == [("POST", PODS), ("DELETE", f"{PODS}/web-0")]
+    assert writes(lab, 2) == []
+    assert quorum_pod(lab.core_v1(2), "web-0") is None  # no placeholder left
+    assert [cache_uids(lab, i, "web-0") for i in range(3)] == [[], [], []]
+    assert strip(quorum_pod(lab.core_v1(2), "bystander")) == strip(world.bystander)
+    loop_stopped(sched, f"{NS}/web-0", ghost)
+
+
+def test_a_replaced_ghost_is_healed_by_one_annotation_on_the_live_pod(lab, world):
+    """No scheduler here: kube-scheduler's own status patch after a failed bind goes by name without a UID
+    precondition, so it writes the live pod and heals the cache itself (kubernetes-facts §8; the lab does the
+    same). The heal matters when nothing else writes the pod."""
+    api = lab.core_v1(2)
+    ghost = create(api, pod_manifest("web-0"))["metadata"]["uid"]
+    assert lab.wait_synced()
+    # replica 1 loses the delete and the re-creation (bound at once, as by a scheduler reading another replica)
+    lab.replicas[1].faults.drop_deletes(namespace=NS, name="web-0", count=1)
+    lab.replicas[1].faults.drop_creates(namespace=NS, name="web-0", count=1)
+    api.delete_namespaced_pod("web-0", NS, _request_timeout=5)
+    live = create(api, pod_manifest("web-0", node="node-a"))
+    assert lab.wait_synced()
+    lab.replicas[1].faults.clear()
+    assert cache_uids(lab, 1, "web-0") == [ghost]
+
+    for r in lab.replicas:
+        r.clear_requests()
+    rc, doc, err = heal(lab, f"{NS}/web-0")
+    assert rc == 0, err
+    (res,) = doc["results"]
+    assert (res["action"], res["outcome"], res["writes"], res["ghostUIDs"]) == ("annotate", "healed", 1, [ghost])
+    print(f"\nheal of a replaced ghost: {res['seconds']:.3f}s in the heal")
+    assert [(m, p) for m, p, _ in writes(lab)] == [("PATCH", f"{PODS}/web-0")]
+    assert writes(lab, 2) == []
+    after = quorum_pod(api, "web-0")
+    assert after["metadata"]["uid"] == live["metadata"]["uid"]
+    assert list(after["metadata"]["annotations"]) == ["kube-ghost-guard.io/cache-heal"]
+    assert strip(after) == strip(live)  # nothing else changed
+    assert [cache_uids(lab, i, "web-0") for i in range(3)] == [[live["metadata"]["uid"]]] * 3
+    assert strip(quorum_pod(api, "bystander")) == strip(world.bystander)
+
+
+def test_a_frozen_replica_is_named_with_advice_and_no_placeholder_is_left(lab):
+    ghost = make_ghost(lab, NS, "web-0", stale=1)
+    lab.replicas[1].faults.clear()
+    lab.replicas[1].faults.freeze_watch()
+    try:
+        rc, doc, err = heal(lab, f"{NS}/web-0", "--timeout", "1.5")
+        assert rc == 1, err
+        (res,) = doc["results"]
+        stale = lab.replicas[1]
+        assert (res["action"], res["outcome"]) == ("placeholder", "frozen")
+        assert [r["replica"] for r in res["replicas"] if r["frozen"]] == [f"{stale.ip}:{stale.port}"]
+        assert res["advice"].startswith(f"restart apiserver replica {stale.ip}:{stale.port} only")
+        assert quorum_pod(lab.core_v1(0), "web-0") is None
+        assert cache_uids(lab, 1, "web-0") == [ghost]
+    finally:
+        lab.replicas[1].faults.unfreeze_watch()
+    # the placeholder's delete did happen: once the watch flows, the replica catches up on both writes
+    assert lab.wait_synced()
+    assert cache_uids(lab, 1, "web-0") == []
+
+
+def test_refused_admission_exits_1_with_the_apiservers_reason_and_leaves_nothing(lab):
+    ghost = make_ghost(lab, NS, "web-0", stale=1)
+    lab.replicas[1].faults.clear()
+    lab.replicas[0].faults.add("status", method="POST", path=PODS, status=403)
+    rc, doc, err = heal(lab, f"{NS}/web-0")
+    assert rc == 1, err
+    (res,) = doc["results"]
+    assert (res["action"], res["outcome"], res["writes"]) == ("placeholder", "refused", 0)
+    assert "HTTP 403 Forbidden: lab fault" in res["detail"]
+    assert quorum_pod(lab.core_v1(2), "web-0") is None
+    assert cache_uids(lab, 1, "web-0") == [ghost]
+
+
+def test_ctrl_c_while_waiting_leaves_no_placeholder(lab):
+    make_ghost(lab, NS, "web-0", stale=1)
+    lab.replicas[1].faults.clear()
+    lab.replicas[1].faults.freeze_watch()  # the heal waits for replica 1 to show the placeholder
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "guard", "heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0),
+                                 "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        placeholder = eventually(lambda: quorum_pod(lab.core_v1(2), "web-0"), 20, what="the placeholder created")
+        assert placeholder["spec"]["schedulingGates"] == [{"name": "kube-ghost-guard.io/placeholder"}]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 130, err
+        assert "interrupted" in err and "Traceback" not in err
+        assert quorum_pod(lab.core_v1(2), "web-0") is None
+    finally:
+        lab.replicas[1].faults.unfreeze_watch()
+
+
+def test_a_pod_created_under_the_name_meanwhile_is_replanned_and_never_touched(lab):
+    make_ghost(lab, NS, "web-0", stale=1)
+    lab.replicas[1].faults.clear()
+    for r in lab.replicas:
+        r.clear_requests()
+    lab.replicas[0].faults.add("latency", method="POST", path=PODS, seconds=2.0, count=1)
+    proc = subprocess.Popen([sys.executable, "-m", "guard", "heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0),
+                             "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the heal's quorum GET is answered, its POST now waits 2 s in replica 0: a real pod takes the name first
+    eventually(lambda: lab.replicas[0].requests(method="GET", path=f"{PODS}/web-0", quorum=True), 20,
+               what="the heal's quorum GET")
+    live = create(lab.core_v1(2), pod_manifest("web-0"))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    (res,) = json.loads(out)["results"]
+    assert (res["action"], res["outcome"], res["writes"]) == ("none", "alive", 0)
+    assert [(m, s) for m, _, s in writes(lab)] == [("POST", 409)]  # AlreadyExists, then nothing
+    assert quorum_pod(lab.core_v1(2), "web-0") == live
+
+
+def test_dry_run_writes_nothing_and_all_finds_the_ghosts(lab):
+    make_ghost(lab, NS, "web-0", stale=1)
+    make_ghost(lab, NS, "web-1", stale=2)
+    for r in lab.replicas:
+        r.faults.clear()
+        r.clear_requests()
+    rc, doc, err = heal(lab, "--all", "--dry-run")
+    assert rc == 1, err
+    assert [(r["name"], r["action"], r["outcome"]) for r in doc["results"]] == [
+        ("web-0", "placeholder", "planned"), ("web-1", "placeholder", "planned")]
+    assert writes(lab) == []
+    rc, doc, err = heal(lab, "--all")
+    assert rc == 0, err
+    assert [(r["name"], r["outcome"]) for r in doc["results"]] == [("web-0", "healed"), ("web-1", "healed")]
+    rc, doc, err = heal(lab, "--all")
+    assert (rc, doc["results"]) == (0, [])
+
+
+@pytest.mark.parametrize("args, message", [
+    pytest.param([], "give NAMESPACE/NAME arguments or --all", id="nothing"),
+    pytest.param(["web-0"], "expected NAMESPACE/NAME", id="no-namespace"),
+    pytest.param(["default/web-0", "--all"], "give NAMESPACE/NAME arguments or --all", id="both"),
+    pytest.param(["default/web-0", "--timeout", "0"], "must be positive", id="timeout"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, message, dead_kubeconfig):
+    r = subprocess.run([sys.executable, "-m", "guard", "heal", *args, "--kubeconfig", dead_kubeconfig],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
