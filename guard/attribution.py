@@ -28,7 +28,7 @@ STALE: Final = "stale"
 CONSISTENT: Final = "consistent"
 """The replica's cache does not serve the ghost."""
 NOT_READY: Final = "not-ready"
-"""The replica answered 429: its watch cache is not ready (facts §4)."""
+"""The replica answered 429: a kube-apiserver whose watch cache is not ready yet answers reads it would serve from the cache with 429 (apiserver/pkg/storage/cacher)."""
 UNREACHABLE: Final = "unreachable"
 """No answer: timeout, refused connection, TLS failure."""
 ERROR: Final = "error"
@@ -148,7 +148,9 @@ def missed_delete(before_rv: str | None, after_rv: str | None, still_serves: boo
 
     A lagging cache has not seen the delete *yet*; a cache whose list
     resourceVersion advanced (it applied later events) but still serves the
-    ghost missed the delete for good (facts §4). Resource versions that are not
+    ghost missed the delete for good: a cache LIST's ``metadata.resourceVersion``
+    is the cache's current revision (apiserver/pkg/storage/cacher, cacher.go
+    1.31-1.32, delegator.go 1.33+). Resource versions that are not
     decimal integers (they are opaque in the API) give ``False``: no claim.
     """
     if still_serves is not True:

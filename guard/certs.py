@@ -17,7 +17,8 @@ Two halves:
   restart and without touching connections already established.
 
 Why a private CA: with ``enableHTTPS: true`` and no CA, kube-scheduler silently
-skips verification (kubernetes-facts.md §2), so the extender entry must carry a
+skips verification (pkg/scheduler/extender.go, the ``tlsConfig`` of an
+``extenders[]`` entry), so the extender entry must carry a
 ``caFile``; the same CA signs the scheduler's client certificate, which the
 guard then requires (``--client-ca``). Anyone holding ``ca.key`` can mint a
 client certificate the guard accepts: keep it out of the cluster.

@@ -55,7 +55,9 @@ class DropRule:
 
     Both the update that sets ``deletionTimestamp`` and the DELETE are dropped
     (a cache that missed only the DELETE holds a terminating pod, which the
-    scheduler skips; the incident needs both missed, facts §3b). The cache's
+    scheduler skips; the incident needs both missed: deleting a pod writes
+    twice, an update setting ``deletionTimestamp`` then the DELETE, as seen on a
+    real v1.36 control plane). The cache's
     resourceVersion still advances past them.
     """
 

@@ -94,7 +94,9 @@ class ExtenderConfig:
     """One ``extenders[]`` entry of KubeSchedulerConfiguration.
 
     ``prioritize_verb`` and ``weight`` are accepted but never called (the
-    simulator scores nodes itself); a bind verb is refused (see facts §1).
+    simulator scores nodes itself); a bind verb is refused: the guard never
+    implements one (a bind timeout was retried forever, kubernetes#96579;
+    k8s.io/kube-scheduler/extender/v1/types.go).
     """
 
     url_prefix: str
