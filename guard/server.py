@@ -73,7 +73,7 @@ def tls_context_hook(holder):
 
 class GuardServer(BaseApplication):
     def __init__(self, settings: Settings) -> None:
-        from guard.certs import ReloadingTLS
+        from guard.tls import ReloadingTLS
 
         self.settings = settings
         # Built before the fork; each worker inherits it and /readyz reports its state.
