@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from guard.verdict import QuorumRead, ReadStatus
 
@@ -100,13 +100,13 @@ def latest(observations: Iterable[ReplicaObservation]) -> dict[str, ReplicaObser
     return newest
 
 
-def is_pending(obj: dict) -> bool:
+def is_pending(obj: dict[str, Any]) -> bool:
     """Whether a pod object is one a scheduler would try to place: no ``spec.nodeName``, no
     ``deletionTimestamp``."""
     return not (obj.get("spec") or {}).get("nodeName") and not (obj.get("metadata") or {}).get("deletionTimestamp")
 
 
-def serves_as_pending(items: Iterable[dict], uid: str) -> bool:
+def serves_as_pending(items: Iterable[dict[str, Any]], uid: str) -> bool:
     """Whether a replica's cached copies of one pod name (a LIST's ``items``) would make a scheduler
     try to place pod ``uid``: a copy with that UID, no ``spec.nodeName`` and no ``deletionTimestamp``.
 

@@ -280,7 +280,8 @@ def _load_ca(out_dir: Path):
         raise CertError(f"--renew needs the existing CA: {e.filename} not found") from e
     except ValueError as e:
         raise CertError(f"--renew: cannot load the CA from {out_dir}: {e}") from e
-    if cert.public_key().public_numbers() != key.public_key().public_numbers():
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)  # any key type
+    if cert.public_key().public_bytes(*spki) != key.public_key().public_bytes(*spki):
         raise CertError(f"--renew: {key_path} does not match {cert_path}")
     return cert, key
 

@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import orjson
 import urllib3
@@ -85,7 +86,8 @@ class Kube:
             if not e.status:  # the REST layer wraps TLS failures as status 0
                 return QuorumRead.failed("TLS error talking to the apiserver")
             reason, body = _status_reason(e)
-            details = body.get("details") if isinstance(body.get("details"), dict) else {}
+            raw_details = body.get("details")
+            details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
             if e.status == 404 and reason == "NotFound" and details.get("kind") in ("pods", None):
                 return QuorumRead.not_found()
             # A 404 that is not the apiserver's "pods NAME not found" (a proxy, a wrong path) is

@@ -35,9 +35,9 @@ class TLSError(Exception):
     """Unusable TLS files or settings; the message is one line for the operator."""
 
 
-def _stamp(paths: tuple[str, ...]) -> tuple:
+def _stamp(paths: tuple[str, ...]) -> tuple[object, ...]:
     """What changes when a file is rewritten or a ``..data`` symlink swapped: os.stat follows links."""
-    out = []
+    out: list[tuple[object, ...]] = []
     for p in paths:
         try:
             st = os.stat(p)

@@ -547,14 +547,14 @@ class Scheduler:
                     stats.scheduling_errors += 1
                 return "", f"preemption: {e}"
             checked: dict[str, list[Obj]] = {}
-            for name, victims in result.items():
-                if not victims:
+            for name, chosen in result.items():
+                if not chosen:
                     if ext.config.ignorable:
                         continue
                     with self._lock:
                         stats.scheduling_errors += 1
                     return "", f'preemption: expected at least one victim pod on node "{name}"'
-                checked[name] = victims
+                checked[name] = chosen
             candidates = checked
             if not candidates:
                 break
