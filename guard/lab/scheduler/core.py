@@ -28,6 +28,7 @@ from guard.lab.scheduler.extender import ExtenderClient, ExtenderError
 from guard.lab.scheduler.fit import (
     UNRESOLVABLE,
     UNSCHEDULABLE,
+    Status,
     fit_error_message,
     fit_reasons,
     free_score,
@@ -317,7 +318,7 @@ class Scheduler:
         uid = object_uid(pod)
         priority = pod_priority(pod)
 
-        statuses: dict[str, tuple[str, str]] = {}
+        statuses: dict[str, Status] = {}
         feasible: list[str] = []
         for name in sorted(nodes):
             node = nodes[name]
@@ -328,7 +329,7 @@ class Scheduler:
                 ]
                 reasons = fit_reasons(pod, node, others)
                 if reasons:
-                    failure = (UNSCHEDULABLE, ", ".join(reasons))
+                    failure = (UNSCHEDULABLE, tuple(reasons))
             if failure is None:
                 feasible.append(name)
             else:
@@ -352,10 +353,10 @@ class Scheduler:
                 self._failure(queued, pod, unschedulable=False, reason="SchedulerError", message=str(e))
                 return
             for name, message in unresolvable.items():
-                statuses[name] = (UNRESOLVABLE, message)
+                statuses[name] = (UNRESOLVABLE, (message,))
             for name, message in failed.items():
                 if name not in unresolvable:
-                    statuses[name] = (UNSCHEDULABLE, message)
+                    statuses[name] = (UNSCHEDULABLE, (message,))
             feasible = passed
 
         if not feasible:
@@ -514,23 +515,23 @@ class Scheduler:
         return victims
 
     def _preempt(self, pod: Obj, stats: PodStats, nodes: Mapping[str, Obj], on_node: Mapping[str, list[Obj]],
-                 nominated: Mapping[str, list[Obj]], statuses: Mapping[str, tuple[str, str]]) -> tuple[str, str]:
+                 nominated: Mapping[str, list[Obj]], statuses: Mapping[str, Status]) -> tuple[str, str]:
         """DefaultPreemption's PostFilter: returns (nominated node, message appended to the fit error)."""
         why_not = self._eligible(pod, on_node)
         if why_not:
             return "", f"preemption: {why_not}"
         candidates: dict[str, list[Obj]] = {}
-        why: dict[str, tuple[str, str]] = {}
+        why: dict[str, Status] = {}
         for name in sorted(nodes):
-            code = statuses.get(name, (UNRESOLVABLE, ""))[0]
+            code = statuses.get(name, (UNRESOLVABLE, ()))[0]
             if code != UNSCHEDULABLE:  # nodesWherePreemptionMightHelp
-                why[name] = (UNRESOLVABLE, "Preemption is not helpful for scheduling")
+                why[name] = (UNRESOLVABLE, ("Preemption is not helpful for scheduling",))
                 continue
             victims = select_victims(pod, nodes[name], on_node[name], nominated.get(name, []))
             if victims:
                 candidates[name] = victims
             else:
-                why[name] = (UNSCHEDULABLE, "No preemption victims found for incoming pod")
+                why[name] = (UNSCHEDULABLE, ("No preemption victims found for incoming pod",))
         if not candidates:
             return "", f"preemption: {fit_error_message(len(nodes), why)}"
         for ext in self._extenders:

@@ -18,6 +18,11 @@ from guard.lab.scheduler.config import Obj
 UNSCHEDULABLE = "Unschedulable"
 UNRESOLVABLE = "UnschedulableAndUnresolvable"
 
+Status = tuple[str, tuple[str, ...]]
+"""A node's failure: (code, reasons), as framework.Status: one reason per failed check
+(NodeResourcesFit gives "Insufficient cpu" and "Insufficient memory" separately; an
+extender's FailedNodes entry is one reason, commas and all)."""
+
 
 def _quantity(value: Any) -> Decimal:
     try:
@@ -73,14 +78,14 @@ def _tolerates_unschedulable(pod: Obj) -> bool:
     return False
 
 
-def static_filters(pod: Obj, node: Obj) -> tuple[str, str] | None:
+def static_filters(pod: Obj, node: Obj) -> Status | None:
     """NodeUnschedulable and NodeAffinity (nodeSelector): failures preemption cannot resolve."""
     if (node.get("spec") or {}).get("unschedulable") and not _tolerates_unschedulable(pod):
-        return UNRESOLVABLE, "node(s) were unschedulable"
+        return UNRESOLVABLE, ("node(s) were unschedulable",)
     labels = (node.get("metadata") or {}).get("labels") or {}
     for key, value in ((pod.get("spec") or {}).get("nodeSelector") or {}).items():
         if labels.get(key) != value:
-            return UNRESOLVABLE, "node(s) didn't match Pod's node affinity/selector"
+            return UNRESOLVABLE, ("node(s) didn't match Pod's node affinity/selector",)
     return None
 
 
@@ -119,11 +124,12 @@ def free_score(pod: Obj, node: Obj, others: Iterable[Obj]) -> Decimal:
     return score
 
 
-def fit_error_message(total: int, statuses: Mapping[str, tuple[str, str]]) -> str:
+def fit_error_message(total: int, statuses: Mapping[str, Status]) -> str:
+    """FitError.Error(): how many nodes gave each reason, sorted."""
     counts: dict[str, int] = {}
-    for _code, reason in statuses.values():
-        for part in reason.split(", "):
-            counts[part] = counts.get(part, 0) + 1
+    for _code, reasons in statuses.values():
+        for reason in reasons:
+            counts[reason] = counts.get(reason, 0) + 1
     parts = sorted(f"{n} {reason}" for reason, n in counts.items())
     return f"0/{total} nodes are available: {', '.join(parts)}." if parts else f"0/{total} nodes are available."
 
