@@ -406,14 +406,15 @@ def test_sigterm_lets_the_request_in_flight_finish(shared_lab, lab_namespace, st
     guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--no-prepare", "--get-timeout", "1.5",
                          "--audit-db", str(tmp_path / "audit.db")])
     idle = dial(guard.port, "127.0.0.2")  # a connection that never sends a request: closed at the stop
-    shared_lab.replicas[0].faults.add("latency", method="GET", path=rf"/api/v1/namespaces/{lab_namespace}/pods/{name}$",
-                                      seconds=1.0)
+    slow = shared_lab.replicas[0].faults.add("latency", method="GET",
+                                             path=rf"/api/v1/namespaces/{lab_namespace}/pods/{name}$", seconds=1.0)
     try:
         replies: list[requests.Response] = []
         caller = threading.Thread(target=lambda: replies.append(
             guard.post("/filter", orjson.dumps({"Pod": pod, "NodeNames": NAMES}), timeout=5)))
         caller.start()
-        time.sleep(0.3)  # the quorum GET is under way
+        # The quorum GET has reached the replica (the rule counts its hit on arrival) and is held there for 1 s.
+        eventually(lambda: slow.hits >= 1, 5, what="the quorum GET under way", interval=0.01)
         guard.proc.send_signal(signal.SIGTERM)
         caller.join(timeout=5)
         assert replies and replies[0].status_code == 200, replies
