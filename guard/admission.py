@@ -38,14 +38,16 @@ def parse_review(body: bytes) -> BindingReview:
     uid = req.get("uid")
     if not isinstance(uid, str) or not uid or len(uid) > 128:
         raise ProtocolError("AdmissionReview.request.uid is missing or not a string")
-    resource = req.get("resource") if isinstance(req.get("resource"), dict) else {}
+    raw_resource = req.get("resource")
+    resource: dict[str, Any] = raw_resource if isinstance(raw_resource, dict) else {}
     if (resource.get("resource") != "pods" or req.get("subResource") != "binding"
             or req.get("operation") != "CREATE" or resource.get("group", "") != ""):
         return BindingReview(uid, None)
     obj: Any = req.get("object")
     if not isinstance(obj, dict):
         raise ProtocolError("AdmissionReview.request.object (the Binding) is missing")
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    raw_meta = obj.get("metadata")
+    meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
     binding = {"metadata": {"name": meta.get("name") or req.get("name"),
                             "namespace": meta.get("namespace") or req.get("namespace") or "default",
                             "uid": meta.get("uid") or ""}}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from guard.verdict import QuorumRead, ReadStatus
 
@@ -28,7 +28,7 @@ STALE: Final = "stale"
 CONSISTENT: Final = "consistent"
 """The replica's cache does not serve the ghost."""
 NOT_READY: Final = "not-ready"
-"""The replica answered 429: its watch cache is not ready (facts §4)."""
+"""The replica answered 429: a kube-apiserver whose watch cache is not ready yet answers reads it would serve from the cache with 429 (apiserver/pkg/storage/cacher)."""
 UNREACHABLE: Final = "unreachable"
 """No answer: timeout, refused connection, TLS failure."""
 ERROR: Final = "error"
@@ -100,13 +100,13 @@ def latest(observations: Iterable[ReplicaObservation]) -> dict[str, ReplicaObser
     return newest
 
 
-def is_pending(obj: dict) -> bool:
+def is_pending(obj: dict[str, Any]) -> bool:
     """Whether a pod object is one a scheduler would try to place: no ``spec.nodeName``, no
     ``deletionTimestamp``."""
     return not (obj.get("spec") or {}).get("nodeName") and not (obj.get("metadata") or {}).get("deletionTimestamp")
 
 
-def serves_as_pending(items: Iterable[dict], uid: str) -> bool:
+def serves_as_pending(items: Iterable[dict[str, Any]], uid: str) -> bool:
     """Whether a replica's cached copies of one pod name (a LIST's ``items``) would make a scheduler
     try to place pod ``uid``: a copy with that UID, no ``spec.nodeName`` and no ``deletionTimestamp``.
 
@@ -148,7 +148,9 @@ def missed_delete(before_rv: str | None, after_rv: str | None, still_serves: boo
 
     A lagging cache has not seen the delete *yet*; a cache whose list
     resourceVersion advanced (it applied later events) but still serves the
-    ghost missed the delete for good (facts §4). Resource versions that are not
+    ghost missed the delete for good: a cache LIST's ``metadata.resourceVersion``
+    is the cache's current revision (apiserver/pkg/storage/cacher, cacher.go
+    1.31-1.32, delegator.go 1.33+). Resource versions that are not
     decimal integers (they are opaque in the API) give ``False``: no claim.
     """
     if still_serves is not True:

@@ -738,7 +738,7 @@ def _probe_row(replica: str, serves: object, cache_resource_version: object, err
         if not isinstance(error, str):
             raise ValueError(f"error must be a string or null, not {type(error).__name__}")
         error = error[:MAX_ERROR]
-    return (replica, None if serves is None else int(serves), cache_resource_version, error, _check_time("at", at))  # type: ignore[arg-type]
+    return (replica, None if serves is None else int(serves), cache_resource_version, error, _check_time("at", at))  # type: ignore[return-value]
 
 
 def _check_path(path: str | os.PathLike[str]) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from guard import metrics
@@ -188,7 +188,8 @@ class Checker:
         log.warning("%s", decision.reason)
         self._followup(self.listeners, pod, decision, read)
 
-    def _followup(self, listeners: list, pod: PodRef, *args) -> None:
+    def _followup(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
+        """Call each of ``listeners`` (GhostListener or SightingListener) with ``pod, *args``, off the request path."""
         if not self._followup_slots.acquire(blocking=False):
             metrics.FOLLOWUPS_DROPPED.inc()
             return
@@ -201,7 +202,7 @@ class Checker:
         future = self._background.submit(self._notify, listeners, pod, *args)
         future.add_done_callback(lambda _: self._followup_slots.release())
 
-    def _notify(self, listeners: list, pod: PodRef, *args) -> None:
+    def _notify(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
         for listener in listeners:
             try:
                 listener(pod, *args)

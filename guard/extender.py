@@ -237,6 +237,7 @@ def filter_pass(args: FilterArgs) -> bytes:
     """Every node passes, in the request's own mode (names kept as bytes are copied through)."""
     if args.names_json is not None:
         return b'{"Nodes":null,"NodeNames":' + args.names_json + _PASS_TAIL
+    result: dict[str, Any]
     if args.mode == "names":
         result = {"Nodes": None, "NodeNames": args.node_names, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""}
     else:
@@ -247,6 +248,7 @@ def filter_pass(args: FilterArgs) -> bytes:
 def filter_reject(args: FilterArgs, reason: str) -> bytes:
     """Every node fails as *unresolvable* (preemption skips them), in the request's own mode."""
     failed = dict.fromkeys(node_names(args), reason)
+    result: dict[str, Any]
     if args.mode == "names":
         result = {"Nodes": None, "NodeNames": [], "FailedNodes": {}, "FailedAndUnresolvableNodes": failed, "Error": ""}
     else:

@@ -13,6 +13,7 @@ alternative names, as ``ssl.SSLSocket.getpeercert()`` reports them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from guard.settings import Settings, parse_identities
 
@@ -32,7 +33,7 @@ _FLAG = {SCHEDULER: "--scheduler-identities", APISERVER: "--apiserver-identities
          MONITORING: "--monitoring-identities"}
 
 
-def certificate_names(peer_cert: dict | None) -> tuple[str, ...]:
+def certificate_names(peer_cert: dict[str, Any] | None) -> tuple[str, ...]:
     """The subject CNs, then the DNS SANs, of a certificate in ``getpeercert()`` form."""
     if not peer_cert:
         return ()
@@ -53,7 +54,7 @@ class RolePolicy:
                     APISERVER: parse_identities(settings.apiserver_identities),
                     MONITORING: parse_identities(settings.monitoring_identities)})
 
-    def refuse(self, path: str, peer_cert: dict | None) -> tuple[str, str] | None:
+    def refuse(self, path: str, peer_cert: dict[str, Any] | None) -> tuple[str, str] | None:
         """None when the certificate may call ``path``, else (required role, reason for the 403)."""
         role = ROLE_OF_PATH.get(path)
         if role is None:

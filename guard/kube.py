@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Iterator
 from urllib.parse import quote
+from typing import Any
 
 import orjson
 import urllib3
@@ -425,7 +426,7 @@ def discover_replicas(kube: Kube) -> list[Replica]:
         log.info("EndpointSlice discovery failed (HTTP %s); falling back to Endpoints", e.status)
     if not addrs:
         resp = kube.core.read_namespaced_endpoints("kubernetes", "default", _preload_content=False,
-                                                   _content_type="application/merge-patch+json", _request_timeout=kube.timeout * 2)
+                                                   _request_timeout=kube.timeout * 2)
         addrs = _endpoints_replicas(orjson.loads(resp.data))
     identities: dict[str, str] = {}
     try:

@@ -12,9 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from guard.kube import Kube, ReplicaClient, discover_replicas
 from guard.settings import Replica, Settings, parse_replicas
+
+#: Called with (added, removed) after each refresh that changed the set of replicas.
+ReplicaListener = Callable[[list[ReplicaClient], list[ReplicaClient]], None]
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +31,9 @@ class ReplicaPool:
         self._lock = threading.Lock()
         self._clients: dict[str, ReplicaClient] = {}
         self._refreshed_at = -1e18
-        self._listeners: list = []
+        self._listeners: list[ReplicaListener] = []
 
-    def on_change(self, listener) -> None:
+    def on_change(self, listener: ReplicaListener) -> None:
         """``listener(added: list[ReplicaClient], removed: list[ReplicaClient])`` after each refresh that changed the set."""
         self._listeners.append(listener)
 

@@ -315,7 +315,7 @@ def render_report(records: Sequence[AuditRecord], output: str = "table") -> str:
     for entry in report["stale_replicas"]:
         n = len(entry["ghosts"])
         lines.append(f"Replica {_cell(entry['replica'])} serves {n} ghost pod{'s' if n != 1 else ''} since {format_time(entry['since'])}")
-        rows = [
+        rows: list[Sequence[object]] = [
             (
                 f"{g['namespace']}/{g['name']}",
                 g["uid"],

@@ -73,12 +73,12 @@ def tls_context_hook(holder):
 
 class GuardServer(BaseApplication):
     def __init__(self, settings: Settings) -> None:
-        from guard.certs import ReloadingTLS
+        from guard.tls import ReloadingTLS
 
         self.settings = settings
         # Built before the fork; each worker inherits it and /readyz reports its state.
         self.tls = (ReloadingTLS(settings.tls_cert, settings.tls_key, settings.client_ca,
-                                 min_version=settings.tls_min_version) if settings.tls_cert else None)
+                                 min_version=settings.tls_min_version) if settings.tls_cert and settings.tls_key else None)
         super().__init__()
 
     def load_config(self) -> None:

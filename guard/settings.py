@@ -132,11 +132,11 @@ class Settings:
         if self.get_timeout > self.request_budget:
             raise SettingsError(f"--get-timeout ({self.get_timeout:g}s) must not exceed --request-budget "
                                 f"({self.request_budget:g}s)")
-        for flag, value in (("--workers", self.workers), ("--threads", self.threads),
+        for flag, count in (("--workers", self.workers), ("--threads", self.threads),
                             ("--ghost-cache-size", self.ghost_cache_size), ("--read-cache-size", self.read_cache_size),
                             ("--max-body-bytes", self.max_body_bytes)):
-            if value < 1:
-                raise SettingsError(f"{flag} must be at least 1, got {value}")
+            if count < 1:
+                raise SettingsError(f"{flag} must be at least 1, got {count}")
         if self.ghost_ttl <= 0:
             raise SettingsError(f"--ghost-ttl must be positive, got {self.ghost_ttl:g}")
         if not 0 < self.alive_ttl < 1.0:
@@ -192,11 +192,11 @@ class Settings:
                                 f"--max-connections ({self.max_connections})")
         if self.tls_min_version not in ("1.2", "1.3"):
             raise SettingsError(f"--tls-min-version must be 1.2 or 1.3, got {self.tls_min_version!r}")
-        for flag, value in (("--scheduler-identities", self.scheduler_identities),
+        for flag, names in (("--scheduler-identities", self.scheduler_identities),
                             ("--apiserver-identities", self.apiserver_identities),
                             ("--monitoring-identities", self.monitoring_identities)):
-            if not parse_identities(value):
-                raise SettingsError(f"{flag} must name at least one certificate CN or DNS SAN, got {value!r}")
+            if not parse_identities(names):
+                raise SettingsError(f"{flag} must name at least one certificate CN or DNS SAN, got {names!r}")
 
 
 def parse_identities(spec: str) -> frozenset[str]:

@@ -270,13 +270,13 @@ class GuardWorker(ThreadWorker):
                 self.rejected.labels("over-total-limit").inc()
                 sock.close()
                 continue
+            reason: str | None = None
+            why = ""
             if self.per_client[conn.ip] >= s.max_connections_per_client:
                 reason, why = "over-client-limit", (f"too many connections from {conn.ip} (limit "
                                                     f"{s.max_connections_per_client}, --max-connections-per-client)")
             elif self.admitted >= s.max_connections and not self._evict_idle():
                 reason, why = "over-total-limit", f"too many connections (limit {s.max_connections}, --max-connections)"
-            else:
-                reason = why = None
             if reason is not None:
                 self.rejected.labels(reason).inc()
                 conn.reject = error_reply(503, why)
@@ -424,9 +424,10 @@ class GuardWorker(ThreadWorker):
                         return False
                     end = conn.need
                 else:
-                    end = self._scan_chunks(conn)
-                    if end is None:
+                    chunked_end = self._scan_chunks(conn)
+                    if chunked_end is None:
                         return False
+                    end = chunked_end
                 request = conn.head + bytes(conn.buf[conn.head_len:end])
                 del conn.buf[:end]
                 self._dispatch(conn, request)

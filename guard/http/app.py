@@ -6,7 +6,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -91,7 +91,7 @@ class Guard:
     bodies: BodyBudget
     # Extra readiness checks (None when fine, else a reason): only what stops verdicts, e.g. the
     # served certificate. The apiserver is checked by the probe itself.
-    readiness_checks: list = field(default_factory=list)
+    readiness_checks: list[Callable[[], str | None]] = field(default_factory=list)
     # /readyz body details, never a reason for 503: name -> callable returning a JSON-able value.
     details: dict = field(default_factory=dict)
 
@@ -125,7 +125,7 @@ def guard_of(app: Flask) -> Guard:
     return app.extensions["ghost_guard"]
 
 
-def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | None]] = ()) -> Guard:
+def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str | None]] = ()) -> Guard:
     """Clients, caches and background workers of one worker process (after the fork)."""
     kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout, pool_size=settings.threads)
     checker = Checker(settings, kube.quorum_get)
@@ -189,7 +189,7 @@ def bound_malloc() -> None:
     mallopt(m_arena_max, 2)
 
 
-def create_app(settings: Settings | None = None, readiness_checks: list[Callable[[], str | None]] = ()) -> Flask:
+def create_app(settings: Settings | None = None, readiness_checks: Sequence[Callable[[], str | None]] = ()) -> Flask:
     """Build the app. Under gunicorn this runs in each worker *after* the fork.
 
     ``readiness_checks`` (each None when fine, else a reason) join the apiserver check

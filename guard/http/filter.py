@@ -52,7 +52,7 @@ def _preempt_veto(args: extender.PreemptArgs, decision: Decision) -> bytes:
 
 
 # path -> (parse, block, allow)
-VERBS: dict[str, tuple[Callable[[bytes], Any], Callable[[Any, Decision], bytes], Callable[[Any], bytes]]] = {
+VERBS: dict[str, tuple[Callable[..., Any], Callable[[Any, Decision], bytes], Callable[[Any], bytes]]] = {
     "/filter": (extender.parse_filter, _filter_reject, extender.filter_pass),
     "/preempt": (extender.parse_preempt, _preempt_veto, extender.preempt_allow),
 }

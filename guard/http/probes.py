@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from flask import Blueprint, Response, current_app
 
@@ -20,7 +21,7 @@ bp = Blueprint("probes", __name__)
 # Readiness results are reused for this long, so probes never load the apiserver.
 READY_CACHE_SECONDS = 2.0
 _ready_lock = threading.Lock()
-_ready_state: dict[str, object] = {"at": -1e9, "problems": [], "details": {}}
+_ready_state: dict[str, Any] = {"at": -1e9, "problems": [], "details": {}}
 
 
 @bp.get("/healthz")
@@ -35,7 +36,7 @@ def readiness() -> tuple[list[str], dict[str, object]]:
     with _ready_lock:
         now = time.monotonic()
         if now - float(_ready_state["at"]) < READY_CACHE_SECONDS:
-            return list(_ready_state["problems"]), dict(_ready_state["details"])  # type: ignore[call-overload]
+            return list(_ready_state["problems"]), dict(_ready_state["details"])
         problems = []
         problem = guard.kube.ping()
         if problem:

@@ -57,7 +57,9 @@ class DropRule:
     cache an object is going away. Both the update that sets
     ``deletionTimestamp`` and the DELETE are dropped (a cache that missed only
     the DELETE holds a terminating pod, which the scheduler skips; the incident
-    needs both missed). ``count`` counts DELETEs.
+    needs both missed: deleting a pod writes twice, an update setting
+    ``deletionTimestamp`` then the DELETE, as seen on a real v1.36 control
+    plane). ``count`` counts DELETEs.
 
     ``events="creates"`` (a missing pod): the etcd PUT that created the key
     (create_revision == mod_revision, which k8s.io/apiserver storage/etcd3

@@ -89,11 +89,19 @@ def test_a_pod_deleted_after_its_verdict_was_prepared_is_not_passed(lab, start_g
     api = lab.core_v1(0)
     uid = api.create_namespaced_pod("default", pod_manifest("late"), _request_timeout=5).metadata.uid
     wait_for(lambda: g.metric("ghost_guard_preverified_total", verdict="alive") >= 1, what="the prepared verdict")
+    # The guard's watches of replicas 1 and 3 hold it as an unscheduled pod (their /readyz detail counts them).
+    others = [r.url.removeprefix("https://") for i, r in enumerate(lab.replicas) if i != 1]
+
+    def watched(count: int) -> bool:
+        replicas = g.get("/readyz", timeout=5).json()["details"]["replicas"]
+        return all(((replicas.get(a) or {}).get("watch") or {}).get("pods") == count for a in others)
+
+    wait_for(lambda: watched(1), what="the pod in the guard's watches of replicas 1 and 3")
     # replica 2 (the scheduler's, say) misses the delete; the others deliver DELETED to the guard's watches
     lab.replicas[1].faults.drop_deletes(namespace="default", name="late")
     api.delete_namespaced_pod("late", "default", grace_period_seconds=0, _request_timeout=5)
     assert lab.wait_synced()
-    time.sleep(0.3)
+    wait_for(lambda: watched(0), what="the DELETED applied by the guard's watches of replicas 1 and 3")
     body = orjson.dumps({"Pod": {"metadata": {"name": "late", "namespace": "default", "uid": uid}},
                          "Nodes": None, "NodeNames": ["n1"]})
     out = g.post("/filter", body).json()

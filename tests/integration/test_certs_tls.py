@@ -1,7 +1,7 @@
 """ReloadingTLS on a real TLS server: mTLS, protocol floor, and renewal under load.
 
 The server is the stdlib ``http.server`` over real sockets in a thread. Two
-ways of using :class:`guard.certs.ReloadingTLS` are exercised:
+ways of using :class:`guard.tls.ReloadingTLS` are exercised:
 
 * ``fixed``: the listening socket is wrapped once with ``context()``; only the
   handshake callback can move connections to a renewed certificate;
@@ -26,7 +26,8 @@ from cryptography import x509
 
 from polling import eventually
 
-from guard.certs import CertError, ReloadingTLS, generate
+from guard.certs import generate
+from guard.tls import ReloadingTLS, TLSError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -179,7 +180,7 @@ def test_tls_1_1_refused_by_the_server(certs, serve):
 
 
 def test_unusable_files_refused_at_start(tmp_path, certs):
-    with pytest.raises(CertError) as e:
+    with pytest.raises(TLSError) as e:
         ReloadingTLS(tmp_path / "missing.crt", certs / "tls.key")
     assert str(e.value).startswith(f"cannot load TLS files {tmp_path / 'missing.crt'}, {certs / 'tls.key'}:")
 

@@ -1,4 +1,5 @@
-"""POST pods/NAME/binding: an etcd transaction with the apiserver's exact Status bodies (facts §3).
+"""POST pods/NAME/binding: an etcd transaction with the apiserver's exact Status bodies
+(BindingREST, pkg/registry/core/pod/storage/storage.go).
 
 The official client's ``create_namespaced_pod_binding`` can't decode the
 Success ``Status`` a real apiserver answers (it expects a Binding), so the

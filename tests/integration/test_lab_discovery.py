@@ -1,4 +1,9 @@
-"""How clients find and tell replicas apart (facts §5), discovery documents, authentication."""
+"""How clients find and tell replicas apart, discovery documents, authentication.
+
+No response header names the replica that served a request: clients find each
+replica's advertise IP in the ``default/kubernetes`` Endpoints/EndpointSlice
+(pkg/controlplane/reconcilers/lease.go) and its identity Lease in ``kube-system``.
+"""
 
 from __future__ import annotations
 

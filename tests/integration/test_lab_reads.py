@@ -1,4 +1,9 @@
-"""Which reads a replica serves from etcd and which from its watch cache (facts §4), through the official client."""
+"""Which reads a replica serves from etcd and which from its watch cache, through the official client.
+
+A GET without resourceVersion is served by etcd; GET and LIST with
+resourceVersion=0, WATCH and (since 1.31) LIST without resourceVersion by the
+watch cache (apiserver/pkg/storage/cacher: cacher.go 1.31-1.32, delegator.go 1.33+).
+"""
 
 from __future__ import annotations
 

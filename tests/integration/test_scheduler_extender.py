@@ -1,7 +1,8 @@
 """The simulator's extender client against a real recording HTTP(S) server (no guard).
 
-Checks the exact wire JSON of facts §1 in both modes, which nodes the filter
-verb sees, how replies and errors steer the pod, and the preempt verb.
+Checks the exact wire JSON in both modes (k8s.io/kube-scheduler/extender/v1/types.go:
+Go field names as keys, no omitempty, so unset fields are ``null``), which
+nodes the filter verb sees, how replies and errors steer the pod, and the preempt verb.
 """
 
 from __future__ import annotations

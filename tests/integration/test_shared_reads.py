@@ -3,8 +3,6 @@ waits for that GET instead of making its own: one quorum GET per pod, counted as
 
 from __future__ import annotations
 
-import time
-
 import orjson
 import pytest
 from fixtures_lab import pod_manifest
@@ -19,13 +17,13 @@ def test_a_call_during_the_background_get_shares_it(lab, start_guard, tmp_path):
     eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery")
     path = "/api/v1/namespaces/default/pods/slow"
     # every quorum GET of this pod takes 1.5 s (within the 2 s request budget): the background one is
-    # still running when the scheduler asks, 0.5 s after the pod appeared (the guard's watches deliver
-    # it in milliseconds)
-    for r in lab.replicas:
-        r.faults.add("latency", method="GET", path=f"^{path}$", query="^$", seconds=1.5)
+    # still running when the scheduler asks, as soon as that GET has reached a replica
+    rules = [r.faults.add("latency", method="GET", path=f"^{path}$", query="^$", seconds=1.5) for r in lab.replicas]
     uid = lab.core_v1(0).create_namespaced_pod("default", pod_manifest("slow"), _request_timeout=5).metadata.uid
     assert lab.wait_synced()
-    time.sleep(0.5)
+    # The background GET has reached a replica (a rule counts its hit on arrival) and is held there for 1.5 s.
+    eventually(lambda: sum(rule.hits for rule in rules) >= 1, 5, what="the background quorum GET under way",
+               interval=0.01)
     body = orjson.dumps({"Pod": {"metadata": {"name": "slow", "namespace": "default", "uid": uid}},
                          "Nodes": None, "NodeNames": ["n1"]})
     assert g.post("/filter", body).json()["NodeNames"] == ["n1"]

@@ -154,19 +154,19 @@ def test_names_that_need_decoding_take_the_whole_path(names):
     assert orjson.loads(extender.filter_pass(args))["NodeNames"] == names
 
 
-@pytest.mark.parametrize("tail,reason", [
-    (b'["a",,"b"]}', "request body is not valid JSON"),
-    (b'["a""b"]}', "request body is not valid JSON"),
-    (b'["a",x"b"]}', "request body is not valid JSON"),
-    (b'["a"x,"b"]}', "request body is not valid JSON"),
-    (b'["a","b"}', "request body is not valid JSON"),
-    (b'["]}', "request body is not valid JSON"),
-    (b'[""]]}', "request body is not valid JSON"),
-    (b'["a","b"]} x', "request body is not valid JSON"),
+@pytest.mark.parametrize("tail", [
+    b'["a",,"b"]}',
+    b'["a""b"]}',
+    b'["a",x"b"]}',
+    b'["a"x,"b"]}',
+    b'["a","b"}',
+    b'["]}',
+    b'[""]]}',
+    b'["a","b"]} x',
 ])
-def test_malformed_node_names_are_refused_not_echoed(tail, reason):
+def test_malformed_node_names_are_refused_not_echoed(tail):
     req = b'{"Pod":' + orjson.dumps(POD) + b',"Nodes":null,"NodeNames":' + tail
-    with pytest.raises(ProtocolError, match=reason):
+    with pytest.raises(ProtocolError, match="^request body is not valid JSON"):
         extender.parse_filter(req)
 
 

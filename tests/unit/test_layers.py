@@ -1,16 +1,64 @@
 """The layers of pyproject.toml's [tool.importlinter]: pure modules do no I/O, only guard.kube
-imports kubernetes, the serving path never imports the lab."""
+imports kubernetes, the serving path never imports the lab or certificate generation.
 
+Each contract of pyproject.toml must be reported kept, by name; and the same
+checker, given the same configuration plus one contract the code breaks, must
+fail and name it (so a checker that reads no contract, or checks nothing,
+cannot pass here).
+"""
+
+import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+CONFIG = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
 
 
-def test_import_contracts_hold():
+def lint_imports(*args: str) -> tuple[int, str]:
+    """(exit code, output with every run of whitespace made one space: the report wraps long names)."""
     exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
-    r = subprocess.run([exe], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "Contracts: 3 kept, 0 broken." in r.stdout
+    r = subprocess.run([exe, "--no-cache", *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "200"})
+    return r.returncode, " ".join((r.stdout + r.stderr).split())
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_config(path: Path, contracts: list[dict]) -> None:
+    """The project's [tool.importlinter] settings with ``contracts``, as a TOML file lint-imports reads."""
+    lines = ["[tool.importlinter]"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in CONFIG.items() if k != "contracts"]
+    for contract in contracts:
+        lines += ["", "[[tool.importlinter.contracts]]"]
+        lines += [f"{k} = {toml_value(v)}" for k, v in contract.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_every_contract_is_kept():
+    assert CONFIG["contracts"], "pyproject.toml declares no import contract"
+    code, out = lint_imports()
+    assert code == 0, out
+    for contract in CONFIG["contracts"]:
+        assert f"{contract['name']} KEPT" in out, f"contract not reported kept: {contract['name']!r}\n{out}"
+
+
+def test_a_broken_contract_fails_the_check(tmp_path):
+    broken = {"name": "The server never reads its settings (false on purpose)", "type": "forbidden",
+              "source_modules": ["guard.server"], "forbidden_modules": ["guard.settings"]}
+    config = tmp_path / "importlinter.toml"
+    write_config(config, [*CONFIG["contracts"], broken])
+    code, out = lint_imports("--config", str(config))
+    assert code != 0, out
+    assert f"{broken['name']} BROKEN" in out, out
+    for contract in CONFIG["contracts"]:
+        assert f"{contract['name']} KEPT" in out, out

@@ -1,7 +1,7 @@
 """manifests/: every kustomization renders, every object passes the Kubernetes
 schemas offline (kubernetes-validate, strict), and the pieces agree with each
-other and with the guard's code (RBAC verbs, extender fields from
-kubernetes-facts.md section 2, ports, paths, metric names).
+other and with the guard's code (RBAC verbs, the extender fields
+KubeSchedulerConfiguration's ``extenders[]`` accepts, ports, paths, metric names).
 
 Rendering uses ``kubectl kustomize`` when it is installed and always the small
 renderer below (resources + JSON 6902 patches: the only kustomize features the
@@ -436,7 +436,7 @@ def test_apiserver_admission_files_agree():
     assert APISERVER_COMMON_NAME in Settings().apiserver_identities.split(",")
 
 
-# --- kube-scheduler registration (kubernetes-facts.md section 2) -------------------
+# --- kube-scheduler registration (extenders[] keys, pkg/scheduler/extender.go) ------
 
 EXTENDER_KEYS = {"urlPrefix", "filterVerb", "prioritizeVerb", "preemptVerb", "bindVerb", "weight", "enableHTTPS",
                  "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable"}
