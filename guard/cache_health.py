@@ -34,7 +34,7 @@ from guard.kube import Kube, ReplicaClient, emit_event
 from guard.replica_health import CacheTrack, RevisionSample
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
-from guard.verdict import PodRef
+from guard.verdict import PodRef, QuorumRead
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ class CacheHealthMonitor:
     # -- missing pods -----------------------------------------------------------------------
 
     def check_missing(self, clients: dict[str, ReplicaClient], now: float) -> None:
+        if self._views is None:
+            return
         views = {a: v for a, v in self._views().items() if a in clients}
         shown = {a: set(pods) for a, (_, pods) in views.items()}
         synced = [a for a, (ok, _) in views.items() if ok]
@@ -198,7 +200,7 @@ class CacheHealthMonitor:
             return out
 
 
-def confirm_pod(kube: Kube, client: ReplicaClient, pod: PodRef) -> tuple[str, object, int | None]:
+def confirm_pod(kube: Kube, client: ReplicaClient, pod: PodRef) -> tuple[str, QuorumRead, int | None]:
     """Is ``pod`` missing from ``client``'s replica? (replica_health outcome, the quorum read, the cache
     revision). A quorum GET first; only for a pod etcd has pending, a consistent read on the replica
     (a flowing cache catches up with etcd) and then its cache read directly (resourceVersion=0)."""

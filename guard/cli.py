@@ -474,8 +474,8 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
             sys.exit(2)
         if all_:
             targets, errors = healer.ghosts()
-            for e in errors:
-                click.echo(f"ghost-guard heal: {e}", err=True)
+            for error in errors:
+                click.echo(f"ghost-guard heal: {error}", err=True)
         results = []
         for namespace, name in targets:
             results.append(healer.heal(namespace, name, dry_run=dry_run))

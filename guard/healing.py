@@ -30,6 +30,7 @@ import enum
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from guard.verdict import QuorumRead, ReadStatus
 
@@ -77,7 +78,7 @@ class Copy:
     deleting: bool = False
 
     @classmethod
-    def of(cls, item: dict) -> Copy:
+    def of(cls, item: dict[str, Any]) -> Copy:
         meta, spec = item.get("metadata") or {}, item.get("spec") or {}
         try:
             rv = int(meta.get("resourceVersion") or 0)
@@ -102,7 +103,7 @@ class CacheView:
     error: str | None = None
 
     @classmethod
-    def of(cls, replica: str, items: Iterable[dict], revision: str | None, error: str | None) -> CacheView:
+    def of(cls, replica: str, items: Iterable[dict[str, Any]], revision: str | None, error: str | None) -> CacheView:
         if error:
             return cls(replica, (), None, error)
         try:
@@ -192,7 +193,7 @@ def plan(read: QuorumRead, views: Sequence[CacheView]) -> Plan:
 # --- the objects written ----------------------------------------------------------------------------
 
 
-def placeholder_pod(name: str, ghosts: Sequence[str], *, at: str) -> dict:
+def placeholder_pod(name: str, ghosts: Sequence[str], *, at: str) -> dict[str, Any]:
     """A pod under the ghost's name that can never be scheduled or run, acceptable under the ``restricted``
     Pod Security level, with tiny requests and limits so that quotas demanding them accept it."""
     first = ghosts[0] if ghosts else ""
@@ -225,7 +226,7 @@ def placeholder_pod(name: str, ghosts: Sequence[str], *, at: str) -> dict:
     }
 
 
-def annotation_patch(resource_version: str, ghosts: Sequence[str], *, at: str) -> dict:
+def annotation_patch(resource_version: str, ghosts: Sequence[str], *, at: str) -> dict[str, Any]:
     """A JSON merge patch: one annotation, applied only at ``resource_version`` (else 409 Conflict)."""
     value = f"{at} replaced stale cached uid(s) {','.join(ghosts)}" if ghosts else f"{at} refreshed stale caches"
     return {"metadata": {"resourceVersion": resource_version, "annotations": {HEAL_ANNOTATION: value[:256]}}}
@@ -287,7 +288,7 @@ class HealResult:
         """Every replica agrees with etcd (and it was checked)."""
         return self.outcome in (Outcome.HEALED, Outcome.ALIVE) and (not self.dry_run or self.action is Action.NONE)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"namespace": self.namespace, "name": self.name, "action": self.action.value,
                 "outcome": "planned" if self.dry_run and self.action is not Action.NONE else self.outcome.value,
                 "detail": self.detail, "seconds": round(self.seconds, 3), "writes": self.writes,

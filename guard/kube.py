@@ -131,7 +131,8 @@ class Kube:
             return QuorumRead.failed(f"connection error: {type(e).__name__}")
         if not 200 <= status <= 299:
             reason, body = _error_reason(data, resp.reason)
-            details = body.get("details") if isinstance(body.get("details"), dict) else {}
+            raw_details = body.get("details")
+            details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
             if status == 404 and reason == "NotFound" and details.get("kind") in ("pods", None):
                 return QuorumRead.not_found()
             # A 404 that is not the apiserver's "pods NAME not found" (a proxy, a wrong path) is
@@ -310,8 +311,8 @@ class ReplicaClient:
         except (ValueError, AttributeError) as e:
             return None, f"undecodable reply: {type(e).__name__}"
         try:
-            return int(rv), None
-        except (TypeError, ValueError):
+            return int(str(rv)), None
+        except ValueError:
             return None, f"no resourceVersion in the list: {str(rv)[:50]}"
 
     def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:

@@ -150,9 +150,10 @@ def assess(tracks: Mapping[str, CacheTrack], samples: Iterable[RevisionSample], 
     (consistent reads not served from the cache, an etcd that cannot be asked), nobody is named.
     """
     samples = [s for s in samples if s.cache_rv is not None]
-    caught_up = {s.replica for s in samples if s.etcd_rv is not None and s.cache_rv >= s.etcd_rv}
+    caught_up = {s.replica for s in samples if s.etcd_rv is not None and s.cache_rv is not None and s.cache_rv >= s.etcd_rv}
     out = dict(tracks)
     for s in samples:
+        assert s.cache_rv is not None  # filtered above
         t = tracks.get(s.replica, CacheTrack())
         moved_at = s.at if t.cache_rv != s.cache_rv or t.moved_at is None else t.moved_at
         behind = s.etcd_rv is not None and s.cache_rv < s.etcd_rv

@@ -76,6 +76,7 @@ class CacheWatcher:
         elif cur_passes:
             self._put("ADDED", ev.obj)
         elif old_passes:
+            assert ev.prev is not None  # old_passes: there was a previous object
             old = copy.deepcopy(ev.prev)
             old.setdefault("metadata", {})["resourceVersion"] = str(ev.rv)
             self._put("DELETED", old)
