@@ -144,6 +144,16 @@ class ReplicaState:
 
 
 @dataclass(frozen=True, slots=True)
+class HealAttempt:
+    """One attempt to heal a stale replica for a ghost (what was done, how it ended)."""
+
+    at: float
+    action: str
+    outcome: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
 class AuditRecord:
     """One blocked ghost Pod, deduplicated by UID."""
 
@@ -157,6 +167,7 @@ class AuditRecord:
     times_blocked: int
     replicas: tuple[ReplicaState, ...] = field(default=())
     retracted_at: float | None = None  # the verdict was withdrawn: etcd showed the pod pending after all
+    heals: tuple[HealAttempt, ...] = field(default=())
 
     @property
     def stale_replicas(self) -> list[str]:

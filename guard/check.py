@@ -10,6 +10,7 @@ answer.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from guard.verdict import Decision, PodRef, QuorumRead, Verdict, decide
 log = logging.getLogger(__name__)
 
 FOLLOWUP_BACKLOG = 1000
+FOLLOWUP_OVERFLOW = 100_000
 
 # Called once per newly seen ghost UID, off the request path.
 GhostListener = Callable[[PodRef, Decision, QuorumRead], None]
@@ -45,9 +47,14 @@ class Checker:
         self.sighting_listeners: list[SightingListener] = []
         # Follow-ups run on two background threads; background=False runs them inline (deterministic tests).
         self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghost-followup") if background else None
-        # Follow-ups (audit, probes, Events) waiting at most; beyond, they are dropped and counted, so a
-        # flood of distinct ghosts can never grow memory without bound. Verdicts are never affected.
+        # Follow-ups (audit, probes, Events) running or queued on the threads at most. Beyond, they wait
+        # in an overflow keyed by pod identity: a second follow-up of the same kind for the same pod is
+        # coalesced into the waiting one (counted), so a flood of distinct ghosts loses none and a looping
+        # ghost takes one entry. Past FOLLOWUP_OVERFLOW identities they are dropped (counted), so memory
+        # stays bounded. Verdicts are never affected.
         self._followup_slots = threading.BoundedSemaphore(FOLLOWUP_BACKLOG)
+        self._overflow: collections.OrderedDict[tuple[str, PodRef], tuple[list, tuple]] = collections.OrderedDict()
+        self._overflow_lock = threading.Lock()
 
     def _timed_get(self, namespace: str, name: str, timeout: float) -> QuorumRead:
         start = time.perf_counter()
@@ -189,17 +196,50 @@ class Checker:
         self._followup(self.listeners, pod, decision, read)
 
     def _followup(self, listeners: list, pod: PodRef, *args) -> None:
-        if not self._followup_slots.acquire(blocking=False):
-            metrics.FOLLOWUPS_DROPPED.inc()
+        if self._followup_slots.acquire(blocking=False):
+            self._submit(listeners, pod, args)
             return
+        key = ("new" if listeners is self.listeners else "sighting", pod)
+        with self._overflow_lock:
+            if key in self._overflow:
+                metrics.FOLLOWUPS_COALESCED.inc()
+                if key[0] == "sighting":  # the newest sighting's decision; a first sighting keeps its read
+                    self._overflow[key] = (listeners, args)
+                return
+            if len(self._overflow) >= FOLLOWUP_OVERFLOW:
+                metrics.FOLLOWUPS_DROPPED.inc()
+                return
+            self._overflow[key] = (listeners, args)
+        self._drain()  # a slot may have been released since the acquire failed
+
+    def _submit(self, listeners: list, pod: PodRef, args: tuple) -> None:
+        """Run the follow-up on a slot already taken; the slot goes back (and the overflow moves) when done."""
         if self._background is None:
             try:
                 self._notify(listeners, pod, *args)
             finally:
                 self._followup_slots.release()
+            self._drain()
             return
         future = self._background.submit(self._notify, listeners, pod, *args)
-        future.add_done_callback(lambda _: self._followup_slots.release())
+        future.add_done_callback(self._followup_done)
+
+    def _followup_done(self, _future: object) -> None:
+        self._followup_slots.release()
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            with self._overflow_lock:
+                if not self._overflow or not self._followup_slots.acquire(blocking=False):
+                    return
+                (_, pod), (listeners, args) = self._overflow.popitem(last=False)
+            self._submit(listeners, pod, args)
+
+    def followups_waiting(self) -> int:
+        """Follow-ups waiting in the overflow (beyond the running and queued ones)."""
+        with self._overflow_lock:
+            return len(self._overflow)
 
     def _notify(self, listeners: list, pod: PodRef, *args) -> None:
         for listener in listeners:

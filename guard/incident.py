@@ -31,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from guard import attribution, metrics
 from guard.attribution import ReplicaObservation
-from guard.audit import AuditError, AuditStore, IdentityConflictError, UnknownGhostError
+from guard.audit import AuditError, IdentityConflictError, UnknownGhostError
+from guard.auditstore import AuditBackend, describe, open_store
 from guard.kube import Kube, ReplicaClient, emit_event
 from guard.replicas import ReplicaPool
 from guard.report import format_time
@@ -49,13 +50,15 @@ _TRUTH = {
 }
 
 
-def open_audit_store(settings: Settings) -> tuple[AuditStore | None, str | None]:
-    """The audit store, or None and why it cannot be opened."""
+def open_audit_store(settings: Settings) -> tuple[AuditBackend | None, str | None]:
+    """The audit store ``--audit-store`` names, or None and why it cannot be opened."""
     try:
-        return AuditStore(settings.audit_db, max_age_seconds=settings.audit_max_age,
-                          max_records=settings.audit_max_records, echo=sys.stdout), None
+        return open_store(settings.audit_store, settings.audit_db, kubeconfig=settings.kubeconfig,
+                          max_age_seconds=settings.audit_max_age, max_records=settings.audit_max_records,
+                          echo=sys.stdout, write_qps=settings.audit_write_qps,
+                          queue_size=settings.audit_queue_size), None
     except (AuditError, OSError, ValueError) as e:
-        return None, f"audit store {settings.audit_db} unusable: {e}"
+        return None, f"audit store {describe(settings.audit_store, settings.audit_db)} unusable: {e}"
 
 
 class AuditHealth:
@@ -109,7 +112,7 @@ class IncidentRecorder:
     ``fn`` after ``delay`` seconds (default: a timer thread; tests pass one that records the delay).
     """
 
-    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditStore | None, *,
+    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditBackend | None, *,
                  retract: Callable[[PodRef], bool] | None = None,
                  later: Callable[..., None] | None = None, audit_error: str | None = None) -> None:
         self.settings = settings
@@ -124,7 +127,7 @@ class IncidentRecorder:
         self._stale: dict[str, set[PodRef]] = {}  # replica address -> ghosts it was confirmed to serve
         self._stale_pods: set[PodRef] = set()  # ghosts some replica was confirmed to serve
         self._verdicts: dict[PodRef, Verdict] = {}  # ghost -> its verdict, for the words of the alert
-        self.audit_health = AuditHealth(settings.audit_db)
+        self.audit_health = AuditHealth(describe(settings.audit_store, settings.audit_db))
         if audit is None:
             self.audit_health.failed("open", audit_error or "not opened")
         else:
@@ -334,7 +337,7 @@ class IncidentRecorder:
         except ValueError as e:  # this record's trouble (a field the store refuses)
             log.error("audit store: cannot record block of %s: %s", pod, e)
         else:
-            self.audit_health.ok()
+            self._written()
 
     def _record_probe(self, pod: PodRef, obs: ReplicaObservation) -> None:
         if self.audit is None:
@@ -350,6 +353,15 @@ class IncidentRecorder:
             self.audit_health.failed("probe", str(e))
         except ValueError as e:
             log.error("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
+        else:
+            self._written()
+
+    def _written(self) -> None:
+        """A record call returned. The SQLite store returns once the write is durable: healthy. The GhostPod
+        store only queues it (written in the background): its health is what its writers last saw."""
+        problem = self.audit.check() if getattr(self.audit, "writes_in_background", False) else None
+        if problem:
+            self.audit_health.failed("block", problem)
         else:
             self.audit_health.ok()
 
