@@ -516,11 +516,13 @@ class KubeAuditStore:
             if newer is not None:
                 entry.absorb(newer)
             self._pending[key] = entry
-            self._problem = f"GhostPod writes failing ({len(self._pending)} records waiting): {e}"
+            first = self._problem is None
+            waiting = len(self._pending) + len(self._in_flight)
+            self._problem = f"GhostPod writes failing ({waiting} records waiting): {e}"
             backoff = min(MAX_BACKOFF, 0.5 * 2 ** min(entry.attempts, 10))
             self._schedule(key, self._mono(), delay=0.05 if self._flushing else backoff)
-        if entry.attempts == 1:
-            log.warning("audit store: %s; kept, retried later", e)
+        if first:  # once per change of state, not per record
+            log.warning("audit store: %s; records are kept and retried", e)
 
     def _write(self, entry: _Pending) -> None:
         namespace, name, uid = entry.key
