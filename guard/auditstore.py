@@ -66,7 +66,7 @@ def describe(spec: str | None, default_path: str) -> str:
 
 def open_store(spec: str | None, default_path: str, *, kubeconfig: str | None = None, max_age_seconds: float,
                max_records: int, echo: TextIO | None = None, write_qps: float = 20.0, queue_size: int = 50_000,
-               writer: bool = True, kube: Any = None) -> AuditBackend:
+               write_interval: float = 10.0, writer: bool = True, kube: Any = None) -> AuditBackend:
     """Open the store ``spec`` names. Raises ``guard.audit.AuditError`` (or ``StoreSpecError``, a ValueError).
 
     ``writer=False`` (the CLI's readers) starts no background writer. ``kube``: a ``guard.kube.Kube``
@@ -87,4 +87,4 @@ def open_store(spec: str | None, default_path: str, *, kubeconfig: str | None = 
         except KubeConfigError as e:
             raise AuditError(str(e)) from e
     return KubeAuditStore(GhostPods(kube), max_age_seconds=max_age_seconds, max_records=max_records, echo=echo,
-                          write_qps=write_qps, queue_size=queue_size, start=writer)
+                          write_qps=write_qps, queue_size=queue_size, min_interval=write_interval, start=writer)

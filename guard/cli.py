@@ -84,8 +84,10 @@ def main() -> None:
                    "guard replica deletes expired GhostPods, each delete conditional on the version it saw.")
 @option("--audit-max-records", type=int, default=100_000, help="Most audit records kept.")
 @option("--audit-write-qps", type=float, default=20.0,
-        help="GhostPod writes per second at most (--audit-store kubernetes); each record is written at most every "
-             "10 s however often its ghost is blocked.")
+        help="GhostPod writes per second at most, all records together (--audit-store kubernetes).")
+@option("--audit-write-interval", type=float, default=10.0,
+        help="Seconds between two writes of one GhostPod by this guard (--audit-store kubernetes): a ghost the "
+             "scheduler retries in a loop costs one write per interval, not one per attempt.")
 @option("--audit-queue-size", type=int, default=50_000,
         help="Records (pod identities) waiting to be written at most (--audit-store kubernetes), e.g. while the "
              "apiserver is unreachable; beyond, new ones are dropped and counted "

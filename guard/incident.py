@@ -56,7 +56,7 @@ def open_audit_store(settings: Settings) -> tuple[AuditBackend | None, str | Non
         return open_store(settings.audit_store, settings.audit_db, kubeconfig=settings.kubeconfig,
                           max_age_seconds=settings.audit_max_age, max_records=settings.audit_max_records,
                           echo=sys.stdout, write_qps=settings.audit_write_qps,
-                          queue_size=settings.audit_queue_size), None
+                          queue_size=settings.audit_queue_size, write_interval=settings.audit_write_interval), None
     except (AuditError, OSError, ValueError) as e:
         return None, f"audit store {describe(settings.audit_store, settings.audit_db)} unusable: {e}"
 

@@ -382,14 +382,16 @@ class GhostPodError(Exception):
 class GhostPods:
     """Raw calls on GhostPod objects; every client error becomes a :class:`GhostPodError`."""
 
-    def __init__(self, kube: Kube, *, timeout: float = 5.0) -> None:
+    def __init__(self, kube: Kube, *, timeout: float = 5.0, list_timeout: float = 60.0) -> None:
         self.kube = kube
         self.timeout = timeout
+        self.list_timeout = list_timeout  # a page of a LIST (an apiserver may not paginate, as the lab does not)
         self.api = client.CustomObjectsApi(kube.api_client)
 
-    def _call(self, what: str, fn, *args, **kwargs) -> dict:
+    def _call(self, what: str, fn, *args, timeout: float | None = None, **kwargs) -> dict:
+        timeout = self.timeout if timeout is None else timeout
         try:
-            resp = fn(*args, _preload_content=False, _request_timeout=self.timeout, **kwargs)
+            resp = fn(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
             return orjson.loads(resp.data) if resp.data else {}
         except ApiException as e:
             if not e.status:
@@ -402,7 +404,7 @@ class GhostPods:
         except urllib3.exceptions.NewConnectionError as e:
             raise GhostPodError(0, "", f"{what}: connection error: {type(e).__name__}") from e
         except (urllib3.exceptions.TimeoutError, TimeoutError) as e:
-            raise GhostPodError(0, "", f"{what}: timeout after {self.timeout:g}s") from e
+            raise GhostPodError(0, "", f"{what}: timeout after {timeout:g}s") from e
         except (urllib3.exceptions.HTTPError, OSError) as e:
             raise GhostPodError(0, "", f"{what}: connection error: {type(e).__name__}") from e
         except (orjson.JSONDecodeError, ValueError) as e:
@@ -426,7 +428,7 @@ class GhostPods:
 
     def list(self, namespace: str | None, *, limit: int = 500, cont: str | None = None) -> tuple[list[dict], str | None]:
         """One page of GhostPods (every namespace when ``namespace`` is None) and the continue token."""
-        kwargs: dict = {"limit": limit}
+        kwargs: dict = {"limit": limit, "timeout": self.list_timeout}
         if cont:
             kwargs["_continue"] = cont
         if namespace is None:

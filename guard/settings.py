@@ -62,6 +62,7 @@ class Settings:
     audit_max_records: int = 100_000
     # GhostPod writes (--audit-store kubernetes): per second at most, and identities waiting at most.
     audit_write_qps: float = 20.0
+    audit_write_interval: float = 10.0  # seconds between two writes of one record by one guard process
     audit_queue_size: int = 50_000
     events: bool = True
     # pre-verification: watch unscheduled pods, quorum-verify each new UID before the scheduler asks
@@ -136,6 +137,7 @@ class Settings:
         for flag, value in (("--discovery-interval", self.discovery_interval), ("--probe-timeout", self.probe_timeout),
                             ("--reprobe-interval", self.reprobe_interval), ("--audit-retention", self.audit_max_age),
                             ("--audit-write-qps", self.audit_write_qps),
+                            ("--audit-write-interval", self.audit_write_interval),
                             ("--prepared-max-age", self.prepared_max_age), ("--verify-qps", self.verify_qps),
                             ("--sweep-interval", self.sweep_interval)):
             if not value > 0:

@@ -146,8 +146,8 @@ def test_a_flood_of_10000_distinct_ghosts_ends_with_10000_records(shared_lab, la
         queued = time.monotonic() - t0
         assert store.flush(500), store.check()
         written = time.monotonic() - t0
-        records = store.records(namespace=lab_namespace)
         print(f"{n} ghosts: queued in {queued:.2f}s, all written after {written:.1f}s ({n / written:.0f}/s)")
+        records = store.records(namespace=lab_namespace)
         assert len(records) == n and {r.name for r in records} == {f"flood-{i}" for i in range(n)}
         assert store.check() is None
     finally:
