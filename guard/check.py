@@ -31,6 +31,9 @@ FOLLOWUP_OVERFLOW = 100_000
 GhostListener = Callable[[PodRef, Decision, QuorumRead], None]
 # Called when a known ghost is blocked again (for bounded-rate re-probes), off the request path.
 SightingListener = Callable[[PodRef, Decision], None]
+# Called on the request path for every block of a ghost (the first one with its read, later ones with
+# None): only for work that takes microseconds and never waits (queueing an audit record in memory).
+BlockRecorder = Callable[[PodRef, Decision, "QuorumRead | None"], None]
 
 
 class Checker:
@@ -45,6 +48,7 @@ class Checker:
                                   timer=timer)
         self.listeners: list[GhostListener] = []
         self.sighting_listeners: list[SightingListener] = []
+        self.block_recorders: list[BlockRecorder] = []
         # Follow-ups run on two background threads; background=False runs them inline (deterministic tests).
         self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghost-followup") if background else None
         # Follow-ups (audit, probes, Events) running or queued on the threads at most. Beyond, they wait
@@ -187,13 +191,24 @@ class Checker:
             self._first_sighting(pod, decision, read or QuorumRead.not_found())
         elif entry.first:
             self._first_sighting(pod, entry.decision, entry.read)
-        elif self.sighting_listeners:
-            self._followup(self.sighting_listeners, pod, entry.decision)
+        else:
+            self._record_block(pod, entry.decision, None)
+            if self.sighting_listeners:
+                self._followup(self.sighting_listeners, pod, entry.decision)
 
     def _first_sighting(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
         metrics.GHOSTS_BLOCKED.labels(decision.verdict.value).inc()
         log.warning("%s", decision.reason)
+        self._record_block(pod, decision, read)
         self._followup(self.listeners, pod, decision, read)
+
+    def _record_block(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
+        """The block recorders, inline: a record queued here survives a full follow-up queue and an exit."""
+        for recorder in self.block_recorders:
+            try:
+                recorder(pod, decision, read)
+            except Exception:
+                log.exception("block recorder %s failed for %s", getattr(recorder, "__name__", recorder), pod)
 
     def _followup(self, listeners: list, pod: PodRef, *args) -> None:
         if self._followup_slots.acquire(blocking=False):

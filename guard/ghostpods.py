@@ -74,7 +74,8 @@ MAX_OPS_PER_RECORD: Final = 256
 MAX_HEALS: Final = 20  # status.heals: the newest attempts
 MAX_REPLICAS: Final = 64  # status.replicas (the CRD's maxItems)
 PRUNE_INTERVAL: Final = 600.0
-CLOSE_DEADLINE: Final = 5.0
+CLOSE_DEADLINE: Final = 8.0  # within gunicorn's graceful_timeout (10 s, guard/server.py)
+FLUSH_WRITERS: Final = 8
 LABEL_PART_OF: Final = "app.kubernetes.io/managed-by"
 
 Key = tuple[str, str, str]  # (namespace, name, uid): one pod identity
@@ -469,10 +470,10 @@ class KubeAuditStore:
             if entry is None:
                 self._prune_safely()
                 continue
-            delay = self._rate.wait_time()
+            delay = 0.0 if self._flushing else self._rate.wait_time()  # at exit: everything, at once
             while delay > 0:
                 time.sleep(delay)
-                delay = self._rate.wait_time()
+                delay = 0.0 if self._flushing else self._rate.wait_time()
             self._write_one(entry)
 
     def _write_one(self, entry: _Pending) -> None:
@@ -603,8 +604,9 @@ class KubeAuditStore:
             log.warning("cannot write new-ghost line: %s", e)
 
     def flush(self, timeout: float) -> bool:
-        """Write everything pending now (ignoring the per-record interval), waiting at most ``timeout``
-        seconds. True when nothing is left."""
+        """Write everything pending now, ignoring the per-record interval and the rate limit, with
+        ``FLUSH_WRITERS`` extra threads, for at most ``timeout`` seconds (at exit: a rollout must lose
+        nothing). True when nothing is left."""
         deadline = self._mono() + timeout
         with self._cond:
             self._flushing = True
@@ -612,26 +614,36 @@ class KubeAuditStore:
             heapq.heapify(self._heap)
             self._cond.notify_all()
         try:
+            helpers = [threading.Thread(target=self._flush_worker, args=(deadline,), daemon=True,
+                                        name=f"ghostpod-flush-{i}") for i in range(FLUSH_WRITERS)]
+            for t in helpers:
+                t.start()
+            for t in helpers:
+                t.join(max(0.0, deadline - self._mono()) + 1.0)
             with self._cond:
                 while (self._pending or self._in_flight) and self._mono() < deadline:
-                    if not self._threads:  # no writer thread: write in this one
-                        break
                     self._cond.wait(0.05)
-            if not self._threads:
-                while self._mono() < deadline:
-                    with self._cond:
-                        if not self._pending:
-                            break
-                        key = next(iter(self._pending))
-                        entry = self._pending.pop(key)
-                        self._in_flight.add(key)
-                    self._write_one(entry)
-            with self._cond:
                 return not self._pending and not self._in_flight
         finally:
             with self._cond:
                 self._flushing = False
                 self._cond.notify_all()
+
+    def _flush_worker(self, deadline: float) -> None:
+        while self._mono() < deadline:
+            with self._cond:
+                key = next((k for k in self._pending if k not in self._in_flight), None)
+                if key is None:
+                    if not self._in_flight:
+                        return
+                    self._cond.wait(0.05)
+                    continue
+                entry = self._pending.pop(key)
+                self._in_flight.add(key)
+                attempts = entry.attempts
+            self._write_one(entry)
+            if entry.attempts > attempts:  # failed: the apiserver is not answering; do not spin
+                time.sleep(0.1)
 
     # -- reads --------------------------------------------------------------------------------
 

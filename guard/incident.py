@@ -105,6 +105,16 @@ class AuditHealth:
                     "failures": self.failures}
 
 
+def _evidence(decision: Decision, read: QuorumRead | None) -> dict:
+    """What the audit keeps of a block: the verdict's reason and, for the first, the quorum read."""
+    if read is None:
+        return {"reason": decision.reason}
+    return {"reason": decision.reason, "quorum_get": {
+        "outcome": read.status.value, "http_status": read.http_status,
+        "uid": read.uid or None, "node_name": read.node_name or None,
+        "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}}
+
+
 class IncidentRecorder:
     """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
 
@@ -139,12 +149,20 @@ class IncidentRecorder:
 
     # -- entry points (Checker listeners) ----------------------------------------
 
+    @property
+    def records_inline(self) -> bool:
+        """Whether blocks are recorded on the request path (:meth:`record_block_now`, a
+        ``Checker.block_recorders`` entry): for a store that only queues them in memory (GhostPods), so
+        that a block is recorded even when its follow-up waits or the process exits first."""
+        return bool(getattr(self.audit, "writes_in_background", False))
+
+    def record_block_now(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
+        if self.records_inline:
+            self._record_block(pod, decision, _evidence(decision, read))
+
     def new_ghost(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
-        evidence = {"reason": decision.reason, "quorum_get": {
-            "outcome": read.status.value, "http_status": read.http_status,
-            "uid": read.uid or None, "node_name": read.node_name or None,
-            "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}}
-        self._record_block(pod, decision, evidence)
+        if not self.records_inline:
+            self._record_block(pod, decision, _evidence(decision, read))
         with self._lock:
             if len(self._verdicts) > 100_000:
                 self._verdicts.clear()
@@ -160,7 +178,8 @@ class IncidentRecorder:
             self._event(pod, "GhostPodBlocked", f"kube-ghost-guard blocked scheduling: {decision.reason}")
 
     def sighting(self, pod: PodRef, decision: Decision) -> None:
-        self._record_block(pod, decision, {"reason": decision.reason})
+        if not self.records_inline:
+            self._record_block(pod, decision, {"reason": decision.reason})
         with self._lock:
             last = self._last_probe.get(pod, -1e18)
         if attribution.should_reprobe(last, time.monotonic(), self.settings.reprobe_interval):

@@ -135,6 +135,7 @@ def build_guard(settings: Settings, readiness_checks: list[Callable[[], str | No
     incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract, audit_error=audit_error)
     checker.listeners.append(incidents.new_ghost)
     checker.sighting_listeners.append(incidents.sighting)
+    checker.block_recorders.append(incidents.record_block_now)
     preverifier = None
     if settings.prepare:
         preverifier = Preverifier(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
