@@ -366,17 +366,19 @@ class GhostPodError(Exception):
     ``reason`` the Status reason (``AlreadyExists``, ``Conflict``, ``NotFound``, ...).
     ``missing``: a 404 for the object itself (not for the resource: a CRD that is not installed)."""
 
-    def __init__(self, status: int, reason: str, message: str, *, missing: bool = False) -> None:
+    def __init__(self, status: int, reason: str, message: str, *, missing: bool = False, kind: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
         self.missing = missing
+        self.kind = kind  # the Status details' kind: "ghostpods", "namespaces" (the namespace is gone), ...
 
     @property
     def transient(self) -> bool:
-        """Worth retrying later: no answer, 429, 5xx, or the resource not served (yet) / not allowed (yet)."""
+        """Worth retrying later: no answer, 429, 5xx, or the resource not served (yet) / not allowed (yet).
+        Not a 404 of the object's namespace (deleted: the record can never be written there)."""
         return self.status == 0 or self.status == 429 or self.status >= 500 or self.status in (401, 403) or (
-            self.status == 404 and not self.missing)
+            self.status == 404 and not self.missing and self.kind != "namespaces")
 
 
 class GhostPods:
@@ -400,7 +402,8 @@ class GhostPods:
             details = body.get("details") if isinstance(body.get("details"), dict) else {}
             message = str(body.get("message") or e.reason or "")[:300]
             raise GhostPodError(e.status, reason, f"{what}: HTTP {e.status} {reason}: {message}",
-                                missing=e.status == 404 and details.get("kind") == GHOSTPOD_PLURAL) from e
+                                missing=e.status == 404 and details.get("kind") == GHOSTPOD_PLURAL,
+                                kind=str(details.get("kind") or "")) from e
         except urllib3.exceptions.NewConnectionError as e:
             raise GhostPodError(0, "", f"{what}: connection error: {type(e).__name__}") from e
         except (urllib3.exceptions.TimeoutError, TimeoutError) as e:
