@@ -58,7 +58,7 @@ from typing import Any, Final, TextIO
 
 from guard import metrics
 from guard.audit import (
-    MAX_EVIDENCE_BYTES, MAX_NAME, MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt,
+    MAX_NAME, MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt,
     ReplicaState, _check_text, _check_time, _evidence_json,
 )
 from guard.kube import GHOSTPOD_GROUP, GHOSTPOD_VERSION, GhostPodError, GhostPods
@@ -76,7 +76,7 @@ MAX_REPLICAS: Final = 64  # status.replicas (the CRD's maxItems)
 PRUNE_INTERVAL: Final = 600.0
 CLOSE_DEADLINE: Final = 8.0  # within gunicorn's graceful_timeout (10 s, guard/server.py)
 FLUSH_WRITERS: Final = 8
-LABEL_PART_OF: Final = "app.kubernetes.io/managed-by"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 
 Key = tuple[str, str, str]  # (namespace, name, uid): one pod identity
 
@@ -587,7 +587,7 @@ class KubeAuditStore:
     def _new_object(namespace: str, name: str, spec: dict) -> dict:
         return {"apiVersion": API_VERSION, "kind": KIND,
                 "metadata": {"name": name, "namespace": namespace,
-                             "labels": {LABEL_PART_OF: "kube-ghost-guard"}},
+                             "labels": {LABEL_MANAGED_BY: "kube-ghost-guard"}},
                 "spec": spec}
 
     def _echo_line(self, entry: _Pending) -> None:
