@@ -452,6 +452,10 @@ class KubeAuditStore:
                     if self._closed and not self._flushing:
                         return
                     now = self._mono()
+                    if not self._flushing and now >= self._next_prune:  # one writer prunes; the others write
+                        self._next_prune = now + self.prune_interval
+                        entry = None
+                        break
                     if self._heap and self._heap[0][0] <= now:
                         _, _, key = heapq.heappop(self._heap)
                         entry = self._pending.pop(key, None)
@@ -462,10 +466,6 @@ class KubeAuditStore:
                         self._in_flight.add(key)
                         break
                     wait = (self._heap[0][0] - now) if self._heap else 1.0
-                    if not self._flushing and now >= self._next_prune:
-                        self._next_prune = now + self.prune_interval
-                        entry = None
-                        break
                     self._cond.wait(min(max(wait, 0.001), 1.0))
             if entry is None:
                 self._prune_safely()
