@@ -738,8 +738,10 @@ def test_ghostpod_view_role_is_read_only_and_aggregated_to_view(rendered):
 
 
 def test_the_manifests_record_to_kubernetes(pod):
+    """Through the environment, so that `serve` and `ghost-guard audit|report` run in the container agree."""
     (container,) = pod["spec"]["containers"]
-    assert "--audit-store=kubernetes" in container["args"]
     sidecar = static_pod("overlays/sidecar/node/kube-scheduler.yaml")
     (guard,) = [c for c in sidecar["spec"]["containers"] if c["name"] != "kube-scheduler"]
-    assert "--audit-store=kubernetes" in guard["args"]
+    for c in (container, guard):
+        assert {"name": "GHOST_GUARD_AUDIT_STORE", "value": "kubernetes"} in c["env"]
+        assert not any(a.startswith("--audit-store") for a in c["args"])
