@@ -10,6 +10,7 @@ answer.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -24,11 +25,15 @@ from guard.verdict import Decision, PodRef, QuorumRead, Verdict, decide
 log = logging.getLogger(__name__)
 
 FOLLOWUP_BACKLOG = 1000
+FOLLOWUP_OVERFLOW = 100_000
 
 # Called once per newly seen ghost UID, off the request path.
 GhostListener = Callable[[PodRef, Decision, QuorumRead], None]
 # Called when a known ghost is blocked again (for bounded-rate re-probes), off the request path.
 SightingListener = Callable[[PodRef, Decision], None]
+# Called on the request path for every block of a ghost (the first one with its read, later ones with
+# None): only for work that takes microseconds and never waits (queueing an audit record in memory).
+BlockRecorder = Callable[[PodRef, Decision, "QuorumRead | None"], None]
 
 
 class Checker:
@@ -43,11 +48,18 @@ class Checker:
                                   timer=timer)
         self.listeners: list[GhostListener] = []
         self.sighting_listeners: list[SightingListener] = []
+        self.block_recorders: list[BlockRecorder] = []
         # Follow-ups run on two background threads; background=False runs them inline (deterministic tests).
         self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghost-followup") if background else None
-        # Follow-ups (audit, probes, Events) waiting at most; beyond, they are dropped and counted, so a
-        # flood of distinct ghosts can never grow memory without bound. Verdicts are never affected.
+        # Follow-ups (audit, probes, Events) running or queued on the threads at most. Beyond, they wait
+        # in an overflow keyed by pod identity: a second follow-up of the same kind for the same pod is
+        # coalesced into the waiting one (counted), so a flood of distinct ghosts loses none and a looping
+        # ghost takes one entry. Past FOLLOWUP_OVERFLOW identities they are dropped (counted), so memory
+        # stays bounded. Verdicts are never affected.
         self._followup_slots = threading.BoundedSemaphore(FOLLOWUP_BACKLOG)
+        self._overflow: collections.OrderedDict[tuple[str, PodRef], tuple[Sequence[Callable[..., None]], tuple[object, ...]]] = (
+            collections.OrderedDict())
+        self._overflow_lock = threading.Lock()
 
     def _timed_get(self, namespace: str, name: str, timeout: float) -> QuorumRead:
         start = time.perf_counter()
@@ -180,27 +192,71 @@ class Checker:
             self._first_sighting(pod, decision, read or QuorumRead.not_found())
         elif entry.first:
             self._first_sighting(pod, entry.decision, entry.read)
-        elif self.sighting_listeners:
-            self._followup(self.sighting_listeners, pod, entry.decision)
+        else:
+            self._record_block(pod, entry.decision, None)
+            if self.sighting_listeners:
+                self._followup(self.sighting_listeners, pod, entry.decision)
 
     def _first_sighting(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
         metrics.labelled(metrics.GHOSTS_BLOCKED, decision.verdict.value).inc()
         log.warning("%s", decision.reason)
+        self._record_block(pod, decision, read)
         self._followup(self.listeners, pod, decision, read)
+
+    def _record_block(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
+        """The block recorders, inline: a record queued here survives a full follow-up queue and an exit."""
+        for recorder in self.block_recorders:
+            try:
+                recorder(pod, decision, read)
+            except Exception:
+                log.exception("block recorder %s failed for %s", getattr(recorder, "__name__", recorder), pod)
 
     def _followup(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
         """Call each of ``listeners`` (GhostListener or SightingListener) with ``pod, *args``, off the request path."""
-        if not self._followup_slots.acquire(blocking=False):
-            metrics.FOLLOWUPS_DROPPED.inc()
+        if self._followup_slots.acquire(blocking=False):
+            self._submit(listeners, pod, args)
             return
+        key = ("new" if listeners is self.listeners else "sighting", pod)
+        with self._overflow_lock:
+            if key in self._overflow:
+                metrics.FOLLOWUPS_COALESCED.inc()
+                if key[0] == "sighting":  # the newest sighting's decision; a first sighting keeps its read
+                    self._overflow[key] = (listeners, args)
+                return
+            if len(self._overflow) >= FOLLOWUP_OVERFLOW:
+                metrics.FOLLOWUPS_DROPPED.inc()
+                return
+            self._overflow[key] = (listeners, args)
+        self._drain()  # a slot may have been released since the acquire failed
+
+    def _submit(self, listeners: Sequence[Callable[..., None]], pod: PodRef, args: tuple[object, ...]) -> None:
+        """Run the follow-up on a slot already taken; the slot goes back (and the overflow moves) when done."""
         if self._background is None:
             try:
                 self._notify(listeners, pod, *args)
             finally:
                 self._followup_slots.release()
+            self._drain()
             return
         future = self._background.submit(self._notify, listeners, pod, *args)
-        future.add_done_callback(lambda _: self._followup_slots.release())
+        future.add_done_callback(self._followup_done)
+
+    def _followup_done(self, _future: object) -> None:
+        self._followup_slots.release()
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            with self._overflow_lock:
+                if not self._overflow or not self._followup_slots.acquire(blocking=False):
+                    return
+                (_, pod), (listeners, args) = self._overflow.popitem(last=False)
+            self._submit(listeners, pod, args)
+
+    def followups_waiting(self) -> int:
+        """Follow-ups waiting in the overflow (beyond the running and queued ones)."""
+        with self._overflow_lock:
+            return len(self._overflow)
 
     def _notify(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
         for listener in listeners:

@@ -72,10 +72,26 @@ def main() -> None:
         help="Least seconds between probe rounds for one ghost seen again (to see a replica heal).")
 @option("--stale-confirm-delay", type=float, default=2.0,
         help="Seconds before re-probing a replica that served a ghost; still serving then = stale (not lag).")
+@option("--audit-store", default=None, metavar="kubernetes|sqlite[:PATH]", show_default="sqlite (--audit-db)",
+        help="Where blocked pods are recorded: `kubernetes` (GhostPod objects in the pod's namespace: shared by every "
+             "guard replica, kept across rollouts, readable with kubectl; needs manifests/crd) or `sqlite:PATH` "
+             "(an embedded file; `sqlite` alone means --audit-db).")
 @option("--audit-db", default="/var/lib/ghost-guard/audit.db", type=click.Path(dir_okay=False),
-        help="SQLite audit store of blocked pods (shared by workers and CLI).")
-@option("--audit-max-age", type=float, default=30 * 86400.0, help="Seconds an audit record is kept after last seen.")
+        help="SQLite audit store of blocked pods (shared by workers and CLI), with --audit-store sqlite.")
+@click.option("--audit-retention", "--audit-max-age", "audit_max_age", type=float, default=30 * 86400.0,
+              envvar=["GHOST_GUARD_AUDIT_RETENTION", "GHOST_GUARD_AUDIT_MAX_AGE"], show_envvar=True,
+              help="Seconds an audit record is kept after last seen (30 days). With --audit-store kubernetes every "
+                   "guard replica deletes expired GhostPods, each delete conditional on the version it saw.")
 @option("--audit-max-records", type=int, default=100_000, help="Most audit records kept.")
+@option("--audit-write-qps", type=float, default=20.0,
+        help="GhostPod writes per second at most, all records together (--audit-store kubernetes).")
+@option("--audit-write-interval", type=float, default=10.0,
+        help="Seconds between two writes of one GhostPod by this guard (--audit-store kubernetes): a ghost the "
+             "scheduler retries in a loop costs one write per interval, not one per attempt.")
+@option("--audit-queue-size", type=int, default=50_000,
+        help="Records (pod identities) waiting to be written at most (--audit-store kubernetes), e.g. while the "
+             "apiserver is unreachable; beyond, new ones are dropped and counted "
+             "(ghost_guard_audit_records_dropped_total).")
 @option("--events/--no-events", default=True, help="Emit GhostPodBlocked and StaleWatchCache Warning Events.")
 @option("--prepare/--no-prepare", default=True,
         help="Watch unscheduled pods on every replica and verify them before kube-scheduler asks.")
@@ -197,19 +213,41 @@ _AUDIT_DB_DEFAULT_SHOWN = "/var/lib/ghost-guard/audit.db"  # guard.audit.DEFAULT
 
 
 def _audit_db_option(func):
-    # Shared with `serve` through the environment: one GHOST_GUARD_AUDIT_DB for the writer and the readers.
+    # Shared with `serve` through the environment: one GHOST_GUARD_AUDIT_DB / GHOST_GUARD_AUDIT_STORE for the
+    # writer and the readers.
+    func = click.option("--kubeconfig", default=None, envvar="GHOST_GUARD_KUBECONFIG", show_envvar=True,
+                        type=click.Path(dir_okay=False),
+                        help="Cluster credentials for --audit-store kubernetes. Default: in-cluster service "
+                             "account, then $KUBECONFIG / ~/.kube/config.")(func)
+    func = click.option("--audit-store", "store", default=None, envvar="GHOST_GUARD_AUDIT_STORE", show_envvar=True,
+                        metavar="kubernetes|sqlite[:PATH]", show_default="sqlite (--db)",
+                        help="The store to read: `kubernetes` (GhostPod objects, every namespace you may list; "
+                             "from any machine with a kubeconfig) or `sqlite:PATH`.")(func)
     return click.option("--db", "--audit-db", "db", default=None, envvar="GHOST_GUARD_AUDIT_DB", show_envvar=True,
                         type=click.Path(), show_default=_AUDIT_DB_DEFAULT_SHOWN, metavar="PATH",
                         help="The audit store (SQLite file) written by `ghost-guard serve`.")(func)
 
 
-def _open_audit_store(command: str, db: str | None):
-    """The store at ``db`` (or the default) for reading; exit 2 with one line if it is missing or unusable."""
+def _open_audit_store(command: str, db: str | None, store: str | None = None, kubeconfig: str | None = None):
+    """The store to read (``--audit-store``, else the SQLite file ``db`` or the default); exit 2 with one
+    line if it is missing or unusable."""
     import os
 
-    from guard.audit import DEFAULT_AUDIT_DB, AuditPathError, AuditStore
+    from guard.audit import DEFAULT_AUDIT_DB, AuditError, AuditPathError, AuditStore
+    from guard.auditstore import StoreSpecError, open_store, parse_store
 
-    path = db or DEFAULT_AUDIT_DB
+    try:
+        kind, path = parse_store(store, db or DEFAULT_AUDIT_DB)
+    except StoreSpecError as e:
+        raise click.BadParameter(str(e), param_hint="--audit-store") from e
+    if kind == "kubernetes":
+        try:
+            return open_store("kubernetes", DEFAULT_AUDIT_DB, kubeconfig=kubeconfig, max_age_seconds=30 * 86400,
+                              max_records=100_000, writer=False)
+        except (AuditError, ValueError) as e:
+            click.echo(f"ghost-guard {command}: {e}", err=True)
+            sys.exit(2)
+    assert path is not None
     if not os.path.exists(path):  # a dangling symlink too: reading never creates a store
         click.echo(f"ghost-guard {command}: no audit store at {path} (set --db or GHOST_GUARD_AUDIT_DB; "
                    "`ghost-guard serve` creates it when it starts)", err=True)
@@ -243,7 +281,7 @@ def _audit_records(command: str, store, *, namespace, verdict, replica, since, l
 
 # Filters deliberately have no environment variable: a GHOST_GUARD_NAMESPACE set
 # for the guard's own deployment must never silently filter an operator's query.
-@main.command("audit")
+@main.group("audit", invoke_without_command=True)
 @_audit_db_option
 @click.option("--namespace", default=None, help="Only ghosts in this namespace.")
 @click.option("--verdict", default=None, type=click.Choice([v.value for v in _Verdict]), help="Only this verdict.")
@@ -255,18 +293,66 @@ def _audit_records(command: str, store, *, namespace, verdict, replica, since, l
 @click.option("--retracted", is_flag=True, default=False,
               help="Also list records whose verdict the guard withdrew (etcd showed the pod pending after all).")
 @click.option("--output", "-o", default="table", type=click.Choice(["table", "json", "jsonl"]), help="Output format.")
-def audit(db: str | None, namespace: str | None, verdict: str | None, replica: str | None, since: str | None,
-          limit: int | None, retracted: bool, output: str) -> None:
-    """List blocked ghost pods from the audit store, most recently seen first."""
+@click.pass_context
+def audit(ctx: click.Context, db: str | None, store: str | None, kubeconfig: str | None, namespace: str | None,
+          verdict: str | None, replica: str | None, since: str | None, limit: int | None, retracted: bool,
+          output: str) -> None:
+    """List blocked ghost pods from the audit store, most recently seen first.
+
+    `ghost-guard audit export` copies one store into another."""
+    if ctx.invoked_subcommand is not None:
+        return
     from guard.report import render_records
 
-    store = _open_audit_store("audit", db)
+    opened = _open_audit_store("audit", db, store, kubeconfig)
     try:
-        records = _audit_records("audit", store, namespace=namespace, verdict=verdict, replica=replica, since=since,
+        records = _audit_records("audit", opened, namespace=namespace, verdict=verdict, replica=replica, since=since,
                                  limit=limit, retracted=retracted)
     finally:
-        store.close()
+        opened.close()
     click.echo(render_records(records, output), nl=False)
+
+
+@audit.command("export")
+@click.option("--from", "source", required=True, metavar="sqlite:PATH", help="The store to copy from.")
+@click.option("--to", "target", required=True, metavar="kubernetes", help="The store to copy into.")
+@click.option("--kubeconfig", default=None, envvar="GHOST_GUARD_KUBECONFIG", show_envvar=True,
+              type=click.Path(dir_okay=False), help="Cluster credentials for the kubernetes store.")
+def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
+    """Copy every record (retracted ones too) from a SQLite store into GhostPod objects.
+
+    Safe to run again: an existing object is only widened (larger count, wider time span, newer probes),
+    never counted twice. Prints how many objects were created and updated; exit 1 if any record failed."""
+    from guard.audit import DEFAULT_AUDIT_DB, AuditError
+    from guard.auditstore import StoreSpecError, parse_store
+
+    try:
+        src_kind, _ = parse_store(source, DEFAULT_AUDIT_DB)
+        dst_kind, _ = parse_store(target, DEFAULT_AUDIT_DB)
+    except StoreSpecError as e:
+        raise click.BadParameter(str(e)) from e
+    if src_kind != "sqlite" or source.strip() == "sqlite" or dst_kind != "kubernetes":
+        raise click.UsageError("export copies --from sqlite:PATH --to kubernetes")
+    reader = _open_audit_store("audit export", None, source)
+    writer = _open_audit_store("audit export", None, "kubernetes", kubeconfig)
+    created = updated = failed = 0
+    try:
+        records = _audit_records("audit export", reader, namespace=None, verdict=None, replica=None, since=None,
+                                 limit=None, retracted=True)
+        for record in records:
+            try:
+                if writer.put(record):
+                    created += 1
+                else:
+                    updated += 1
+            except AuditError as e:
+                failed += 1
+                click.echo(f"ghost-guard audit export: {e}", err=True)
+    finally:
+        reader.close()
+        writer.close()
+    click.echo(f"{len(records)} records read, {created} GhostPods created, {updated} existing, {failed} failed")
+    sys.exit(1 if failed else 0)
 
 
 @main.command("report")
@@ -278,17 +364,15 @@ def audit(db: str | None, namespace: str | None, verdict: str | None, replica: s
 @option("--live", is_flag=True, default=False,
         help="Also check every apiserver replica's cache now (about 10s): its revision against etcd's (frozen?) and "
              "the pending pods it misses. Needs cluster credentials; works without an audit store.")
-@option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
-        help="With --live: cluster credentials. Default: in-cluster service account, then $KUBECONFIG / ~/.kube/config.")
 @option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
         help="With --live: replicas to check; default: discovered from the default/kubernetes EndpointSlice.")
 @option("--apiserver-server-name", default="kubernetes.default.svc",
         help="With --live: TLS server name verified when dialling a replica by IP.")
-def report(db: str | None, namespace: str | None, since: str | None, output: str, live: bool, kubeconfig: str | None,
-           apiserver_replicas: str | None, apiserver_server_name: str) -> None:
+def report(db: str | None, store: str | None, kubeconfig: str | None, namespace: str | None, since: str | None,
+           output: str, live: bool, apiserver_replicas: str | None, apiserver_server_name: str) -> None:
     """Per apiserver replica, the ghosts its watch cache serves and since when, then the remediation in order.
 
-    The ghosts come from the audit store (what `serve` recorded). With --live, a second section checks every
+    The ghosts come from the audit store (what `serve` recorded; either store, as `audit`). With --live, a second section checks every
     replica's cache now: frozen watches and pods missing from a cache (exit 1 when it finds any).
     """
     import os
@@ -297,13 +381,13 @@ def report(db: str | None, namespace: str | None, since: str | None, output: str
     from guard.report import render_report
 
     text, records = "", None
-    if not (live and not os.path.exists(db or DEFAULT_AUDIT_DB)):
-        store = _open_audit_store("report", db)
+    if not (live and store is None and not os.path.exists(db or DEFAULT_AUDIT_DB)):
+        opened = _open_audit_store("report", db, store, kubeconfig)
         try:
-            records = _audit_records("report", store, namespace=namespace, verdict=None, replica=None, since=since,
+            records = _audit_records("report", opened, namespace=namespace, verdict=None, replica=None, since=since,
                                      limit=None)
         finally:
-            store.close()
+            opened.close()
         text = render_report(records, output)
     if not live:
         click.echo(text, nl=False)

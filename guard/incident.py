@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from guard import attribution, metrics
 from guard.attribution import ReplicaObservation
-from guard.audit import AuditError, AuditStore, IdentityConflictError, UnknownGhostError
+from guard.audit import AuditError, IdentityConflictError, UnknownGhostError
+from guard.auditstore import AuditBackend, describe, open_store
 from guard.kube import Kube, ReplicaClient, emit_event
 from guard.replicas import ReplicaPool
 from guard.report import format_time
@@ -52,13 +53,15 @@ _TRUTH = {
 }
 
 
-def open_audit_store(settings: Settings) -> tuple[AuditStore | None, str | None]:
-    """The audit store, or None and why it cannot be opened."""
+def open_audit_store(settings: Settings) -> tuple[AuditBackend | None, str | None]:
+    """The audit store ``--audit-store`` names, or None and why it cannot be opened."""
     try:
-        return AuditStore(settings.audit_db, max_age_seconds=settings.audit_max_age,
-                          max_records=settings.audit_max_records, echo=sys.stdout), None
+        return open_store(settings.audit_store, settings.audit_db, kubeconfig=settings.kubeconfig,
+                          max_age_seconds=settings.audit_max_age, max_records=settings.audit_max_records,
+                          echo=sys.stdout, write_qps=settings.audit_write_qps,
+                          queue_size=settings.audit_queue_size, write_interval=settings.audit_write_interval), None
     except (AuditError, OSError, ValueError) as e:
-        return None, f"audit store {settings.audit_db} unusable: {e}"
+        return None, f"audit store {describe(settings.audit_store, settings.audit_db)} unusable: {e}"
 
 
 class AuditHealth:
@@ -105,6 +108,16 @@ class AuditHealth:
                     "failures": self.failures}
 
 
+def _evidence(decision: Decision, read: QuorumRead | None) -> dict:
+    """What the audit keeps of a block: the verdict's reason and, for the first, the quorum read."""
+    if read is None:
+        return {"reason": decision.reason}
+    return {"reason": decision.reason, "quorum_get": {
+        "outcome": read.status.value, "http_status": read.http_status,
+        "uid": read.uid or None, "node_name": read.node_name or None,
+        "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}}
+
+
 class IncidentRecorder:
     """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
 
@@ -112,7 +125,7 @@ class IncidentRecorder:
     ``fn`` after ``delay`` seconds (default: a timer thread; tests pass one that records the delay).
     """
 
-    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditStore | None, *,
+    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditBackend | None, *,
                  retract: Callable[[PodRef], bool] | None = None,
                  later: Callable[..., None] | None = None, audit_error: str | None = None,
                  heal: Callable[[PodRef], bool] | None = None) -> None:
@@ -128,7 +141,7 @@ class IncidentRecorder:
         self._stale: dict[str, set[PodRef]] = {}  # replica address -> ghosts it was confirmed to serve
         self._stale_pods: set[PodRef] = set()  # ghosts some replica was confirmed to serve
         self._verdicts: dict[PodRef, Verdict] = {}  # ghost -> its verdict, for the words of the alert
-        self.audit_health = AuditHealth(settings.audit_db)
+        self.audit_health = AuditHealth(describe(settings.audit_store, settings.audit_db))
         if audit is None:
             self.audit_health.failed("open", audit_error or "not opened")
         else:
@@ -141,12 +154,20 @@ class IncidentRecorder:
 
     # -- entry points (Checker listeners) ----------------------------------------
 
+    @property
+    def records_inline(self) -> bool:
+        """Whether blocks are recorded on the request path (:meth:`record_block_now`, a
+        ``Checker.block_recorders`` entry): for a store that only queues them in memory (GhostPods), so
+        that a block is recorded even when its follow-up waits or the process exits first."""
+        return bool(getattr(self.audit, "writes_in_background", False))
+
+    def record_block_now(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
+        if self.records_inline:
+            self._record_block(pod, decision, _evidence(decision, read))
+
     def new_ghost(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
-        evidence = {"reason": decision.reason, "quorum_get": {
-            "outcome": read.status.value, "http_status": read.http_status,
-            "uid": read.uid or None, "node_name": read.node_name or None,
-            "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}}
-        self._record_block(pod, decision, evidence)
+        if not self.records_inline:
+            self._record_block(pod, decision, _evidence(decision, read))
         with self._lock:
             if len(self._verdicts) > 100_000:
                 self._verdicts.clear()
@@ -162,7 +183,8 @@ class IncidentRecorder:
             self._event(pod, "GhostPodBlocked", f"kube-ghost-guard blocked scheduling: {decision.reason}")
 
     def sighting(self, pod: PodRef, decision: Decision) -> None:
-        self._record_block(pod, decision, {"reason": decision.reason})
+        if not self.records_inline:
+            self._record_block(pod, decision, {"reason": decision.reason})
         with self._lock:
             last = self._last_probe.get(pod, -1e18)
         if attribution.should_reprobe(last, time.monotonic(), self.settings.reprobe_interval):
@@ -349,7 +371,7 @@ class IncidentRecorder:
         except ValueError as e:  # this record's trouble (a field the store refuses)
             log.error("audit store: cannot record block of %s: %s", pod, e)
         else:
-            self.audit_health.ok()
+            self._written()
 
     def _record_probe(self, pod: PodRef, obs: ReplicaObservation) -> None:
         if self.audit is None:
@@ -365,6 +387,16 @@ class IncidentRecorder:
             self.audit_health.failed("probe", str(e))
         except ValueError as e:
             log.error("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
+        else:
+            self._written()
+
+    def _written(self) -> None:
+        """A record call returned. The SQLite store returns once the write is durable: healthy. The GhostPod
+        store only queues it (written in the background): its health is what its writers last saw."""
+        problem = (self.audit.check() if self.audit is not None and getattr(self.audit, "writes_in_background", False)
+                   else None)
+        if problem:
+            self.audit_health.failed("block", problem)
         else:
             self.audit_health.ok()
 

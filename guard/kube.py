@@ -485,3 +485,102 @@ def emit_event(kube: Kube, *, namespace: str, pod_name: str, pod_uid: str, reaso
     count = int((orjson.loads(resp.data).get("count") or 1)) + 1
     kube.core.patch_namespaced_event(name, namespace, {"count": count, "lastTimestamp": now, "message": message[:1024]},
                                      _content_type="application/merge-patch+json", _request_timeout=kube.timeout * 2)
+
+
+# --- GhostPod audit records (kube-ghost-guard.io/v1alpha1, manifests/crd) ------------------
+
+GHOSTPOD_GROUP = "kube-ghost-guard.io"
+GHOSTPOD_VERSION = "v1alpha1"
+GHOSTPOD_PLURAL = "ghostpods"
+
+
+class GhostPodError(Exception):
+    """A GhostPod call failed. ``status`` is the HTTP status (0: no answer: timeout, refused, TLS),
+    ``reason`` the Status reason (``AlreadyExists``, ``Conflict``, ``NotFound``, ...).
+    ``missing``: a 404 for the object itself (not for the resource: a CRD that is not installed)."""
+
+    def __init__(self, status: int, reason: str, message: str, *, missing: bool = False, kind: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.missing = missing
+        self.kind = kind  # the Status details' kind: "ghostpods", "namespaces" (the namespace is gone), ...
+
+    @property
+    def transient(self) -> bool:
+        """Worth retrying later: no answer, 429, 5xx, or the resource not served (yet) / not allowed (yet).
+        Not a 404 of the object's namespace (deleted: the record can never be written there)."""
+        return self.status == 0 or self.status == 429 or self.status >= 500 or self.status in (401, 403) or (
+            self.status == 404 and not self.missing and self.kind != "namespaces")
+
+
+class GhostPods:
+    """Raw calls on GhostPod objects; every client error becomes a :class:`GhostPodError`."""
+
+    def __init__(self, kube: Kube, *, timeout: float = 5.0, list_timeout: float = 60.0) -> None:
+        self.kube = kube
+        self.timeout = timeout
+        self.list_timeout = list_timeout  # a page of a LIST (an apiserver may not paginate, as the lab does not)
+        self.api = client.CustomObjectsApi(kube.api_client)
+
+    def _call(self, what: str, fn, *args, timeout: float | None = None, **kwargs) -> dict:
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            resp = fn(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
+            return orjson.loads(resp.data) if resp.data else {}
+        except ApiException as e:
+            if not e.status:
+                raise GhostPodError(0, "", f"{what}: TLS error talking to the apiserver") from e
+            reason, body = _status_reason(e)
+            raw_details = body.get("details")
+            details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
+            message = str(body.get("message") or e.reason or "")[:300]
+            raise GhostPodError(e.status, reason, f"{what}: HTTP {e.status} {reason}: {message}",
+                                missing=e.status == 404 and details.get("kind") == GHOSTPOD_PLURAL,
+                                kind=str(details.get("kind") or "")) from e
+        except urllib3.exceptions.NewConnectionError as e:
+            raise GhostPodError(0, "", f"{what}: connection error: {type(e).__name__}") from e
+        except (urllib3.exceptions.TimeoutError, TimeoutError) as e:
+            raise GhostPodError(0, "", f"{what}: timeout after {timeout:g}s") from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise GhostPodError(0, "", f"{what}: connection error: {type(e).__name__}") from e
+        except (orjson.JSONDecodeError, ValueError) as e:
+            raise GhostPodError(0, "", f"{what}: undecodable apiserver reply: {type(e).__name__}") from e
+
+    def create(self, namespace: str, body: dict) -> dict:
+        return self._call(f"create ghostpod in {namespace}", self.api.create_namespaced_custom_object,
+                          GHOSTPOD_GROUP, GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, body)
+
+    def get(self, namespace: str, name: str) -> dict:
+        """A quorum read (no resourceVersion): the newest object, to retry a write after a conflict."""
+        return self._call(f"get ghostpod {namespace}/{name}", self.api.get_namespaced_custom_object,
+                          GHOSTPOD_GROUP, GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, name)
+
+    def patch_status(self, namespace: str, name: str, patch: dict) -> dict:
+        """A JSON merge patch of the status subresource (``patch`` may carry metadata.resourceVersion:
+        then the apiserver applies it only to that version, else 409 Conflict)."""
+        return self._call(f"patch ghostpod {namespace}/{name} status", self.api.patch_namespaced_custom_object_status,
+                          GHOSTPOD_GROUP, GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, name, patch,
+                          _content_type="application/merge-patch+json")
+
+    def list(self, namespace: str | None, *, limit: int = 500, cont: str | None = None) -> tuple[list[dict], str | None]:
+        """One page of GhostPods (every namespace when ``namespace`` is None) and the continue token."""
+        kwargs: dict = {"limit": limit, "timeout": self.list_timeout}
+        if cont:
+            kwargs["_continue"] = cont
+        if namespace is None:
+            doc = self._call("list ghostpods", self.api.list_cluster_custom_object, GHOSTPOD_GROUP, GHOSTPOD_VERSION,
+                             GHOSTPOD_PLURAL, **kwargs)
+        else:
+            doc = self._call(f"list ghostpods in {namespace}", self.api.list_namespaced_custom_object, GHOSTPOD_GROUP,
+                             GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, **kwargs)
+        raw_items = doc.get("items")
+        items: list[Any] = raw_items if isinstance(raw_items, list) else []
+        return [i for i in items if isinstance(i, dict)], ((doc.get("metadata") or {}).get("continue") or None)
+
+    def delete(self, namespace: str, name: str, *, uid: str, resource_version: str) -> None:
+        """Delete exactly this version of the object (preconditions): a record written since is kept."""
+        self._call(f"delete ghostpod {namespace}/{name}", self.api.delete_namespaced_custom_object,
+                   GHOSTPOD_GROUP, GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, name,
+                   body=client.V1DeleteOptions(preconditions=client.V1Preconditions(
+                       uid=uid, resource_version=resource_version)))

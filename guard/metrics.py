@@ -35,7 +35,8 @@ PREVERIFY_DROPPED = Counter("ghost_guard_preverify_dropped", "New pods not queue
 WATCH_RESTARTS = Counter("ghost_guard_watch_restarts", "Restarts of the unscheduled-pod watch on a replica, by reason "
                          "(expired = 410 re-list, error).", ["reason"])
 FOLLOWUPS_DROPPED = Counter("ghost_guard_followups_dropped", "Ghost follow-ups (audit record, replica probes, "
-                            "Events) dropped because too many were waiting; verdicts are unaffected.")
+                            "Events) dropped because more than 100,000 pod identities were waiting beyond the 1,000 "
+                            "running or queued; verdicts are unaffected. Should stay 0.")
 GHOSTS_BLOCKED = Counter("ghost_guard_ghosts_blocked", "Distinct ghost pods (by UID) first blocked, by verdict.",
                          ["verdict"])
 VERDICTS_RETRACTED = Counter("ghost_guard_verdicts_retracted", "Ghost verdicts withdrawn because a quorum read "
@@ -70,6 +71,20 @@ AUDIT_STORE_HEALTHY = Gauge("ghost_guard_audit_store_healthy", "1 while the audi
                             multiprocess_mode="livemin")
 AUDIT_WRITE_ERRORS = Counter("ghost_guard_audit_write_errors", "Audit store writes that failed, by operation "
                              "(block, probe, check: the /readyz write test).", ["operation"])
+# The GhostPod store (--audit-store kubernetes, guard/ghostpods.py): writes happen in the background.
+AUDIT_PENDING = Gauge("ghost_guard_audit_pending_records", "Audit records (pod identities) waiting to be written to "
+                      "the Kubernetes API, summed over the live workers.", multiprocess_mode="livesum")
+AUDIT_WRITES = Counter("ghost_guard_audit_writes", "GhostPod writes (one identity's pending operations), by outcome "
+                       "(ok; retry: no answer, 429, 5xx, 401/403 or the CRD not served: kept and retried; rejected: "
+                       "refused by the apiserver, dropped).", ["outcome"])
+AUDIT_RECORDS_DROPPED = Counter("ghost_guard_audit_records_dropped", "Audit records dropped, by reason (queue-full: "
+                                "more identities waiting than --audit-queue-size; rejected: refused by the apiserver). "
+                                "Should stay 0.", ["reason"])
+AUDIT_PRUNED = Counter("ghost_guard_audit_pruned", "GhostPods deleted by retention (--audit-retention, "
+                       "--audit-max-records).")
+FOLLOWUPS_COALESCED = Counter("ghost_guard_followups_coalesced", "Ghost follow-ups merged into one already waiting "
+                              "for the same pod identity because more than 1,000 were pending (a repeated sighting "
+                              "of a looping ghost; its extra blocks are not counted in the audit).")
 REPLICA_WATCH_UP = Gauge("ghost_guard_replica_watch_up", "1 while the unscheduled-pod watch on an apiserver replica "
                          "is synced, 0 while it is retrying.", ["replica"], multiprocess_mode="livemin")
 WATCH_FALLBACK = Gauge("ghost_guard_watch_fallback", "1 while no apiserver replica can be watched and pre-verification "

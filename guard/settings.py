@@ -56,8 +56,14 @@ class Settings:
     stale_confirm_delay: float = 2.0
     # audit store and Events
     audit_db: str = "/var/lib/ghost-guard/audit.db"
-    audit_max_age: float = 30 * 86400.0
+    # Where the audit goes: None/"sqlite" (audit_db), "sqlite:PATH", or "kubernetes" (GhostPod objects).
+    audit_store: str | None = None
+    audit_max_age: float = 30 * 86400.0  # --audit-retention (alias --audit-max-age)
     audit_max_records: int = 100_000
+    # GhostPod writes (--audit-store kubernetes): per second at most, and identities waiting at most.
+    audit_write_qps: float = 20.0
+    audit_write_interval: float = 10.0  # seconds between two writes of one record by one guard process
+    audit_queue_size: int = 50_000
     events: bool = True
     # pre-verification: watch unscheduled pods, quorum-verify each new UID before the scheduler asks
     prepare: bool = True
@@ -143,7 +149,9 @@ class Settings:
             raise SettingsError(f"--alive-ttl must be between 0 and 1s (the scheduler's initial backoff), "
                                 f"got {self.alive_ttl:g}")
         for flag, value in (("--discovery-interval", self.discovery_interval), ("--probe-timeout", self.probe_timeout),
-                            ("--reprobe-interval", self.reprobe_interval), ("--audit-max-age", self.audit_max_age),
+                            ("--reprobe-interval", self.reprobe_interval), ("--audit-retention", self.audit_max_age),
+                            ("--audit-write-qps", self.audit_write_qps),
+                            ("--audit-write-interval", self.audit_write_interval),
                             ("--prepared-max-age", self.prepared_max_age), ("--verify-qps", self.verify_qps),
                             ("--sweep-interval", self.sweep_interval)):
             if not value > 0:
@@ -156,7 +164,12 @@ class Settings:
         if not 0 <= self.prepared_grace < 1.0:
             raise SettingsError(f"--prepared-grace must be between 0 and 1s (the scheduler's initial backoff), "
                                 f"got {self.prepared_grace:g}")
-        for flag, value in (("--audit-max-records", self.audit_max_records),
+        if self.audit_store is not None:
+            kind, _, path = self.audit_store.strip().partition(":")
+            if not (self.audit_store.strip() in ("sqlite", "kubernetes") or (kind == "sqlite" and path)):
+                raise SettingsError(f"--audit-store must be `kubernetes`, `sqlite` or `sqlite:PATH`, "
+                                    f"got {self.audit_store!r}")
+        for flag, value in (("--audit-max-records", self.audit_max_records), ("--audit-queue-size", self.audit_queue_size),
                             ("--verify-concurrency", self.verify_concurrency), ("--max-nodes", self.max_nodes)):
             if value < 1:
                 raise SettingsError(f"{flag} must be at least 1, got {value}")

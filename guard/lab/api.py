@@ -30,6 +30,12 @@ class Resource:
     field_labels: tuple[str, ...] = ("metadata.name", "metadata.namespace")
     list_kind: str = ""
     verbs: tuple[str, ...] = ("create", "delete", "get", "list", "patch", "update", "watch")
+    # A custom resource (served as apiextensions-apiserver serves a CRD's objects): status subresource,
+    # metadata.generation, and a server-side Table with these (name, type, JSONPath) printer columns.
+    custom: bool = False
+    printer_columns: tuple[tuple[str, str, str], ...] = ()
+    short_names: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
 
     @property
     def api_version(self) -> str:
@@ -67,6 +73,17 @@ RESOURCES: tuple[Resource, ...] = (
     Resource("events.k8s.io", "v1", "events", "Event", True, "/registry/events/",
              ("metadata.name", "metadata.namespace", "regarding.kind", "regarding.namespace", "regarding.name",
               "regarding.uid", "reason", "reportingController", "type")),
+    # The guard's own CRD (manifests/crd/ghostpods.yaml), served as a fixed resource: the lab does not install
+    # CRDs dynamically. Custom resources are stored under /registry/<group>/<plural>/ (apiextensions-apiserver
+    # customresource_handler.go: ResourcePrefix = group + "/" + plural). The printer columns repeat the
+    # manifest's additionalPrinterColumns (tests/unit/test_lab_ghostpods.py keeps them equal).
+    Resource("kube-ghost-guard.io", "v1alpha1", "ghostpods", "GhostPod", True, "/registry/kube-ghost-guard.io/ghostpods/",
+             custom=True, short_names=("gp",), categories=("ghost-guard",),
+             printer_columns=(("Pod", "string", ".spec.podName"), ("Verdict", "string", ".spec.verdict"),
+                              ("Stale Replicas", "string", ".status.staleReplicas"),
+                              ("Times Blocked", "integer", ".status.timesBlocked"),
+                              ("Last Seen", "date", ".status.lastSeen"),
+                              ("Age", "date", ".metadata.creationTimestamp"))),
 )
 
 
@@ -477,6 +494,78 @@ def apply_patch(content_type: str, target: Obj, body: bytes) -> Obj:
         return strategic_merge_patch(target, patch)
     raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - accepted media types include: "
                    "application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json")
+
+
+# --- server-side printing (Table) ----------------------------------------------------
+
+
+def wants_table(accept: str | None) -> bool:
+    """kubectl get asks ``application/json;as=Table;v=v1;g=meta.k8s.io, ..., application/json``."""
+    return accept is not None and "as=Table" in accept and "g=meta.k8s.io" in accept
+
+
+def human_duration(seconds: float) -> str:
+    """k8s.io/apimachinery/pkg/util/duration HumanDuration (the AGE column)."""
+    s = int(seconds)
+    if s < 0:
+        return "<invalid>"
+    if s < 120:
+        return f"{s}s"
+    m = s // 60
+    if m < 10:
+        return f"{m}m{s % 60}s" if s % 60 else f"{m}m"
+    if m < 180:
+        return f"{m}m"
+    h = s // 3600
+    if h < 8:
+        return f"{h}h{m % 60}m" if m % 60 else f"{h}h"
+    if h < 48:
+        return f"{h}h"
+    if h < 24 * 8:
+        return f"{h // 24}d{h % 24}h" if h % 24 else f"{h // 24}d"
+    if h < 24 * 365 * 2:
+        return f"{h // 24}d"
+    if h < 24 * 365 * 8:
+        return f"{h // 24 // 365}y{(h // 24) % 365}d"
+    return f"{h // 24 // 365}y"
+
+
+def table(r: Resource, items: list[Obj], resource_version: str, now: float) -> Obj:
+    """A meta.k8s.io/v1 Table of ``items`` with the resource's printer columns, as apiextensions-apiserver's
+    tableconvertor builds it: Name first, a missing value an empty cell, a date column as an age."""
+    cols = [{"name": "Name", "type": "string", "format": "name", "description": "Name must be unique within a namespace.",
+             "priority": 0}]
+    cols += [{"name": n, "type": t, "format": "", "description": "", "priority": 0} for n, t, _ in r.printer_columns]
+    rows = []
+    for o in items:
+        meta = o.get("metadata") or {}
+        cells: list[Any] = [meta.get("name", "")]
+        for _, typ, path in r.printer_columns:
+            v = field_value_raw(o, path.lstrip("."))
+            if v is None:
+                cells.append(None)
+            elif typ == "date":
+                try:
+                    t = datetime.datetime.fromisoformat(str(v).replace("Z", "+00:00")).timestamp()
+                    cells.append(human_duration(now - t))
+                except ValueError:
+                    cells.append(str(v))
+            else:
+                cells.append(v)
+        partial = {k: v for k, v in meta.items() if k != "managedFields"}
+        rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                                                "metadata": partial}})
+    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": resource_version},
+            "columnDefinitions": cols, "rows": rows}
+
+
+def field_value_raw(obj: Obj, path: str) -> Any:
+    cur: Any = obj
+    for part in path.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur
 
 
 # --- time ------------------------------------------------------------------------

@@ -148,6 +148,34 @@ def _qos_class(spec: Obj) -> str:
     return "Guaranteed"
 
 
+def _status_update(r: Resource, cur: Obj, new: Obj) -> Obj:
+    """A write to the status subresource changes the status only (registry strategies' status
+    PrepareForUpdate; apiextensions-apiserver customresource status_strategy.go: the old object is
+    copied, then the new status set, or removed when the new object has none)."""
+    if "status" in new:
+        cur["status"] = new["status"]
+    elif r.custom:
+        cur.pop("status", None)
+    else:
+        cur["status"] = {}
+    return cur
+
+
+def _custom_update(cur: Obj, new: Obj) -> Obj:
+    """A write to a custom resource itself keeps the stored status (strategy.go PrepareForUpdate with the
+    status subresource enabled) and bumps metadata.generation when anything but metadata and status
+    changed."""
+    if "status" in cur:
+        new["status"] = cur["status"]
+    else:
+        new.pop("status", None)
+    changed = {k: v for k, v in new.items() if k not in ("metadata", "status")} != \
+        {k: v for k, v in cur.items() if k not in ("metadata", "status")}
+    generation = int((cur.get("metadata") or {}).get("generation") or 1)
+    _meta(new)["generation"] = generation + 1 if changed else generation
+    return new
+
+
 class Registry:
     def __init__(self, client: EtcdClient) -> None:
         self.etcd = client
@@ -197,6 +225,11 @@ class Registry:
             if not isinstance(obj.get("spec"), dict) or not obj["spec"].get("containers"):
                 raise invalid(r, name, "spec.containers", "")
             _pod_defaults(obj)
+        if r.custom:
+            # apiextensions-apiserver customresource strategy.go PrepareForCreate: with the status
+            # subresource enabled the status sent with a create is dropped; metadata.generation = 1.
+            obj.pop("status", None)
+            meta["generation"] = 1
         created, rev, _ = self.etcd.create(r.key(namespace, name), encode(obj))
         if not created:
             raise already_exists(r, name)
@@ -244,13 +277,14 @@ class Registry:
 
         def change(cur: Obj) -> Obj:
             if status_only:
-                cur["status"] = body.get("status", {})
-                return cur
+                return _status_update(r, cur, body)
             body.setdefault("apiVersion", cur.get("apiVersion"))
             body.setdefault("kind", cur.get("kind"))
             if r is PODS:
                 body["spec"] = cur.get("spec")  # pod spec is (nearly) immutable; binding sets nodeName
                 body.setdefault("status", cur.get("status"))
+            if r.custom:
+                return _custom_update(cur, body)
             return body
 
         return output_form(r, self._guaranteed_update(r, namespace, name, change, resource_version=rv))
@@ -267,8 +301,9 @@ class Registry:
             if prv and prv != cur["metadata"]["resourceVersion"]:
                 raise modified_conflict(r, name)
             if status_only:
-                cur["status"] = patched.get("status", {})
-                return cur
+                return _status_update(r, cur, patched)
+            if r.custom:
+                return _custom_update(cur, patched)
             return patched
 
         return output_form(r, self._guaranteed_update(r, namespace, name, change))

@@ -27,7 +27,7 @@ import orjson
 from guard.lab.api import (
     RESOURCES, ApiError, FieldRequirement, Obj, Resource, Selector, bad_request, gone, internal_error,
     method_not_allowed, not_found, parse_field_selector, parse_label_selector, path_not_found, resource_for,
-    too_many_requests, unauthorized,
+    table, too_many_requests, unauthorized, wants_table,
 )
 from guard.lab import openapi
 from guard.lab.api import FIELD_VALIDATION_DIRECTIVES, unknown_fields
@@ -521,7 +521,7 @@ class Replica:
             raise path_not_found()
         name = rest[1] if len(rest) > 1 else None
         sub = rest[2] if len(rest) > 2 else None
-        if sub not in (None, "status", "binding") or (sub == "binding" and r.plural != "pods") or (sub == "status" and r.plural not in ("pods", "nodes", "namespaces", "services")):
+        if sub not in (None, "status", "binding") or (sub == "binding" and r.plural != "pods") or (sub == "status" and r.plural not in ("pods", "nodes", "namespaces", "services") and not r.custom):
             raise path_not_found()
         m = ctx.method
         if name is None:
@@ -580,8 +580,9 @@ class Replica:
         return sorted({r.group for r in RESOURCES if r.group})
 
     def _group(self, g: str) -> Obj:
-        v = {"groupVersion": f"{g}/v1", "version": "v1"}
-        return {"name": g, "versions": [v], "preferredVersion": v}
+        versions = sorted({r.version for r in RESOURCES if r.group == g})
+        vs = [{"groupVersion": f"{g}/{v}", "version": v} for v in versions]
+        return {"name": g, "versions": vs, "preferredVersion": vs[0]}
 
     def _resource_list(self, group: str, version: str) -> Obj:
         rs = [r for r in RESOURCES if (r.group, r.version) == (group, version)]
@@ -589,7 +590,16 @@ class Replica:
             raise path_not_found()
         out = []
         for r in rs:
-            out.append({"name": r.plural, "singularName": r.kind.lower(), "namespaced": r.namespaced, "kind": r.kind, "verbs": list(r.verbs)})
+            entry: Obj = {"name": r.plural, "singularName": r.kind.lower(), "namespaced": r.namespaced, "kind": r.kind,
+                          "verbs": list(r.verbs)}
+            if r.short_names:
+                entry["shortNames"] = list(r.short_names)
+            if r.categories:
+                entry["categories"] = list(r.categories)
+            out.append(entry)
+            if r.custom:
+                out.append({"name": f"{r.plural}/status", "singularName": "", "namespaced": r.namespaced, "kind": r.kind,
+                            "verbs": ["get", "patch", "update"]})
             if r.plural == "pods":
                 out.append({"name": "pods/binding", "singularName": "", "namespaced": True, "kind": "Binding", "verbs": ["create"]})
             if r.plural in ("pods", "nodes", "namespaces", "services"):
@@ -631,6 +641,8 @@ class Replica:
             obj, _ = cache.get(r.key(namespace, name))
             if obj is None:
                 raise not_found(r, name)
+        if r.printer_columns and wants_table(ctx.headers.get("Accept")):
+            return self._send(ctx, 200, table(r, [obj], str(obj["metadata"].get("resourceVersion", "")), time.time()))
         self._send(ctx, 200, output_form(r, obj))
 
     def _selector(self, ctx: _Ctx, r: Resource, namespace: str | None) -> Selector:
@@ -674,6 +686,8 @@ class Replica:
                 if rv != "0":
                     self._wait_fresh(cache, int(rv))
                 items, list_rv = cache.list(r.prefix(namespace), sel.matches)
+        if r.printer_columns and wants_table(ctx.headers.get("Accept")):
+            return self._send(ctx, 200, table(r, items, str(list_rv), time.time()))
         out_items = []
         for o in items:
             o = output_form(r, o)

@@ -136,12 +136,12 @@ def no_replica_blamed(g) -> None:
 def guarded(lab, start_guard, lab_scheduler, tmp_path):
     """Factory: ``guarded(nodes)`` -> (guard, audit db, scheduler on replica 1 with the guard as extender)."""
 
-    def start(nodes: list[str]):
+    def start(nodes: list[str], store: list[str] = ()):
         api = lab.core_v1(2)
         for name in nodes:
             create(api, node_manifest(name))
         db = str(tmp_path / "audit.db")
-        g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", db, *GUARD_FLAGS])
+        g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", db, *GUARD_FLAGS, *store])
         eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery", process=g)
         assert lab.wait_synced()
         ext = ExtenderConfig(url_prefix=g.base, filter_verb="filter", preempt_verb="preempt",
@@ -555,10 +555,11 @@ def test_a_replica_that_only_lagged_is_never_named(lab, guarded):
     assert named == set(), f"report named {named} (the scheduler's replica, lagging: {replica_address(lab, 1)})"
 
 
-@pytest.mark.xfail(strict=True, reason="audit records are keyed by UID and a forged call's record is kept: a "
+@pytest.mark.xfail(strict=True, reason="the SQLite store keys records by UID and a forged call's record is kept: a "
                    "/filter naming does-not-exist with a live pod's UID records that UID under the forged "
                    "name; when the pod later really becomes a ghost its own record is refused "
-                   "(IdentityConflictError) and its probes dropped, so `report` never names the stale replica")
+                   "(IdentityConflictError) and its probes dropped, so `report` never names the stale replica. "
+                   "The GhostPod store keys records by identity: fixed there (the test below)")
 def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report(lab, guarded):
     g, db, sched = guarded([])
     api = lab.core_v1(2)
@@ -577,3 +578,33 @@ def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report(lab, guard
     records = {(r["namespace"], r["name"]): r for r in audit_records(db)}
     assert (NS, "live-1") in records, sorted(records)
     assert [r["replica"] for r in report(db)["stale_replicas"]] == [stale]
+
+
+def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report_with_ghostpods(lab, guarded):
+    """The same story with --audit-store kubernetes: GhostPods are named by the pod's identity
+    (namespace, name, UID), so the forged call's record and the real ghost's are two objects."""
+    g, _, sched = guarded([], ["--audit-store", "kubernetes", "--audit-write-interval", "0.2"])
+    store = ["--audit-store", "kubernetes", "--kubeconfig", lab.kubeconfig(2)]
+    api = lab.core_v1(2)
+    uid = create(api, pod_manifest("live-1"))["metadata"]["uid"]
+    assert lab.wait_synced()
+    assert not filter_passes(g, "does-not-exist", uid)  # the forged call: rightly rejected
+    lab.replicas[1].faults.drop_deletes(namespace=NS, name="live-1")
+    delete_pod(api, "live-1", uid)
+    assert lab.wait_synced()
+    assert not filter_passes(g, "live-1", uid)
+    stale = replica_address(lab, 1)
+    eventually(lambda: g.metric("ghost_guard_stale_replica_detections_total", replica=stale) == 1, 10,
+               what="replica 1 confirmed stale", process=g)
+
+    def named() -> list[str] | None:
+        r = cli("report", *store, "-o", "json")
+        assert r.returncode == 0, r.stderr
+        replicas = [x["replica"] for x in json.loads(r.stdout)["stale_replicas"]]
+        return replicas or None
+
+    assert eventually(named, 10, what="report naming the stale replica", interval=0.2) == [stale]
+    r = cli("audit", *store, "--retracted", "-o", "json")
+    records = {(x["namespace"], x["name"]): x for x in json.loads(r.stdout)}
+    assert records[(NS, "live-1")]["uid"] == uid and records[(NS, "live-1")]["stale_replicas"] == [stale]
+    assert records[(NS, "does-not-exist")]["uid"] == uid and records[(NS, "does-not-exist")]["stale_replicas"] == []

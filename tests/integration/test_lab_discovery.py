@@ -49,7 +49,7 @@ def test_discovery_documents(shared_lab):
     assert client.VersionApi(api_client).get_code(_request_timeout=5).git_version.startswith("v1.")
     assert client.CoreApi(api_client).get_api_versions(_request_timeout=5).versions == ["v1"]
     groups = {g.name for g in client.ApisApi(api_client).get_api_versions(_request_timeout=5).groups}
-    assert groups == {"coordination.k8s.io", "discovery.k8s.io", "events.k8s.io"}
+    assert groups == {"coordination.k8s.io", "discovery.k8s.io", "events.k8s.io", "kube-ghost-guard.io"}
     resources = {r.name for r in client.CoreV1Api(api_client).get_api_resources(_request_timeout=5).resources}
     assert {"pods", "pods/binding", "pods/status", "nodes", "events", "endpoints"} <= resources
     for path in ("/healthz", "/livez", "/readyz"):

@@ -392,6 +392,8 @@ def code_calls() -> set[tuple[str, str, str, str]]:
                 continue
             if cls == "VersionApi":
                 continue  # GET /version: a non-resource URL every authenticated user may read
+            if cls == "CustomObjectsApi":
+                continue  # referenced, not called: _custom_object_calls below
             prefix = next((p for p in sorted(VERBS, key=len, reverse=True) if method.startswith(p + "_")), None)
             assert prefix, f"{path.name}: unknown kubernetes call {cls}.{method}"
             group, resource = _rule_of(_path_of(cls, method))
@@ -402,7 +404,26 @@ def code_calls() -> set[tuple[str, str, str, str]]:
             calls.add((namespace, group, resource, VERBS[prefix]))
             if any(k.arg == "watch" and isinstance(k.value, ast.Constant) and k.value.value for k in node.keywords):
                 calls.add((namespace, group, resource, "watch"))
+        calls |= _custom_object_calls(tree, attrs)
     return calls
+
+
+def _custom_object_calls(tree: ast.AST, attrs: dict[str, str]) -> set[tuple[str, str, str, str]]:
+    """CustomObjectsApi methods the code references (guard/kube.py GhostPods passes them to one error-translating
+    wrapper). Their paths are generic (/apis/{group}/...): the group and plural are guard.kube's GHOSTPOD_*."""
+    from guard.kube import GHOSTPOD_GROUP, GHOSTPOD_PLURAL
+
+    out = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and attrs.get(node.value.attr) == "CustomObjectsApi"):
+            continue
+        m = re.fullmatch(r"(read|get|list|create|patch|replace|delete)_(namespaced|cluster)_custom_object(_status)?",
+                         node.attr)
+        assert m, f"unknown CustomObjectsApi method {node.attr}"
+        verb = {"read": "get", "get": "get"}.get(m.group(1)) or VERBS[m.group(1)]
+        out.add(("*", GHOSTPOD_GROUP, GHOSTPOD_PLURAL + ("/status" if m.group(3) else ""), verb))
+    return out
 
 
 OPT_IN_WRITES = "heal"  # manifests/heal: the pod writes of `serve --heal` / `ghost-guard heal`, applied on purpose only
@@ -418,6 +439,8 @@ def manifest_grants(*, opt_in: bool = True) -> set[tuple[str, str, str, str]]:
         for doc in yaml.safe_load_all(path.read_text()):
             if not isinstance(doc, dict) or doc.get("kind") not in ("Role", "ClusterRole"):
                 continue
+            if any(k.startswith("rbac.authorization.k8s.io/aggregate-to-") for k in doc["metadata"].get("labels", {})):
+                continue  # a role for people (ghost-guard-ghostpods-view, aggregated to view), never bound to the guard
             namespace = doc["metadata"].get("namespace", "*") if doc["kind"] == "Role" else "*"
             for rule in doc.get("rules") or []:
                 for url in rule.get("nonResourceURLs", []):  # the guard needs none (/version is public-info)
@@ -443,6 +466,7 @@ def test_code_calls_are_derived():
     assert ("*", "", "pods", "watch") in calls
     assert ("default", "discovery.k8s.io", "endpointslices", "list") in calls
     assert ("kube-system", "coordination.k8s.io", "leases", "list") in calls
+    assert ("*", "kube-ghost-guard.io", "ghostpods/status", "patch") in calls
 
 
 def test_rbac_grants_every_call_the_code_makes():

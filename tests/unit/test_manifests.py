@@ -115,16 +115,19 @@ EXPECTED = {
              ("Role", "kube-system", "ghost-guard-apiserver-leases"), ("RoleBinding", "kube-system", "ghost-guard-apiserver-leases"),
              ("Deployment", NAMESPACE, "ghost-guard"), ("PodDisruptionBudget", NAMESPACE, "ghost-guard"),
              ("Service", NAMESPACE, "ghost-guard"), ("NetworkPolicy", NAMESPACE, "ghost-guard"),
-             ("ResourceQuota", NAMESPACE, "ghost-guard-critical-pods")},
+             ("ResourceQuota", NAMESPACE, "ghost-guard-critical-pods"),
+             ("CustomResourceDefinition", "", "ghostpods.kube-ghost-guard.io"),
+             ("ClusterRole", "", "ghost-guard-ghostpods-view")},
     "webhook": {("ValidatingWebhookConfiguration", "", "ghost-guard")},
     "monitoring": {("ServiceMonitor", NAMESPACE, "ghost-guard"), ("PrometheusRule", NAMESPACE, "ghost-guard")},
 }
 EXPECTED["rbac"] = {i for i in EXPECTED["base"] if i[0] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")}
+EXPECTED["crd"] = {("CustomResourceDefinition", "", "ghostpods.kube-ghost-guard.io")}
 EXPECTED["overlays/deployment"] = EXPECTED["base"]
 EXPECTED["overlays/deployment-webhook"] = EXPECTED["base"] | EXPECTED["webhook"]
-EXPECTED["overlays/sidecar"] = EXPECTED["rbac"]
 EXPECTED["heal"] = {("ClusterRole", "", "ghost-guard-heal"), ("ClusterRoleBinding", "", "ghost-guard-heal")}
 EXPECTED["overlays/deployment-heal"] = EXPECTED["base"] | EXPECTED["heal"]
+EXPECTED["overlays/sidecar"] = EXPECTED["rbac"] | EXPECTED["crd"]
 
 
 def test_every_kustomization_is_known():
@@ -179,12 +182,19 @@ EXPECTED_RULES = {
     ("default", "", "endpoints", "get"),
     ("default", "discovery.k8s.io", "endpointslices", "list"),
     ("kube-system", "coordination.k8s.io", "leases", "list"),
+    # the GhostPod audit records (--audit-store kubernetes, guard/ghostpods.py)
+    ("*", "kube-ghost-guard.io", "ghostpods", "create"), ("*", "kube-ghost-guard.io", "ghostpods", "get"),
+    ("*", "kube-ghost-guard.io", "ghostpods", "list"), ("*", "kube-ghost-guard.io", "ghostpods", "delete"),
+    ("*", "kube-ghost-guard.io", "ghostpods/status", "patch"),
 }
+VIEW_ROLE = "ghost-guard-ghostpods-view"  # for people, aggregated to `view`; bound to nobody here
 
 
 def granted(objs: list[dict]) -> set[tuple[str, str, str, str]]:
     out = set()
     for role in by_kind(objs, "ClusterRole") + by_kind(objs, "Role"):
+        if role["metadata"]["name"] == VIEW_ROLE:
+            continue
         scope = role["metadata"].get("namespace", "*")
         for rule in role["rules"]:
             assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames/nonResourceURLs surprises
@@ -228,7 +238,8 @@ def test_the_heal_overlay_adds_exactly_the_pod_writes_and_turns_heal_on(rendered
 ], ids=["deployment-serviceaccount", "sidecar-own-user"])
 def test_bindings_bind_each_role_to_the_guard(rendered, kustomization, subject):
     objs = rendered[kustomization]
-    roles = {(o["kind"], o["metadata"].get("namespace", "")) + (o["metadata"]["name"],) for o in objs if o["kind"] in ("Role", "ClusterRole")}
+    roles = {(o["kind"], o["metadata"].get("namespace", "")) + (o["metadata"]["name"],) for o in objs
+             if o["kind"] in ("Role", "ClusterRole") and o["metadata"]["name"] != VIEW_ROLE}
     bound = set()
     for b in by_kind(objs, "ClusterRoleBinding") + by_kind(objs, "RoleBinding"):
         assert b["subjects"] == [subject]
@@ -395,7 +406,7 @@ def test_everything_namespaced_lives_in_the_guard_namespace(base):
         ns = o["metadata"].get("namespace")
         if o["kind"] in ("Role", "RoleBinding"):
             assert ns in ("default", "kube-system")
-        elif o["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+        elif o["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"):
             assert ns == NAMESPACE, ident(o)
 
 
@@ -683,3 +694,81 @@ def test_servicemonitor_scrapes_with_the_monitoring_cert(rendered, base):
         {"name": "ghost-guard-tls", "key": "ca.crt"}, {"name": "ghost-guard-tls", "key": "monitoring.crt"},
         {"name": "ghost-guard-tls", "key": "monitoring.key"})
     assert sm["spec"]["selector"]["matchLabels"].items() <= one(base, "Service")["metadata"]["labels"].items()
+
+
+# --- the GhostPod CRD and its RBAC (issue 14) --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def crd(rendered) -> dict:
+    return one(rendered["crd"], "CustomResourceDefinition")
+
+
+def test_ghostpod_crd_names_and_scope(crd):
+    from guard.kube import GHOSTPOD_GROUP, GHOSTPOD_PLURAL, GHOSTPOD_VERSION
+
+    spec = crd["spec"]
+    assert crd["metadata"]["name"] == f"{GHOSTPOD_PLURAL}.{GHOSTPOD_GROUP}"
+    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (
+        GHOSTPOD_GROUP, "Namespaced", "GhostPod", GHOSTPOD_PLURAL)
+    # The same domain as the webhook's name: the project's own.
+    webhook = one(rendered_webhook := render(MANIFESTS / "webhook"), "ValidatingWebhookConfiguration")
+    assert rendered_webhook and all(w["name"].endswith("." + GHOSTPOD_GROUP) for w in webhook["webhooks"])
+    (version,) = spec["versions"]
+    assert (version["name"], version["served"], version["storage"]) == (GHOSTPOD_VERSION, True, True)
+    assert version["subresources"] == {"status": {}}
+
+
+def test_ghostpod_crd_printer_columns_match_the_lab(crd):
+    """kubectl get ghostpods -A shows pod, verdict, stale replicas, times blocked, last seen, age; the lab serves
+    the same columns (guard/lab/api.py)."""
+    from guard.lab.api import resource_for
+
+    columns = [(c["name"], c["type"], c["jsonPath"]) for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
+    assert [c[0] for c in columns] == ["Pod", "Verdict", "Stale Replicas", "Times Blocked", "Last Seen", "Age"]
+    lab = resource_for("kube-ghost-guard.io", "v1alpha1", "ghostpods")
+    assert lab is not None and lab.custom and list(lab.printer_columns) == columns
+
+
+def test_ghostpod_schema_holds_what_the_guard_writes(crd):
+    """Every field guard/ghostpods.py writes is in the schema (structural schemas prune unknown fields),
+    with the verdicts of guard/verdict.py and the store's bounds."""
+    from guard.ghostpods import MAX_HEALS, MAX_REPLICAS, apply_ops
+
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    spec, status = schema["spec"], schema["status"]["properties"]
+    assert set(spec["required"]) == {"podName", "podUID", "verdict"}
+    assert set(spec["properties"]["verdict"]["enum"]) == {v.value for v in Verdict}
+    assert spec["properties"]["evidence"]["x-kubernetes-preserve-unknown-fields"] is True
+    written = apply_ops({}, [
+        {"op": "block", "count": 1, "first": 1.0, "last": 2.0},
+        {"op": "probe", "replica": "10.0.0.2:6443", "serves": True, "rv": "5", "error": "x", "at": 3.0},
+        {"op": "heal", "action": "restart", "outcome": "ok", "detail": "d", "at": 4.0},
+        {"op": "retract", "at": 5.0},
+    ])
+    assert set(written) <= set(status), set(written) - set(status)
+    assert status["replicas"]["maxItems"] == MAX_REPLICAS and status["heals"]["maxItems"] == MAX_HEALS
+    replica_fields = {"replica", "serves", "cacheResourceVersion", "error", "lastChecked", "firstSeenServing", "healedAt"}
+    assert set(status["replicas"]["items"]["properties"]) == replica_fields
+    assert set(status["heals"]["items"]["properties"]) == {"at", "action", "outcome", "detail"}
+
+
+def test_ghostpod_view_role_is_read_only_and_aggregated_to_view(rendered):
+    for kustomization in ("base", "overlays/sidecar"):
+        (role,) = [r for r in by_kind(rendered[kustomization], "ClusterRole") if r["metadata"]["name"] == VIEW_ROLE]
+        assert role["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+        assert role["rules"] == [{"apiGroups": ["kube-ghost-guard.io"], "resources": ["ghostpods"],
+                                  "verbs": ["get", "list", "watch"]}]
+        bound = [b for b in by_kind(rendered[kustomization], "ClusterRoleBinding") + by_kind(rendered[kustomization], "RoleBinding")
+                 if b["roleRef"]["name"] == VIEW_ROLE]
+        assert bound == []
+
+
+def test_the_manifests_record_to_kubernetes(pod):
+    """Through the environment, so that `serve` and `ghost-guard audit|report` run in the container agree."""
+    (container,) = pod["spec"]["containers"]
+    sidecar = static_pod("overlays/sidecar/node/kube-scheduler.yaml")
+    (guard,) = [c for c in sidecar["spec"]["containers"] if c["name"] != "kube-scheduler"]
+    for c in (container, guard):
+        assert {"name": "GHOST_GUARD_AUDIT_STORE", "value": "kubernetes"} in c["env"]
+        assert not any(a.startswith("--audit-store") for a in c["args"])

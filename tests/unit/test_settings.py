@@ -17,6 +17,16 @@ from guard.settings import Settings, SettingsError
                  "--alive-ttl must be between 0 and 1s", id="alive-ttl"),
     pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "threads": 0}, "--threads must be at least 1",
                  id="threads"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "audit_store": "etcd"},
+                 "--audit-store must be `kubernetes`, `sqlite` or `sqlite:PATH`, got 'etcd'", id="audit-store"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "audit_store": "sqlite:"},
+                 "--audit-store must be", id="audit-store-empty-path"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "audit_max_age": 0},
+                 "--audit-retention must be positive", id="audit-retention"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "audit_queue_size": 0},
+                 "--audit-queue-size must be at least 1", id="audit-queue-size"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "audit_write_qps": 0},
+                 "--audit-write-qps must be positive", id="audit-write-qps"),
 ])
 def test_invalid_settings_name_the_flag(kw, reason):
     with pytest.raises(SettingsError) as e:
@@ -29,7 +39,11 @@ def test_invalid_settings_name_the_flag(kw, reason):
     pytest.param({"insecure_http": True, "bind": "[::1]:8080"}, id="loopback-v6"),
     pytest.param({"insecure_http": True, "bind": "localhost:8080"}, id="localhost"),
     pytest.param({"tls_cert": "c.pem", "tls_key": "k.pem"}, id="https-default-bind"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:8080", "audit_store": "kubernetes"}, id="audit-kubernetes"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:8080", "audit_store": "sqlite:/tmp/a.db"}, id="audit-sqlite-path"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:8080", "audit_store": "sqlite"}, id="audit-sqlite"),
 ])
+
 def test_valid_settings(kw):
     assert Settings(**kw).validate() is not None
 
@@ -69,3 +83,13 @@ def test_cache_health_flags_are_checked(kw, reason):
 ])
 def test_revision_interval_is_a_third_of_frozen_after_within_bounds(frozen_after, interval):
     assert Settings(**_LOCAL, frozen_after=frozen_after).validate().revision_interval == interval
+@pytest.mark.parametrize("spec,expect", [
+    pytest.param(None, ("sqlite", "/d.db"), id="default"),
+    pytest.param("sqlite", ("sqlite", "/d.db"), id="sqlite-means-audit-db"),
+    pytest.param("sqlite:/x/a.db", ("sqlite", "/x/a.db"), id="sqlite-path"),
+    pytest.param("kubernetes", ("kubernetes", None), id="kubernetes"),
+])
+def test_parse_store(spec, expect):
+    from guard.auditstore import parse_store
+
+    assert parse_store(spec, "/d.db") == expect

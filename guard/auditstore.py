@@ -1,0 +1,90 @@
+"""What the guard and the CLI need of an audit store, and opening one from ``--audit-store``.
+
+Two stores satisfy :class:`AuditBackend`: the embedded SQLite file
+(:class:`guard.audit.AuditStore`, the default of a bare ``ghost-guard serve``)
+and GhostPod objects in the Kubernetes API (:class:`guard.ghostpods.KubeAuditStore`,
+what the manifests use). ``guard.incident`` and ``guard.cli`` depend on this
+Protocol only, so either store can be plugged in (a lower layer naming what it
+needs of a higher one, kopf-style).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
+
+if TYPE_CHECKING:  # record types only; the stores are imported when opened
+    from guard.audit import AuditRecord
+
+
+class AuditBackend(Protocol):
+    def record_block(self, *, uid: str, namespace: str, name: str, verdict: str, evidence: Mapping[str, Any],
+                     at: float) -> bool: ...
+
+    def retract(self, *, uid: str, at: float, namespace: str | None = None, name: str | None = None) -> bool: ...
+
+    def record_probe(self, *, uid: str, replica: str, serves: bool | None, cache_resource_version: str | None,
+                     error: str | None, at: float, namespace: str | None = None, name: str | None = None) -> None: ...
+
+    def record_heal(self, *, uid: str, action: str, outcome: str, detail: str, at: float) -> None: ...
+
+    def records(self, *, namespace: str | None = None, verdict: str | None = None, replica: str | None = None,
+                since: float | None = None, limit: int | None = None, retracted: bool = False) -> list[AuditRecord]: ...
+
+    def record(self, uid: str) -> AuditRecord | None: ...
+
+    def prune(self, *, now: float) -> int: ...
+
+    def check(self) -> str | None: ...
+
+    def close(self) -> None: ...
+
+
+class StoreSpecError(ValueError):
+    """``--audit-store`` is neither ``kubernetes`` nor ``sqlite[:PATH]``."""
+
+
+def parse_store(spec: str | None, default_path: str) -> tuple[str, str | None]:
+    """``kubernetes`` -> ("kubernetes", None); ``sqlite:PATH`` -> ("sqlite", PATH); ``sqlite`` or None
+    -> ("sqlite", ``default_path``: ``--audit-db``)."""
+    if spec is None or spec.strip() in ("", "sqlite"):
+        return "sqlite", default_path
+    spec = spec.strip()
+    if spec == "kubernetes":
+        return "kubernetes", None
+    kind, sep, path = spec.partition(":")
+    if kind == "sqlite" and sep and path:
+        return "sqlite", path
+    raise StoreSpecError(f"--audit-store must be `kubernetes`, `sqlite` or `sqlite:PATH`, got {spec!r}")
+
+
+def describe(spec: str | None, default_path: str) -> str:
+    """The store as logs and /readyz name it: ``kubernetes (GhostPod objects)`` or the SQLite path."""
+    kind, path = parse_store(spec, default_path)
+    return "kubernetes (GhostPod objects)" if kind == "kubernetes" else str(path)
+
+
+def open_store(spec: str | None, default_path: str, *, kubeconfig: str | None = None, max_age_seconds: float,
+               max_records: int, echo: TextIO | None = None, write_qps: float = 20.0, queue_size: int = 50_000,
+               write_interval: float = 10.0, writer: bool = True, kube: Any = None) -> AuditBackend:
+    """Open the store ``spec`` names. Raises ``guard.audit.AuditError`` (or ``StoreSpecError``, a ValueError).
+
+    ``writer=False`` (the CLI's readers) starts no background writer. ``kube``: a ``guard.kube.Kube``
+    to share (the guard's own); else one is built from ``kubeconfig``."""
+    kind, path = parse_store(spec, default_path)
+    if kind == "sqlite":
+        from guard.audit import AuditStore
+
+        assert path is not None
+        return AuditStore(path, max_age_seconds=max_age_seconds, max_records=max_records, echo=echo)
+    from guard.audit import AuditError
+    from guard.ghostpods import KubeAuditStore
+    from guard.kube import GhostPods, Kube, KubeConfigError, load_configuration
+
+    if kube is None:
+        try:
+            kube = Kube(load_configuration(kubeconfig), timeout=5.0, pool_size=8)
+        except KubeConfigError as e:
+            raise AuditError(str(e)) from e
+    return KubeAuditStore(GhostPods(kube), max_age_seconds=max_age_seconds, max_records=max_records, echo=echo,
+                          write_qps=write_qps, queue_size=queue_size, min_interval=write_interval, start=writer)
