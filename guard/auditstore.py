@@ -19,7 +19,9 @@ if TYPE_CHECKING:  # record types only; the stores are imported when opened
 
 class AuditBackend(Protocol):
     def record_block(self, *, uid: str, namespace: str, name: str, verdict: str, evidence: Mapping[str, Any],
-                     at: float) -> bool: ...
+                     at: float) -> bool | None:
+        """True: a new record; False: a known one counted again; None: dropped (the GhostPod store's queue was
+        full: counted, and ``check()`` says so)."""
 
     def retract(self, *, uid: str, at: float, namespace: str | None = None, name: str | None = None) -> bool: ...
 

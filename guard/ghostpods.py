@@ -355,8 +355,9 @@ class KubeAuditStore:
     # -- writes: into memory, never waiting for the apiserver ------------------------------
 
     def record_block(self, *, uid: str, namespace: str, name: str, verdict: str, evidence: Mapping[str, Any],
-                     at: float) -> bool:
-        """Queue one block of ``(namespace, name, uid)``. True the first time this process records it."""
+                     at: float) -> bool | None:
+        """Queue one block of ``(namespace, name, uid)``. True the first time this process records it; None when
+        it was dropped (the queue is full: counted, and ``check()`` says so)."""
         _check_text("uid", uid, MAX_UID)
         _check_text("namespace", namespace, MAX_NAMESPACE)
         _check_text("name", name, MAX_NAME)
@@ -368,7 +369,7 @@ class KubeAuditStore:
         spec = {"podName": name, "podUID": uid, "verdict": verdict,
                 "evidence": dict(evidence) if evidence_json is not None else {"truncated": True}}
         new = self._queue(key, {"op": "block", "count": 1, "first": at, "last": at}, spec=spec)
-        return new is True  # None: dropped (the queue is full; counted)
+        return new  # None: dropped (the queue is full; counted)
 
     def retract(self, *, uid: str, at: float, namespace: str | None = None, name: str | None = None) -> bool:
         """Queue the withdrawal of the identity's verdict. The identity is needed (the object is named by it):

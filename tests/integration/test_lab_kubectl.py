@@ -65,7 +65,7 @@ def test_openapi_v3_index_points_at_documents_that_name_each_kind(shared_lab):
     status, index = raw(shared_lab, 0, "GET", "/openapi/v3")
     assert status == 200
     assert sorted(index["paths"]) == ["api/v1", "apis/coordination.k8s.io/v1", "apis/discovery.k8s.io/v1",
-                                      "apis/events.k8s.io/v1"]
+                                      "apis/events.k8s.io/v1", "apis/kube-ghost-guard.io/v1alpha1"]
     status, doc = raw(shared_lab, 0, "GET", index["paths"]["api/v1"]["serverRelativeURL"])
     assert status == 200
     patch = doc["paths"]["/api/v1/namespaces/{namespace}/pods/{name}"]["patch"]
