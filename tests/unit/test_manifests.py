@@ -668,7 +668,8 @@ def test_prometheus_rules_use_real_metrics(rendered):
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
     assert set(alerts) == {"GhostGuardGhostsBlocked", "GhostGuardStaleApiserverReplica", "GhostGuardFailingOpen",
                            "GhostGuardDown", "GhostGuardPodsMissingFromReplica", "GhostGuardApiserverReplicaFrozen",
-                           "GhostGuardReplicaWatchDown", "GhostGuardAuditStoreUnwritable", "GhostGuardHealFailing"}
+                           "GhostGuardReplicaWatchDown", "GhostGuardAuditStoreUnwritable", "GhostGuardHealFailing",
+                           "GhostGuardAuditRecordsDropped"}
     used = set()
     for a in alerts.values():
         assert set(a) == {"alert", "expr", "for", "labels", "annotations"}
