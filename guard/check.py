@@ -42,6 +42,9 @@ class Checker:
                                   prepared_max_age=settings.prepared_max_age, prepared_grace=settings.prepared_grace,
                                   timer=timer)
         self.listeners: list[GhostListener] = []
+        # Called at the start of every scheduler call (check), before its verdict: the pre-verifier
+        # learns that this guard replica is the one being asked (guard.prepare, --prepare-idle-after).
+        self.call_hooks: list[Callable[[], None]] = []
         self.sighting_listeners: list[SightingListener] = []
         # Follow-ups run on two background threads; background=False runs them inline (deterministic tests).
         self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghost-followup") if background else None
@@ -54,6 +57,11 @@ class Checker:
         read = self._quorum_get(namespace, name, timeout)
         metrics.labelled(metrics.QUORUM_GET_DURATION, read.status.value).observe(time.perf_counter() - start)
         return read
+
+    @property
+    def timer(self) -> Callable[[], float]:
+        """The clock of deadlines and caches (time.monotonic; a fake clock in tests)."""
+        return self._timer
 
     def deadline(self, arrived: float | None = None) -> float:
         """The time (on this checker's timer) by which a request that arrived at ``arrived`` must be answered."""
@@ -68,6 +76,8 @@ class Checker:
         if deadline is None:
             deadline = self.deadline()
         try:
+            for hook in self.call_hooks:
+                hook()
             decision = self._check(pod, deadline, record)
         except Exception:  # a bug of ours must never block a real pod
             log.exception("internal error while checking pod %s; failing open", pod)
