@@ -17,6 +17,9 @@ from guard.settings import Settings, SettingsError
                  "--alive-ttl must be between 0 and 1s", id="alive-ttl"),
     pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "threads": 0}, "--threads must be at least 1",
                  id="threads"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "prepare_idle_after": -1},
+                 "--prepare-idle-after must be between 0 (always verify ahead) and 86400 seconds, got -1",
+                 id="prepare-idle-after"),
 ])
 def test_invalid_settings_name_the_flag(kw, reason):
     with pytest.raises(SettingsError) as e:
@@ -29,6 +32,7 @@ def test_invalid_settings_name_the_flag(kw, reason):
     pytest.param({"insecure_http": True, "bind": "[::1]:8080"}, id="loopback-v6"),
     pytest.param({"insecure_http": True, "bind": "localhost:8080"}, id="localhost"),
     pytest.param({"tls_cert": "c.pem", "tls_key": "k.pem"}, id="https-default-bind"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:8080", "prepare_idle_after": 0}, id="always-verify-ahead"),
 ])
 def test_valid_settings(kw):
     assert Settings(**kw).validate() is not None
