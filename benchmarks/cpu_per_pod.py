@@ -25,7 +25,9 @@ profiled run include py-spy's small cost to the guard, so profile and measure in
 ``--idle-guards N`` runs N more guards of the same source tree beside each guard run, against the
 same lab, never called (the Deployment's second replica; the sidecars of the standby schedulers):
 their CPU per pod is reported apart, and the quorum GETs, requests and watch events per pod are
-then the whole cluster's (every guard's). ``--replicas 1,3,5`` repeats everything on a lab with
+then the whole cluster's (every guard's). ``--warm`` makes one call to each guard before its case, so
+that it is the guard being asked from the start (otherwise the case's first call is its takeover).
+``--replicas 1,3,5`` repeats everything on a lab with
 that many apiserver replicas (a fresh lab each).
 
 ``--baseline TREE`` adds a third extender to each alternation: the guard of another source tree
@@ -170,13 +172,18 @@ def start_passthrough() -> tuple[subprocess.Popen, str]:
 
 
 def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: str, pods: int, rate: float | None,
-                  profile: str | None, idle: list[subprocess.Popen] = ()) -> dict:
+                  profile: str | None, idle: list[subprocess.Popen] = (), warm: bool = False) -> dict:
     spy = None
     if profile:
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--subprocesses", "--gil", "--nonblocking",
                                 "--rate", "250", "--format", "raw", "--output", f"{profile}.txt"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
+    if warm:  # a scheduler call before the case: the guard is the one being asked (verifies ahead) from the start
+        requests.post(url + "/filter", timeout=10, headers={"Content-Type": "application/json"},
+                      data=orjson.dumps({"Pod": {"metadata": {"name": "warm-up", "namespace": "default", "uid": "warm"}},
+                                         "Nodes": None, "NodeNames": ["n1"]}))
+        answered0 = {k: int(metric(url, f"ghost_guard_verdicts_{k}_total")) for k in ("prepared", "shared_read", "inline")}
     _, ev_before = lab_log(lab)
     since = time.time()
     cpu0 = tree_cpu(proc.pid)
@@ -189,7 +196,8 @@ def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: 
         spy.send_signal(signal.SIGINT)
         spy.wait(30)
     try:  # how the guard's calls were answered: a prepared verdict, a shared read, a GET of their own
-        answered = {k: int(metric(url, f"ghost_guard_verdicts_{k}_total")) for k in ("prepared", "shared_read", "inline")}
+        answered = {k: int(metric(url, f"ghost_guard_verdicts_{k}_total")) - (answered0[k] if warm else 0)
+                    for k in ("prepared", "shared_read", "inline")}
     except Exception:
         answered = {}  # the pass-through has no such metrics
     mine = guard_requests(reqs, namespace, since)
@@ -216,6 +224,9 @@ def main() -> int:
     ap.add_argument("--replicas", default="3", help="apiserver replicas of the lab (comma-separated: a lab each)")
     ap.add_argument("--idle-guards", type=int, default=0, help="guards of the same tree run beside each guard, "
                     "never called (their CPU reported apart; GETs and watch events per pod are the cluster's)")
+    ap.add_argument("--warm", action="store_true", help="one /filter call (for a pod that does not exist) to each "
+                    "guard before its case: it is the guard being asked from the start (--prepare-idle-after), "
+                    "so a backlog is verified as it forms, not after the first call")
     ap.add_argument("guard_flags", nargs="*", help="extra flags for ghost-guard serve (after --)")
     args = ap.parse_args()
     if not args.no_pin:
@@ -255,7 +266,8 @@ def main() -> int:
                                     namespace = f"c{n}"
                                     try:
                                         profile = f"{args.profile}/{which}-{key}-{nodes}-{rnd}" if args.profile else None
-                                        res = measured_case(lab, proc, url, namespace, args.pods, rate, profile, idle)
+                                        res = measured_case(lab, proc, url, namespace, args.pods, rate, profile, idle,
+                                                            args.warm and which != "pass-through")
                                         agg[which].append(res)
                                         print(f"{replicas} replicas, {nodes} nodes, {label}, {which}: {res}",
                                               file=sys.stderr, flush=True)
