@@ -8,9 +8,9 @@ etcd, the watch events are delivered by hand, the verification queue is run by h
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
 from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
-from guard import metrics
 from guard.check import Checker
 from guard.prepare import Preverifier, ReplicaView
 from guard.verdict import Verdict
@@ -63,7 +63,7 @@ def test_the_takeover_call_is_answered_inline_and_queues_the_backlog_oldest_firs
     etcd, gets, clock, checker, pv, replicas, views = world
     uids = [etcd.create(f"web-{i}") for i in range(4)]
     deliver_all(pv, replicas, views)
-    takeovers = metrics.PREVERIFY_TAKEOVERS._value.get()
+    takeovers = REGISTRY.get_sample_value("ghost_guard_preverify_takeovers_total") or 0.0
     first = checker.check(pod("web-0", uids[0]))  # the first call: no prepared verdict, a GET of its own
     assert first.verdict is Verdict.ALIVE
     assert gets.count == 1
@@ -79,7 +79,7 @@ def test_the_takeover_call_is_answered_inline_and_queues_the_backlog_oldest_firs
     assert drain(pv) == 4  # the takeover queued the backlog: web-0 was asked already, no second GET
     assert order == ["web-0", "web-1", "web-2", "web-3"]
     assert gets.count == 4
-    assert metrics.PREVERIFY_TAKEOVERS._value.get() == takeovers + 1
+    assert REGISTRY.get_sample_value("ghost_guard_preverify_takeovers_total") == takeovers + 1
     assert pv.idle_status()["backlog"] == 0
     for i in (1, 2, 3):  # the rest of the backlog finds its verdicts ready
         assert checker.check(pod(f"web-{i}", uids[i])).verdict is Verdict.ALIVE
@@ -148,7 +148,7 @@ def test_a_pod_recreated_while_idle_is_never_condemned_by_a_read_of_its_predeces
     assert checker.check(pod("web-0", b)).verdict is Verdict.ALIVE
 
 
-def test_idle_after_zero_always_verifies_ahead(world):
+def test_idle_after_zero_always_verifies_ahead():
     etcd = Etcd()
     gets = ScriptedGets(etcd)
     checker = Checker(settings(prepare_idle_after=0), gets, timer=FakeClock(), background=False)
