@@ -22,11 +22,20 @@ raw collapsed stacks to ``DIR``; ``python3 -m pip install py-spy``); the CPU fig
 profiled run include py-spy's small cost to the guard, so profile and measure in separate runs.
 ``benchmarks/profile_summary.py DIR/*.txt --pods N`` groups the samples.
 
+``--idle-guards N`` runs N more guards of the same source tree beside each guard run, against the
+same lab, never called (the Deployment's second replica; the sidecars of the standby schedulers):
+their CPU per pod is reported apart, and the quorum GETs, requests and watch events per pod are
+then the whole cluster's (every guard's). ``--warm`` makes one call to each guard before its case, so
+that it is the guard being asked from the start (otherwise the case's first call is its takeover).
+``--replicas 1,3,5`` repeats everything on a lab with
+that many apiserver replicas (a fresh lab each).
+
 ``--baseline TREE`` adds a third extender to each alternation: the guard of another source tree
 (``git archive <commit> | tar -x -C TREE``), so that a change is measured before and after in
 one run, side by side, on a machine whose load changes from minute to minute.
 
-Run: ``python benchmarks/cpu_per_pod.py [--pods 500] [--nodes 100,1000] [--rounds 2] [--baseline TREE] [-- GUARD FLAGS]``.
+Run: ``python benchmarks/cpu_per_pod.py [--pods 500] [--nodes 100,1000] [--rounds 2] [--replicas 3] [--idle-guards 0]
+[--baseline TREE] [-- GUARD FLAGS]``.
 """
 
 from __future__ import annotations
@@ -163,29 +172,42 @@ def start_passthrough() -> tuple[subprocess.Popen, str]:
 
 
 def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: str, pods: int, rate: float | None,
-                  profile: str | None) -> dict:
+                  profile: str | None, idle: list[subprocess.Popen] = (), warm: bool = False) -> dict:
     spy = None
     if profile:
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--subprocesses", "--gil", "--nonblocking",
                                 "--rate", "250", "--format", "raw", "--output", f"{profile}.txt"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
+    if warm:  # a scheduler call before the case: the guard is the one being asked (verifies ahead) from the start
+        requests.post(url + "/filter", timeout=10, headers={"Content-Type": "application/json"},
+                      data=orjson.dumps({"Pod": {"metadata": {"name": "warm-up", "namespace": "default", "uid": "warm"}},
+                                         "Nodes": None, "NodeNames": ["n1"]}))
+        answered0 = {k: int(metric(url, f"ghost_guard_verdicts_{k}_total")) for k in ("prepared", "shared_read", "inline")}
     _, ev_before = lab_log(lab)
     since = time.time()
     cpu0 = tree_cpu(proc.pid)
+    idle0 = [tree_cpu(p.pid) for p in idle]
     res = run_case(lab, namespace, url, pods, rate)
     cpu = tree_cpu(proc.pid) - cpu0
+    idle_cpu = [tree_cpu(p.pid) - c for p, c in zip(idle, idle0)]
     reqs, ev_after = lab_log(lab)
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(30)
+    try:  # how the guard's calls were answered: a prepared verdict, a shared read, a GET of their own
+        answered = {k: int(metric(url, f"ghost_guard_verdicts_{k}_total")) - (answered0[k] if warm else 0)
+                    for k in ("prepared", "shared_read", "inline")}
+    except Exception:
+        answered = {}  # the pass-through has no such metrics
     mine = guard_requests(reqs, namespace, since)
     guard_events = events_between(ev_before, ev_after, GUARD_WATCH)
     client_events = events_between(ev_before, ev_after, f"/api/v1/namespaces/{namespace}/pods")
     res.update(cpu_ms_per_pod=cpu * 1000 / pods, requests_per_pod=len(mine) / pods,
                watch_events_per_pod=sum(guard_events.values()) / pods,
                client_watch_events_per_pod=sum(client_events.values()) / pods,
-               watch_events=guard_events)
+               watch_events=guard_events, answered=answered,
+               idle_cpu_ms_per_pod=statistics.mean(idle_cpu) * 1000 / pods if idle_cpu else float("nan"))
     return res
 
 
@@ -199,6 +221,12 @@ def main() -> int:
     ap.add_argument("--profile", metavar="DIR", help="sample each guard run with py-spy into DIR (no pass-through runs)")
     ap.add_argument("--baseline", metavar="TREE", help="also run the guard of another source tree (e.g. a `git archive` "
                     "of the commit before a change), alternating with this one and the pass-through")
+    ap.add_argument("--replicas", default="3", help="apiserver replicas of the lab (comma-separated: a lab each)")
+    ap.add_argument("--idle-guards", type=int, default=0, help="guards of the same tree run beside each guard, "
+                    "never called (their CPU reported apart; GETs and watch events per pod are the cluster's)")
+    ap.add_argument("--warm", action="store_true", help="one /filter call (for a pod that does not exist) to each "
+                    "guard before its case: it is the guard being asked from the start (--prepare-idle-after), "
+                    "so a backlog is verified as it forms, not after the first call")
     ap.add_argument("guard_flags", nargs="*", help="extra flags for ghost-guard serve (after --)")
     args = ap.parse_args()
     if not args.no_pin:
@@ -212,34 +240,46 @@ def main() -> int:
         ap.error(f"unknown case {e}; choose from live, backlog")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        lab = LabProcess(f"{tmp}/lab")
         n = 0
-        try:
-            for nodes in [int(x) for x in args.nodes.split(",")]:
-                prepared_burst.NODES = [f"node-{i:04d}" for i in range(nodes)]
-                for key, label, rate in cases:
-                    variants = ["guard"] + (["baseline"] if args.baseline else []) + ([] if args.profile else ["pass-through"])
-                    agg: dict[str, list[dict]] = {v: [] for v in ("guard", "baseline", "pass-through")}
-                    for rnd in range(args.rounds):
-                        for which in variants:
-                            n += 1
-                            if which == "pass-through":
-                                proc, url = start_passthrough()
-                            else:
-                                proc, url = start_guard(lab, tmp, n, args.guard_flags,
-                                                        args.baseline if which == "baseline" else None)
-                            namespace = f"c{n}"
-                            try:
-                                profile = f"{args.profile}/{which}-{key}-{nodes}-{rnd}" if args.profile else None
-                                res = measured_case(lab, proc, url, namespace, args.pods, rate, profile)
-                                agg[which].append(res)
-                                print(f"{nodes} nodes, {label}, {which}: {res}", file=sys.stderr, flush=True)
-                            finally:
-                                stop(proc)
-                            delete_namespace_pods(lab, namespace, args.pods)
-                    rows.append((nodes, label, agg))
-        finally:
-            lab.close()
+        for replicas in [int(x) for x in args.replicas.split(",")]:
+            lab = LabProcess(f"{tmp}/lab-{replicas}", replicas)
+            try:
+                for nodes in [int(x) for x in args.nodes.split(",")]:
+                    prepared_burst.NODES = [f"node-{i:04d}" for i in range(nodes)]
+                    for key, label, rate in cases:
+                        variants = (["guard"] + (["baseline"] if args.baseline else [])
+                                    + ([] if args.profile else ["pass-through"]))
+                        agg: dict[str, list[dict]] = {v: [] for v in ("guard", "baseline", "pass-through")}
+                        for rnd in range(args.rounds):
+                            for which in variants:
+                                n += 1
+                                idle: list[subprocess.Popen] = []
+                                tree = args.baseline if which == "baseline" else None
+                                try:
+                                    if which == "pass-through":
+                                        proc, url = start_passthrough()
+                                    else:
+                                        for k in range(args.idle_guards):
+                                            n += 1
+                                            idle.append(start_guard(lab, tmp, n, args.guard_flags, tree)[0])
+                                        proc, url = start_guard(lab, tmp, n, args.guard_flags, tree)
+                                    namespace = f"c{n}"
+                                    try:
+                                        profile = f"{args.profile}/{which}-{key}-{nodes}-{rnd}" if args.profile else None
+                                        res = measured_case(lab, proc, url, namespace, args.pods, rate, profile, idle,
+                                                            args.warm and which != "pass-through")
+                                        agg[which].append(res)
+                                        print(f"{replicas} replicas, {nodes} nodes, {label}, {which}: {res}",
+                                              file=sys.stderr, flush=True)
+                                    finally:
+                                        stop(proc)
+                                finally:
+                                    for p in idle:
+                                        stop(p)
+                                delete_namespace_pods(lab, namespace, args.pods)
+                        rows.append((replicas, nodes, label, agg))
+            finally:
+                lab.close()
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -247,23 +287,24 @@ def main() -> int:
                else "no CPU pinning")
     print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.pods} pods, {args.rounds} rounds per cell, "
-          f"means; {pinning}\n")
-    print("| nodes | case | guard CPU ms/pod | pass-through CPU ms/pod | difference ms/pod | guard requests/pod "
-          "| quorum GETs/pod | guard watch events/pod | guard pods/s | pass-through pods/s | pods/s ratio "
-          "| guard p50 ms | pass-through p50 ms |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"means; {pinning}; {args.idle_guards} idle guard(s) beside each guard\n")
+    print("| replicas | nodes | case | guard CPU ms/pod | idle guard CPU ms/pod | pass-through CPU ms/pod "
+          "| difference ms/pod | guard requests/pod | quorum GETs/pod | guard watch events/pod | guard pods/s "
+          "| pass-through pods/s | pods/s ratio | guard p50 ms | pass-through p50 ms |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def mean(rs: list[dict], k: str) -> float:
         return statistics.mean(r[k] for r in rs) if rs else float("nan")
 
-    for nodes, label, agg in rows:
+    for replicas, nodes, label, agg in rows:
         p = agg["pass-through"]
         for which in ("baseline", "guard"):
             g = agg[which]
             if not g:
                 continue
             name = label if not args.baseline else f"{label}, {'this checkout' if which == 'guard' else 'baseline'}"
-            print(f"| {nodes} | {name} | {mean(g, 'cpu_ms_per_pod'):.2f} | {mean(p, 'cpu_ms_per_pod'):.2f} "
+            print(f"| {replicas} | {nodes} | {name} | {mean(g, 'cpu_ms_per_pod'):.2f} "
+                  f"| {mean(g, 'idle_cpu_ms_per_pod'):.2f} | {mean(p, 'cpu_ms_per_pod'):.2f} "
                   f"| {mean(g, 'cpu_ms_per_pod') - mean(p, 'cpu_ms_per_pod'):.2f} | {mean(g, 'requests_per_pod'):.2f} "
                   f"| {mean(g, 'gets_per_pod'):.2f} | {mean(g, 'watch_events_per_pod'):.2f} | {mean(g, 'pods_per_s'):.0f} "
                   f"| {mean(p, 'pods_per_s'):.0f} | {mean(g, 'pods_per_s') / mean(p, 'pods_per_s'):.2f} "

@@ -97,14 +97,15 @@ class LabProcess:
     """The lab in its own process (benchmarks/soak_lab.py), so the lab's replica threads and the serial
     client do not share one GIL: in a cluster the apiserver and kube-scheduler are separate processes."""
 
-    def __init__(self, workdir: str) -> None:
+    def __init__(self, workdir: str, replicas: int = 3) -> None:
         import json
         import subprocess
 
         from kubernetes import config
 
         self.proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "soak_lab.py"), workdir,
-                                      "--live", "0", "--ghosts", "0"], stdout=subprocess.DEVNULL, cwd=REPO,
+                                      "--live", "0", "--ghosts", "0", "--replicas", str(replicas)],
+                                     stdout=subprocess.DEVNULL, cwd=REPO,
                                      start_new_session=True)
         state_path = Path(workdir) / "state.json"
         deadline = time.monotonic() + 60

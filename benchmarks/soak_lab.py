@@ -1,5 +1,5 @@
 """The soak's lab, in its own process (so the load generator and the lab's replica threads
-do not share one GIL): etcd + 3 apiserver replicas, live pods and real ghosts.
+do not share one GIL): etcd + 3 apiserver replicas (``--replicas``), live pods and real ghosts.
 
 Run by ``benchmarks/soak.py``; by hand: ``python benchmarks/soak_lab.py OUT_DIR --live 2000 --ghosts 50``.
 Writes ``OUT_DIR/state.json`` when ready (kubeconfigs, replica URLs, token, pods),
@@ -29,6 +29,7 @@ def main() -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--live", type=int, default=2000, help="live (pending) pods to create")
     parser.add_argument("--ghosts", type=int, default=50, help="real ghosts: deleted, still served by replica 1")
+    parser.add_argument("--replicas", type=int, default=3, help="apiserver replicas (ghosts need at least 2)")
     args = parser.parse_args()
 
     from guard.lab import Lab
@@ -37,13 +38,16 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     os.makedirs(args.out_dir, exist_ok=True)
-    with Lab(replicas=3, out_dir=args.out_dir) as lab:
+    if args.ghosts and args.replicas < 2:
+        parser.error("--ghosts needs at least 2 --replicas (one of them misses the deletes)")
+    with Lab(replicas=args.replicas, out_dir=args.out_dir) as lab:
         api = lab.core_v1(0)
         api.create_namespace({"metadata": {"name": NAMESPACE}}, _request_timeout=10)
         with ThreadPoolExecutor(8) as pool:
             live = list(pool.map(lambda i: (f"live-{i}", api.create_namespaced_pod(
                 NAMESPACE, pod(f"live-{i}"), _request_timeout=10).metadata.uid), range(args.live)))
-            lab.replicas[1].faults.drop_deletes(namespace=NAMESPACE)  # replica 1 misses every delete from now on
+            if args.ghosts:
+                lab.replicas[1].faults.drop_deletes(namespace=NAMESPACE)  # replica 1 misses every delete from now on
             ghosts = list(pool.map(lambda i: (f"ghost-{i}", api.create_namespaced_pod(
                 NAMESPACE, pod(f"ghost-{i}"), _request_timeout=10).metadata.uid), range(args.ghosts)))
             lab.wait_synced(timeout=30)

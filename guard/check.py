@@ -47,6 +47,9 @@ class Checker:
                                   prepared_max_age=settings.prepared_max_age, prepared_grace=settings.prepared_grace,
                                   timer=timer)
         self.listeners: list[GhostListener] = []
+        # Called at the start of every scheduler call (check), before its verdict: the pre-verifier
+        # learns that this guard replica is the one being asked (guard.prepare, --prepare-idle-after).
+        self.call_hooks: list[Callable[[], None]] = []
         self.sighting_listeners: list[SightingListener] = []
         self.block_recorders: list[BlockRecorder] = []
         # Follow-ups run on two background threads; background=False runs them inline (deterministic tests).
@@ -67,6 +70,11 @@ class Checker:
         metrics.labelled(metrics.QUORUM_GET_DURATION, read.status.value).observe(time.perf_counter() - start)
         return read
 
+    @property
+    def timer(self) -> Callable[[], float]:
+        """The clock of deadlines and caches (time.monotonic; a fake clock in tests)."""
+        return self._timer
+
     def deadline(self, arrived: float | None = None) -> float:
         """The time (on this checker's timer) by which a request that arrived at ``arrived`` must be answered."""
         return (self._timer() if arrived is None else arrived) + self.settings.request_budget
@@ -80,6 +88,8 @@ class Checker:
         if deadline is None:
             deadline = self.deadline()
         try:
+            for hook in self.call_hooks:
+                hook()
             decision = self._check(pod, deadline, record)
         except Exception:  # a bug of ours must never block a real pod
             log.exception("internal error while checking pod %s; failing open", pod)

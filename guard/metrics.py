@@ -32,6 +32,15 @@ PREVERIFIED = Counter("ghost_guard_preverified", "Pods verified in the backgroun
                       "by verdict.", ["verdict"])
 PREVERIFY_DROPPED = Counter("ghost_guard_preverify_dropped", "New pods not queued for background verification "
                             "because the queue was full (their first scheduling call verifies inline).")
+PREVERIFY_ACTIVE = Gauge("ghost_guard_preverify_active", "1 while this guard verifies new pods ahead (a scheduler "
+                         "call arrived within --prepare-idle-after, or it is 0), 0 while idle: its watches run, "
+                         "it makes no quorum GETs for new pods (sampled every second).", multiprocess_mode="livemax")
+PREVERIFY_TAKEOVERS = Counter("ghost_guard_preverify_takeovers", "First scheduler calls after an idle spell (or "
+                              "since start): each queued the pending pods the watch held for background verification.")
+PREVERIFY_DEFERRED = Counter("ghost_guard_preverify_deferred", "New pods seen while idle, not verified ahead (kept "
+                             "for the next takeover; a call for one before then verifies it inline).")
+PREVERIFY_BACKLOG = Gauge("ghost_guard_preverify_backlog", "Pending pods seen while idle, waiting for a takeover "
+                          "(sampled every second).", multiprocess_mode="livesum")
 WATCH_RESTARTS = Counter("ghost_guard_watch_restarts", "Restarts of the unscheduled-pod watch on a replica, by reason "
                          "(expired = 410 re-list, error).", ["reason"])
 FOLLOWUPS_DROPPED = Counter("ghost_guard_followups_dropped", "Ghost follow-ups (audit record, replica probes, "

@@ -10,6 +10,18 @@ limited). The ``alive`` verdict then waits in the cache for the pod's first
 
 - A ``DELETED`` (or a ``deletionTimestamp``) seen on *any* replica drops the
   prepared verdict at once.
+- Only the guard replica being asked verifies ahead (``--prepare-idle-after``,
+  60 s): the Deployment runs two guards and the sidecar mode one per
+  control-plane node, but only the one the leading scheduler's connection
+  reaches is called. A guard with no scheduler call (``/filter``,
+  ``/preempt``, ``/validate/binding``: ``Checker.check``) within that time is
+  *idle*: its watches keep running (gone marks, invalidation, the per-replica
+  views of guard.cache_health) and it remembers the new pending pods, but
+  makes no quorum GET for them. The first call after idle (a *takeover*, also
+  the first call after start) is answered inline, as any call without a
+  prepared verdict, and queues the pending pods the watch holds (oldest
+  first, the scheduler's own order) for background verification, so a
+  backlog finds its verdicts ready again after the first few calls.
 - The watch is also the sweeper: every ``--sweep-interval`` the per-replica
   views are compared; a UID that one replica still lists while another,
   caught-up replica does not is verified again (rate limited). A ghost found
@@ -103,8 +115,10 @@ class ReplicaView:
 
 class Preverifier:
     def __init__(self, settings: Settings, pool: ReplicaPool, checker: Checker,
-                 sweep_hooks: list[Callable[[], None]] | None = None) -> None:
+                 sweep_hooks: list[Callable[[], None]] | None = None,
+                 timer: Callable[[], float] | None = None) -> None:
         self.settings = settings
+        self._timer = timer or checker.timer
         self.sweep_hooks = sweep_hooks or []
         self.pool = pool
         self.checker = checker
@@ -119,11 +133,21 @@ class Preverifier:
         self._fallback: ReplicaView | None = None  # the kubeconfig's server, while no replica can be watched
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # Idle or active (--prepare-idle-after): when a scheduler call last arrived (None: never),
+        # whether a takeover waits for a verification thread, and the pods seen while idle
+        # (pod -> the tick at which the guard knew it), in the order they were seen.
+        self._last_call: float | None = None
+        self._takeover = False
+        self._backlog: dict[PodRef, int] = {}
+        self._queued: cachetools.TTLCache = cachetools.TTLCache(500_000, settings.prepared_max_age)
+        self.takeovers = 0
+        checker.call_hooks.append(self.called)
         pool.on_change(self._replicas_changed)
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
+        metrics.PREVERIFY_ACTIVE.set(1 if self.active() else 0)
         for i in range(self.settings.verify_concurrency):
             self._spawn(self._verify_loop, f"ghost-verify-{i}")
         self._spawn(self._sweep_loop, "ghost-sweep")
@@ -209,6 +233,9 @@ class Preverifier:
             # no verdict may call this identity alive, and the name's cached reads are dropped.
             view.pods.pop(pod.uid, None)
             self.checker.cache.gone(pod)
+            if self._backlog:
+                with self._lock:
+                    self._backlog.pop(pod, None)
             return
         known_at = self._seen_pod(pod)
         if kind == "ADDED":
@@ -220,14 +247,73 @@ class Preverifier:
     # -- verification -------------------------------------------------------------------
 
     def _seen_pod(self, pod: PodRef) -> int:
-        """The tick at which any replica first showed this identity; a new one is queued for verification."""
+        """The tick at which any replica first showed this identity. While active, a pod not yet
+        queued is queued for verification; while idle it is kept for the next takeover."""
         with self._lock:
             known_at = self._seen.get(pod)
-            if known_at is not None:
+            if known_at is None:
+                known_at = self._seen[pod] = self.checker.cache.tick()  # the guard knows it from here on
+            if pod in self._queued:
                 return known_at
-            known_at = self._seen[pod] = self.checker.cache.tick()  # the guard knows it from here on
+            if not self.active():
+                if pod not in self._backlog:
+                    if len(self._backlog) >= MAX_QUEUE:  # its first call verifies inline
+                        metrics.PREVERIFY_DROPPED.inc()
+                    else:
+                        self._backlog[pod] = known_at
+                        metrics.PREVERIFY_DEFERRED.inc()
+                return known_at
+            self._backlog.pop(pod, None)
+            self._queued[pod] = True
         self._enqueue(pod, swept=False, known_at=known_at)
         return known_at
+
+    # -- idle or active (--prepare-idle-after) ----------------------------------------------
+
+    def active(self) -> bool:
+        """Whether this guard verifies new pods ahead: a scheduler call arrived within
+        ``--prepare-idle-after`` (always, when that is 0)."""
+        idle_after = self.settings.prepare_idle_after
+        if idle_after <= 0:
+            return True
+        last = self._last_call
+        return last is not None and self._timer() - last < idle_after
+
+    def called(self) -> None:
+        """A scheduler call reached this guard (Checker.check, before its verdict). The first one
+        after idle is a takeover: a verification thread queues the backlog (:meth:`verify_next`),
+        off the call's path; the call itself is answered inline if no verdict is prepared."""
+        now = self._timer()
+        last, self._last_call = self._last_call, now
+        idle_after = self.settings.prepare_idle_after
+        if idle_after > 0 and (last is None or now - last >= idle_after):
+            with self._queue_cond:
+                self._takeover = True
+                self._queue_cond.notify()
+            metrics.PREVERIFY_ACTIVE.set(1)
+
+    def _take_backlog(self) -> int:
+        """Queue the pods seen while idle, oldest first (kube-scheduler's queue order for equal
+        priorities). Pods that are gone were dropped from the backlog by the watch."""
+        with self._lock:
+            backlog = sorted(self._backlog.items(), key=lambda item: item[1])
+            self._backlog.clear()
+            for pod, _ in backlog:
+                self._queued[pod] = True
+            self.takeovers += 1
+        metrics.PREVERIFY_TAKEOVERS.inc()
+        for pod, known_at in backlog:
+            self._enqueue(pod, swept=False, known_at=known_at)
+        log.info("scheduler calls arrived after an idle spell: verifying ahead again, %d pending pod(s) the "
+                 "watch holds queued for background verification", len(backlog))
+        return len(backlog)
+
+    def idle_status(self) -> dict:
+        """For /readyz: whether verifying ahead, since when the last call came, the backlog."""
+        last = self._last_call
+        return {"active": self.active(), "idle_after": self.settings.prepare_idle_after,
+                "last_call_seconds_ago": None if last is None else round(self._timer() - last, 3),
+                "backlog": len(self._backlog), "queued": len(self._queue), "takeovers": self.takeovers}
 
     def _enqueue(self, pod: PodRef, *, swept: bool, known_at: int | None = None) -> None:
         if known_at is None:
@@ -244,10 +330,15 @@ class Preverifier:
             self.verify_next(wait=1.0)
 
     def verify_next(self, *, wait: float = 0.0) -> bool:
-        """Verify the next queued pod (waiting up to ``wait`` seconds for one). False if there was none."""
+        """Verify the next queued pod (waiting up to ``wait`` seconds for one), after queueing the
+        backlog when a takeover is due. False if there was none."""
         with self._queue_cond:
-            if not self._queue and wait > 0 and not self._stop.is_set():
+            if not self._queue and not self._takeover and wait > 0 and not self._stop.is_set():
                 self._queue_cond.wait(wait)
+            takeover, self._takeover = self._takeover, False
+        if takeover:
+            self._take_backlog()
+        with self._queue_cond:
             if not self._queue or self._stop.is_set():
                 return False
             pod, swept, known_at = self._queue.popleft()
@@ -299,6 +390,8 @@ class Preverifier:
         last_sweep = time.monotonic()
         while not self._stop.wait(1.0):
             try:
+                metrics.PREVERIFY_ACTIVE.set(1 if self.active() else 0)
+                metrics.PREVERIFY_BACKLOG.set(len(self._backlog))
                 self.pool.clients()
                 self._fallback_check()
                 if time.monotonic() - last_sweep >= self.settings.sweep_interval:

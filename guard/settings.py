@@ -72,6 +72,9 @@ class Settings:
     verify_concurrency: int = 16
     verify_qps: float = 500.0
     sweep_interval: float = 30.0
+    # Verify ahead only while scheduler calls (/filter, /preempt, /validate/binding) arrived within this
+    # many seconds: a guard replica nobody calls costs no quorum GETs. 0: always (guard/prepare.py).
+    prepare_idle_after: float = 60.0
     # replica caches that miss pods or froze (guard/cache_health.py)
     missing_after: float = 30.0
     frozen_after: float = 30.0
@@ -159,6 +162,9 @@ class Settings:
         for flag, value in (("--missing-after", self.missing_after), ("--frozen-after", self.frozen_after)):
             if not 0 < value <= 3600:
                 raise SettingsError(f"{flag} must be between 0 and 3600 seconds, got {value:g}")
+        if not 0 <= self.prepare_idle_after <= 86400:
+            raise SettingsError(f"--prepare-idle-after must be between 0 (always verify ahead) and 86400 seconds, "
+                                f"got {self.prepare_idle_after:g}")
         if self.stale_confirm_delay < 0:
             raise SettingsError(f"--stale-confirm-delay must be >= 0, got {self.stale_confirm_delay:g}")
         if not 0 <= self.prepared_grace < 1.0:

@@ -161,7 +161,8 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
                      "replica_caches": cache_health.status,
                      "preverification": lambda: {"enabled": preverifier is not None,
                                                  "fallback": preverifier.watch_status()["fallback"] if preverifier
-                                                 else None}})
+                                                 else None,
+                                                 **(preverifier.idle_status() if preverifier else {})}})
 
 
 def replica_details(incidents: IncidentRecorder, preverifier: Preverifier | None) -> dict:

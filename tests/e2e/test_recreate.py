@@ -46,8 +46,9 @@ FAST = Timings(pod_initial_backoff=0.05, pod_max_backoff=0.5, backoff_flush_peri
 # The guard's own windows stay at their defaults (--alive-ttl 0.5, --prepared-grace 0.5): the
 # issue's window is the 0.5 s read cache. Background work runs fast so that it is done in time.
 # The confirmation delay (1 s) is well past the 0.3 s a replica is made to lag below.
+# --prepare-idle-after 0: verify ahead before the first scheduler call (the tests wait for it).
 GUARD_FLAGS = ["--sweep-interval", "0.5", "--stale-confirm-delay", "1.0", "--reprobe-interval", "0.5",
-               "--discovery-interval", "5"]
+               "--discovery-interval", "5", "--prepare-idle-after", "0"]
 BLOCKING = {"ghost-deleted", "ghost-replaced", "already-bound", "terminating"}
 BIND_BOUND = 10.0  # seconds a recreated pod may take to be bound (measured: well under 1 s)
 

@@ -19,8 +19,11 @@ from polling import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
+# --prepare-idle-after 0: the guard verifies ahead from its start, before any scheduler call (these tests
+# are about what pre-verification decides; tests/state/test_idle_takeover.py and
+# tests/integration/test_two_guards_one_called.py are about when an idle guard does it).
 FAST = ["--sweep-interval", "0.5", "--stale-confirm-delay", "0.5", "--reprobe-interval", "0.5",
-        "--discovery-interval", "5"]
+        "--discovery-interval", "5", "--prepare-idle-after", "0"]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

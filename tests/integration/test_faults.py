@@ -61,7 +61,7 @@ def guard(lab):
     db = tempfile.mktemp(prefix="faults-audit-", suffix=".db")
     try:
         with GuardProcess(["--kubeconfig", lab.kubeconfig(0), "--get-timeout", str(GET_TIMEOUT), "--audit-db", db,
-                           "--no-events"]) as g:
+                           "--no-events", "--prepare-idle-after", "0"]) as g:
             g.wait()
             yield g
     finally:

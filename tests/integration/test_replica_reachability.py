@@ -45,7 +45,8 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
     stopped_address = stopped.url.removeprefix("https://")
     stopped.stop()
     g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(tmp_path / "a.db"), "--no-events",
-                     "--apiserver-replicas", f"https://{closed},{stopped.url}"])
+                     "--apiserver-replicas", f"https://{closed},{stopped.url}",
+                     "--prepare-idle-after", "0"])  # verify ahead before any scheduler call
     eventually(lambda: FALLBACK in full_log(g), 20, what="the fallback announced", process=g)
     eventually(lambda: ((f := details(g)["preverification"]["fallback"]) or {}).get("state") == "synced", 20,
                what="the fallback watch synced", process=g)

@@ -384,6 +384,12 @@ def code_calls() -> set[tuple[str, str, str, str]]:
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
             recv, method = node.func.value, node.func.attr
+            if (method == "request" and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[1], ast.Call) and isinstance(node.args[1].func, ast.Attribute)
+                    and node.args[1].func.attr == "_pod_url"):
+                # Kube.quorum_get: GET of one pod through the client's own urllib3 pool (no CoreV1Api call)
+                calls.add(("*", "", "pods", node.args[0].value.lower()))
+                continue
             if isinstance(recv, ast.Call) and isinstance(recv.func, ast.Attribute) and recv.func.attr.endswith("Api"):
                 cls = recv.func.attr
             elif isinstance(recv, ast.Attribute) and recv.attr in attrs:

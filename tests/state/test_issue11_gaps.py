@@ -16,6 +16,7 @@ def test_a_live_pod_costs_one_quorum_get_whatever_the_number_of_watches():
     checker = Checker(settings(), gets, timer=FakeClock(), background=False)
     r1, r2 = ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)
     pv = Preverifier(checker.settings, Pool([r1, r2]), checker)
+    pv.called()  # this guard is the one the scheduler asks: it verifies ahead
     v1, v2 = ReplicaView(r1), ReplicaView(r2)
     a = etcd.create("web-0")
     pv.apply_event(v1, r1.deliver())  # the first watch shows the new pod: verified in the background

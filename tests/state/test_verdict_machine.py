@@ -4,9 +4,10 @@ healthy replica.
 Random sequences of: create / delete / recreate-same-name / bind pods in etcd; scheduler calls
 (/filter, /preempt and binding reviews all call ``Checker.check``; dry-run reviews with
 ``record=False``) for any UID a name ever had, or a UID of another name; background
-verifications; quorum GETs held in flight and answered as of their start or as of now; watch
-events delivered late, or dropped, per replica; replica restarts; the incident recorder's
-confirmation rounds; clock steps.
+verifications (and the takeover of the backlog after an idle spell); quorum GETs held in flight
+and answered as of their start or as of now; watch events delivered late, or dropped, per replica;
+replica restarts; the incident recorder's confirmation rounds; clock steps; idle spells (no call
+for --prepare-idle-after).
 
 Invariants, after every step:
 
@@ -62,6 +63,7 @@ class VerdictMachine(RuleBasedStateMachine):
         self.checker = Checker(settings(), self.gets, timer=self.clock, background=False)
         self.replicas = [Blame(f"10.0.0.{i}:6443", self.etcd) for i in (1, 2)]
         self.pv = Preverifier(self.checker.settings, Pool(self.replicas), self.checker)
+        self.pv.called()  # starts active; idle_spell makes it idle, the next scheduler call takes over
         self.views = [ReplicaView(r) for r in self.replicas]
         self.tmp = tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
         self.audit = AuditStore(Path(self.tmp.name) / "audit.db")
@@ -154,6 +156,11 @@ class VerdictMachine(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from((0.1, 0.3, 0.6, 1.5)))
     def clock_step(self, seconds):
         self.clock.advance(seconds)
+
+    @rule()
+    def idle_spell(self):
+        """No scheduler call for --prepare-idle-after: new pods wait in the backlog until a call takes over."""
+        self.clock.advance(self.checker.settings.prepare_idle_after)
 
     # -- the laws --------------------------------------------------------------------------------
 

@@ -30,9 +30,11 @@ def world():
 
 
 def watch(checker: Checker, etcd: Etcd) -> tuple[Preverifier, ReplicaView, ReplicaModel]:
-    """A Preverifier with one replica's view, fed by hand (apply_event), its queue run by hand."""
+    """A Preverifier with one replica's view, fed by hand (apply_event), its queue run by hand. A
+    scheduler call has just arrived (``called``): it verifies ahead (--prepare-idle-after)."""
     replica = ReplicaModel("10.0.0.1:6443", etcd)
     pv = Preverifier(checker.settings, Pool([replica]), checker)
+    pv.called()
     return pv, ReplicaView(replica), replica
 
 

@@ -27,6 +27,9 @@ from guard.settings import Settings, SettingsError
                  "--audit-queue-size must be at least 1", id="audit-queue-size"),
     pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "audit_write_qps": 0},
                  "--audit-write-qps must be positive", id="audit-write-qps"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:80", "prepare_idle_after": -1},
+                 "--prepare-idle-after must be between 0 (always verify ahead) and 86400 seconds, got -1",
+                 id="prepare-idle-after"),
 ])
 def test_invalid_settings_name_the_flag(kw, reason):
     with pytest.raises(SettingsError) as e:
@@ -42,8 +45,8 @@ def test_invalid_settings_name_the_flag(kw, reason):
     pytest.param({"insecure_http": True, "bind": "127.0.0.1:8080", "audit_store": "kubernetes"}, id="audit-kubernetes"),
     pytest.param({"insecure_http": True, "bind": "127.0.0.1:8080", "audit_store": "sqlite:/tmp/a.db"}, id="audit-sqlite-path"),
     pytest.param({"insecure_http": True, "bind": "127.0.0.1:8080", "audit_store": "sqlite"}, id="audit-sqlite"),
+    pytest.param({"insecure_http": True, "bind": "127.0.0.1:8080", "prepare_idle_after": 0}, id="always-verify-ahead"),
 ])
-
 def test_valid_settings(kw):
     assert Settings(**kw).validate() is not None
 

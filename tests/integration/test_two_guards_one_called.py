@@ -1,0 +1,77 @@
+"""Two guard replicas against one lab, only one of them called (the leading scheduler's connection
+reaches one guard): the cluster pays one quorum GET per pod, not one per guard.
+
+Both guards watch every replica. The one nobody calls (idle, --prepare-idle-after) makes no quorum
+GET for the new pods and says so in /readyz and ``ghost_guard_preverify_active``. The called one's
+first call is a takeover: answered inline, and the backlog of pods pending before it is verified
+in the background, so the scheduler's later calls find their verdicts prepared.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from fixtures_lab import pod_manifest
+from polling import eventually
+
+pytestmark = pytest.mark.timeout(120)
+
+PODS = 8
+
+
+def filter_body(name: str, uid: str) -> bytes:
+    return orjson.dumps({"Pod": {"metadata": {"name": name, "namespace": "default", "uid": uid}},
+                         "Nodes": None, "NodeNames": ["n1"]})
+
+
+def preverification(g) -> dict:
+    resp = g.session.get(g.url("/readyz"), timeout=5)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["details"]["preverification"]
+
+
+def test_only_the_called_guard_verifies_and_the_backlog_is_ready_after_the_takeover(lab, start_guard, tmp_path):
+    args = ["--kubeconfig", lab.kubeconfig(0), "--no-events", "--discovery-interval", "5"]
+    called = start_guard([*args, "--audit-db", str(tmp_path / "a.db")])
+    idle = start_guard([*args, "--audit-db", str(tmp_path / "b.db")])
+    for g in (called, idle):
+        eventually(lambda g=g: all(r["watch"] and r["watch"]["state"] == "synced"
+                                   for r in g.session.get(g.url("/readyz"), timeout=5).json()["details"]
+                                   ["replicas"].values()), 20, what="every replica watched", process=g)
+    api = lab.core_v1(0)
+    uids = {f"p-{i}": api.create_namespaced_pod("default", pod_manifest(f"p-{i}"), _request_timeout=5).metadata.uid
+            for i in range(PODS)}
+    assert lab.wait_synced()
+    for g in (called, idle):  # both watches hold the backlog; neither verifies it
+        eventually(lambda g=g: preverification(g)["backlog"] == PODS, 10, what="the backlog watched", process=g)
+        assert preverification(g)["active"] is False
+        assert g.metric("ghost_guard_preverify_active") == 0
+        assert g.metric("ghost_guard_preverify_deferred_total") == PODS
+
+    def quorum_gets() -> int:
+        return sum(len([q for q in r.requests(method="GET", quorum=True)
+                        if q.path.startswith("/api/v1/namespaces/default/pods/p-")]) for r in lab.replicas)
+
+    assert quorum_gets() == 0
+
+    # The takeover: p-0 is answered inline; the rest of the backlog is verified in the background.
+    assert called.post("/filter", filter_body("p-0", uids["p-0"])).json()["NodeNames"] == ["n1"]
+    assert called.metric("ghost_guard_verdicts_inline_total") == 1
+    eventually(lambda: called.metric("ghost_guard_preverified_total", verdict="alive") == PODS - 1, 10,
+               what="the backlog verified in the background", process=called)
+    assert called.metric("ghost_guard_preverify_takeovers_total") == 1
+    # (/readyz details are reused for 2 s)
+    eventually(lambda: (d := preverification(called))["active"] is True and d["backlog"] == 0, 5,
+               what="/readyz: verifying ahead", process=called)
+    for i in range(1, PODS):
+        assert called.post("/filter", filter_body(f"p-{i}", uids[f"p-{i}"])).json()["NodeNames"] == ["n1"]
+    assert called.metric("ghost_guard_verdicts_prepared_total") == PODS - 1
+    assert called.metric("ghost_guard_verdicts_inline_total") == 1
+    eventually(lambda: called.metric("ghost_guard_preverify_active") == 1, 5, what="the gauge sampled",
+               process=called)
+
+    # The cluster paid one quorum GET per pod; the idle guard none.
+    assert quorum_gets() == PODS
+    assert idle.metric("ghost_guard_quorum_get_duration_seconds_count") == 0
+    assert idle.metric("ghost_guard_preverified_total") == 0
+    assert preverification(idle)["active"] is False
