@@ -413,28 +413,38 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
     sys.exit(1 if any(c["frozen"] or c["missing"] for c in caches) else 0)
 
 
-def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_name: str) -> list[dict]:
-    """guard.cache_health.check_now over every replica; exit 2 with one line when it cannot run."""
-    from guard.cache_health import check_now
+def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | None, server_name: str,
+             timeout: float, pool_size: int):
+    """(Kube, ReplicaPool) for a command that reads every apiserver replica; exit 2 with one line when the
+    credentials, the flags or replica discovery fail."""
     from guard.kube import Kube, KubeConfigError, load_configuration
     from guard.replicas import ReplicaPool
     from guard.settings import Settings, SettingsError
 
     try:
         settings = Settings(apiserver_replicas=apiserver_replicas, apiserver_server_name=server_name,
-                            probe_timeout=2.0, get_timeout=2.0)
-        kube = Kube(load_configuration(kubeconfig), timeout=2.0, pool_size=8)
+                            probe_timeout=timeout, get_timeout=timeout)
+        kube = Kube(load_configuration(kubeconfig), timeout=timeout, pool_size=pool_size)
         pool = ReplicaPool(settings, kube)
     except (KubeConfigError, SettingsError) as e:
-        click.echo(f"ghost-guard report: {e}", err=True)
+        click.echo(f"ghost-guard {command}: {e}", err=True)
         sys.exit(2)
+    if not pool.clients():
+        pool.close()
+        kube.close()
+        click.echo(f"ghost-guard {command}: no apiserver replica found (default/kubernetes EndpointSlice and "
+                   "Endpoints unreadable); pass --apiserver-replicas", err=True)
+        sys.exit(2)
+    return kube, pool
+
+
+def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_name: str) -> list[dict]:
+    """guard.cache_health.check_now over every replica; exit 2 with one line when it cannot run."""
+    from guard.cache_health import check_now
+
+    kube, pool = _cluster("report", kubeconfig, apiserver_replicas, server_name, 2.0, 8)
     try:
-        clients = pool.clients()
-        if not clients:
-            click.echo("ghost-guard report: no apiserver replica found (default/kubernetes EndpointSlice and "
-                       "Endpoints unreadable); pass --apiserver-replicas", err=True)
-            sys.exit(2)
-        return check_now(kube, clients)
+        return check_now(kube, pool.clients())
     finally:
         pool.close()
         kube.close()
@@ -466,26 +476,12 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
     found (named in the verdict line), 2 the checks could not run.
     """
     from guard.diagnose import EtcdAccess, diagnose as run
-    from guard.kube import Kube, KubeConfigError, load_configuration
-    from guard.replicas import ReplicaPool
-    from guard.settings import Settings, SettingsError
 
     namespace, sep, name = pod.partition("/")
     if not sep or not namespace or not name or "/" in name:
         raise click.BadParameter("expected NAMESPACE/NAME", param_hint="POD")
-    try:
-        settings = Settings(apiserver_replicas=apiserver_replicas, apiserver_server_name=apiserver_server_name,
-                            probe_timeout=probe_timeout, get_timeout=probe_timeout)
-        kube = Kube(load_configuration(kubeconfig), timeout=probe_timeout, pool_size=4)
-        pool = ReplicaPool(settings, kube)
-    except (KubeConfigError, SettingsError) as e:
-        click.echo(f"ghost-guard diagnose: {e}", err=True)
-        sys.exit(2)
+    kube, pool = _cluster("diagnose", kubeconfig, apiserver_replicas, apiserver_server_name, probe_timeout, 4)
     clients = pool.clients()
-    if not clients:
-        click.echo("ghost-guard diagnose: no apiserver replica found (default/kubernetes EndpointSlice and "
-                   "Endpoints unreadable); pass --apiserver-replicas", err=True)
-        sys.exit(2)
     etcd = EtcdAccess(etcd_endpoint, etcd_ca, etcd_cert, etcd_key) if etcd_endpoint else None
     try:
         text, stale = run(kube, clients, namespace, name, etcd=etcd, output=output)
@@ -530,9 +526,6 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     """
     from guard.heal import Healer
     from guard.healing import render
-    from guard.kube import Kube, KubeConfigError, load_configuration
-    from guard.replicas import ReplicaPool
-    from guard.settings import Settings, SettingsError
 
     if all_ == bool(pods):
         raise click.UsageError("give NAMESPACE/NAME arguments or --all (not both)")
@@ -546,20 +539,9 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         raise click.BadParameter("must be positive", param_hint="--timeout")
     if not probe_timeout > 0:
         raise click.BadParameter("must be positive", param_hint="--probe-timeout")
-    try:
-        settings = Settings(apiserver_replicas=apiserver_replicas, apiserver_server_name=apiserver_server_name,
-                            probe_timeout=probe_timeout, get_timeout=probe_timeout)
-        kube = Kube(load_configuration(kubeconfig), timeout=probe_timeout, pool_size=8)
-        pool = ReplicaPool(settings, kube)
-    except (KubeConfigError, SettingsError) as e:
-        click.echo(f"ghost-guard heal: {e}", err=True)
-        sys.exit(2)
+    kube, pool = _cluster("heal", kubeconfig, apiserver_replicas, apiserver_server_name, probe_timeout, 8)
     healer = Healer(kube, pool.clients, timeout=timeout)
     try:
-        if not pool.clients():
-            click.echo("ghost-guard heal: no apiserver replica found (default/kubernetes EndpointSlice and Endpoints "
-                       "unreadable); pass --apiserver-replicas", err=True)
-            sys.exit(2)
         if all_:
             targets, errors = healer.ghosts()
             for error in errors:

@@ -32,10 +32,12 @@ from guard.certs import generate
 pytestmark = pytest.mark.timeout(240)
 
 ATTACKERS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
-# The goal is 50 ms p99; the assertion leaves room for a loaded shared 2-core machine.
-P99_BOUND = 0.25
 # Defaults of guard.settings.Settings: the deadlines under test.
 HANDSHAKE, HEADERS, BODY, WRITE = 2.0, 5.0, 5.0, 5.0
+# A call queued behind a thread that a hostile connection holds waits until that connection's deadline
+# (>= HANDSHAKE). Every call answered in under half the shortest deadline: no thread was held. (How fast
+# the calls are is a benchmark's question, not a test's: a latency bound flakes on a shared machine.)
+HELD_BOUND = HANDSHAKE / 2
 TICK = 0.05  # guard.worker checks deadlines on this tick (slack for a lower bound, never an upper one)
 NAMES = ["node-a", "node-b"]
 MIX = {"one-byte": 30, "stalled-start": 25, "stalled-body": 25, "slow-reader": 20}  # 100 connections
@@ -238,7 +240,7 @@ def test_100_hostile_connections_never_hold_a_thread(scheme, shared_lab, live_po
           f"max {max(latencies) * 1000:.1f} ms; closed by the guard: {closed}, the last of each kind after "
           f"{attack.last_closed()} s")
     assert len(latencies) >= 20
-    assert measured < P99_BOUND, f"p99 {measured * 1000:.1f} ms"
+    assert max(latencies) < HELD_BOUND, f"a call waited {max(latencies) * 1000:.1f} ms: behind a held thread?"
     assert closed == MIX, f"hostile connections still open past their deadlines: {closed} of {MIX}"
 
     after = guard.metrics()

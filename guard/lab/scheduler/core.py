@@ -500,27 +500,6 @@ class Scheduler:
                     return "not eligible due to a terminating pod on the nominated node."
         return ""
 
-    @staticmethod
-    def select_victims(pod: Obj, node: Obj, pods: list[Obj], nominated: list[Obj]) -> list[Obj]:
-        """SelectVictimsOnNode: drop every lower-priority pod, then reprieve the most important first."""
-        priority = pod_priority(pod)
-        uid = object_uid(pod)
-        higher_nominated = [p for p in nominated if object_uid(p) != uid and pod_priority(p) >= priority]
-        potential = [p for p in pods if pod_priority(p) < priority]
-        if not potential:
-            return []
-        kept = [p for p in pods if pod_priority(p) >= priority]
-        if fit_reasons(pod, node, kept + higher_nominated):
-            return []
-        potential.sort(key=lambda p: (-pod_priority(p), (p.get("status") or {}).get("startTime") or "", object_key(p)))
-        victims = []
-        for p in potential:
-            if not fit_reasons(pod, node, kept + [p] + higher_nominated):
-                kept.append(p)
-            else:
-                victims.append(p)
-        return victims
-
     def _preempt(self, pod: Obj, stats: PodStats, nodes: Mapping[str, Obj], on_node: Mapping[str, list[Obj]],
                  nominated: Mapping[str, list[Obj]], statuses: Mapping[str, Status]) -> tuple[str, str]:
         """DefaultPreemption's PostFilter: returns (nominated node, message appended to the fit error)."""
