@@ -135,9 +135,15 @@ def test_retention_deletes_are_safe_to_repeat(shared_lab, lab_namespace):
         b.close()
 
 
+# 10,000 (the flood) took 110 s on the shared 2-core machine on 2026-12-01 (91 records/s, every record
+# written); the suite floods 3,000 to keep its wall time (the queue and writers are the same). Set FLOOD to
+# 10_000 to measure the case again.
+FLOOD = 3_000
+
+
 @pytest.mark.timeout(600)
-def test_a_flood_of_10000_distinct_ghosts_ends_with_10000_records(shared_lab, lab_namespace):
-    n = 10_000
+def test_a_flood_of_distinct_ghosts_ends_with_one_record_each(shared_lab, lab_namespace):
+    n = FLOOD
     store = store_for(shared_lab, 0, write_qps=10_000, writers=4)
     try:
         t0 = time.monotonic()
