@@ -532,6 +532,15 @@ class KubeAuditStore:
         if first:  # once per change of state, not per record
             log.warning("audit store: %s; records are kept and retried", e)
 
+    def _create_or_get(self, namespace: str, obj_name: str, spec: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create the object, or read it if another replica (or an earlier export) already did: (object, created)."""
+        try:
+            return self.api.create(namespace, self._new_object(namespace, obj_name, spec)), True
+        except GhostPodError as e:
+            if e.reason != "AlreadyExists":
+                raise
+            return self.api.get(namespace, obj_name), False
+
     def _write(self, entry: _Pending) -> None:
         namespace, name, uid = entry.key
         obj_name = object_name(namespace, name, uid)
@@ -544,13 +553,7 @@ class KubeAuditStore:
                 if obj is None:  # nothing to attach probes to (the record was pruned): not an error
                     return
             else:
-                try:
-                    obj = self.api.create(namespace, self._new_object(namespace, obj_name, entry.spec))
-                    created = True
-                except GhostPodError as e:
-                    if e.reason != "AlreadyExists":
-                        raise
-                    obj = self.api.get(namespace, obj_name)
+                obj, created = self._create_or_get(namespace, obj_name, entry.spec)
         for _ in range(MAX_CONFLICT_RETRIES):
             old = obj.get("status") if isinstance(obj.get("status"), dict) else {}
             new = apply_ops(old, entry.ops)
@@ -711,14 +714,7 @@ class KubeAuditStore:
                 "evidence": dict(record.evidence) if _evidence_json(record.evidence, strict=False) else {}}
         want = record_status(record)
         try:
-            created = False
-            try:
-                obj = self.api.create(namespace, self._new_object(namespace, obj_name, spec))
-                created = True
-            except GhostPodError as e:
-                if e.reason != "AlreadyExists":
-                    raise
-                obj = self.api.get(namespace, obj_name)
+            obj, created = self._create_or_get(namespace, obj_name, spec)
             for _ in range(MAX_CONFLICT_RETRIES):
                 raw_status = obj.get("status")
                 old: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
