@@ -154,10 +154,7 @@ class Faults:
             for rule in self._rules:
                 if rule.matches(method, path, query):
                     rule.hits += 1
-                    if rule.count is not None:
-                        rule.count -= 1
-                        if rule.count <= 0:
-                            self._rules.remove(rule)
+                    _spend(self._rules, rule)
                     return rule
         return None
 
@@ -204,10 +201,7 @@ class Faults:
                 for rule in self._drops:
                     if rule.events == "creates" and rule.matches(resource, namespace, name):
                         rule.dropped += 1
-                        if rule.count is not None:
-                            rule.count -= 1
-                            if rule.count <= 0:
-                                self._drops.remove(rule)
+                        _spend(self._drops, rule)
                         return True
         deleting = kind == "DELETED" or (kind == "MODIFIED" and has_deletion_timestamp and not had_deletion_timestamp)
         if not deleting:
@@ -217,10 +211,7 @@ class Faults:
                 if rule.events == "deletes" and rule.matches(resource, namespace, name):
                     if kind == "DELETED":
                         rule.dropped += 1
-                        if rule.count is not None:
-                            rule.count -= 1
-                            if rule.count <= 0:
-                                self._drops.remove(rule)
+                        _spend(self._drops, rule)
                     return True
         return False
 
@@ -309,3 +300,12 @@ class Faults:
         return self.add(action, method=opt("method", str), path=opt("path", str), status=opt("status", int),
                         seconds=float(secs) if secs is not None else None, count=opt("count", int),
                         query=opt("query", str)).to_dict()
+
+
+def _spend(rules: list[Any], rule: FaultRule | DropRule) -> None:
+    """One use of a counted rule; the last one removes it from ``rules`` (the caller holds the lock and
+    returns right after: the list is not iterated further)."""
+    if rule.count is not None:
+        rule.count -= 1
+        if rule.count <= 0:
+            rules.remove(rule)
