@@ -2,30 +2,41 @@
 
 kube-scheduler calls the extender inside its serial scheduling cycle, so a
 quorum GET there costs the whole cluster throughput. The guard therefore
-watches unscheduled pods (``fieldSelector=spec.nodeName=``) on **every**
-apiserver replica itself, like an informer per replica, and quorum-verifies
-each newly seen pod UID in the background (bounded concurrency, rate
-limited). The ``alive`` verdict then waits in the cache for the pod's first
-``/filter`` or ``/preempt`` call (guard.cache).
+watches unscheduled pods (``fieldSelector=spec.nodeName=``) itself, like an
+informer, and quorum-verifies each newly seen pod UID in the background
+(bounded concurrency, rate limited). The ``alive`` verdict then waits in the
+cache for the pod's first ``/filter`` or ``/preempt`` call (guard.cache).
 
-- A ``DELETED`` (or a ``deletionTimestamp``) seen on *any* replica drops the
-  prepared verdict at once.
-- Only the guard replica being asked verifies ahead (``--prepare-idle-after``,
-  60 s): the Deployment runs two guards and the sidecar mode one per
-  control-plane node, but only the one the leading scheduler's connection
-  reaches is called. A guard with no scheduler call (``/filter``,
-  ``/preempt``, ``/validate/binding``: ``Checker.check``) within that time is
-  *idle*: its watches keep running (gone marks, invalidation, the per-replica
-  views of guard.cache_health) and it remembers the new pending pods, but
-  makes no quorum GET for them. The first call after idle (a *takeover*, also
-  the first call after start) is answered inline, as any call without a
-  prepared verdict, and queues the pending pods the watch holds (oldest
-  first, the scheduler's own order) for background verification, so a
-  backlog finds its verdicts ready again after the first few calls.
-- The watch is also the sweeper: every ``--sweep-interval`` the per-replica
-  views are compared; a UID that one replica still lists while another,
-  caught-up replica does not is verified again (rate limited). A ghost found
-  that way is recorded and attributed before any scheduler is stuck on it.
+What it costs the control plane is one watch stream for the whole cluster,
+whatever the number of apiserver and guard replicas:
+
+- **One watch, only while called.** Only the guard replica being asked
+  verifies ahead (``--prepare-idle-after``, 60 s): the Deployment runs two
+  guards and the sidecar mode one per control-plane node, but only the one the
+  leading scheduler's connection reaches is called. That guard watches *one*
+  apiserver replica (the first, by address, whose cache answers; it moves when
+  that replica stops answering and another answers). A guard with no
+  scheduler call (``/filter``, ``/preempt``, ``/validate/binding``:
+  ``Checker.check``) within that time is *idle*: no watch, no quorum GET for
+  new pods.
+- **Every replica listed.** The per-replica views (the sweep below, and the
+  missing-pod and frozen-replica checks of guard.cache_health) come from
+  listing each other replica's cache (``resourceVersion=0``, served from its
+  watch cache) every few seconds while active and every ``--sweep-interval``
+  while idle, less often as the backlog grows (``LIST_OBJECTS_PER_SECOND``): a
+  cost per second, not per pod.
+- A ``DELETED`` (or a ``deletionTimestamp``) seen by the watch, or a pod that
+  left a replica's listing, drops the prepared verdict at once.
+- The first call after idle (a *takeover*, also the first call after start) is
+  answered inline, as any call without a prepared verdict, and queues the
+  pending pods the idle listings showed (oldest first, the scheduler's own
+  order) for background verification; the watch then starts with a listing of
+  its replica, which queues whatever is newer. A backlog finds its verdicts
+  ready again after the first few calls.
+- The views are also the sweeper: every ``--sweep-interval`` they are
+  compared; a UID that one replica still shows while another, complete view
+  does not is verified again (rate limited). A ghost found that way is
+  recorded and attributed before any scheduler is stuck on it.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import cachetools
@@ -52,6 +64,14 @@ log = logging.getLogger(__name__)
 
 # Pods waiting for background verification at most (a re-list of a huge backlog is rate limited).
 MAX_QUEUE = 100_000
+# Seconds between listings of each replica the guard does not watch, while active (at most half
+# --sweep-interval, so two sweeps in a row compare fresh views).
+ACTIVE_LIST_INTERVAL = 3.0
+# A listing of N pending pods waits at least N / this many seconds for the next: a replica serving a
+# backlog of 10,000 pods is listed every 20 s, not every 3.
+LIST_OBJECTS_PER_SECOND = 500
+# Listings in flight at once (one per replica; a replica that does not answer holds one thread).
+LISTERS = 4
 
 
 class RateLimiter:
@@ -87,7 +107,10 @@ def _pod_of(obj: dict) -> tuple[PodRef | None, bool]:
 
 
 class ReplicaView:
-    """What one replica's watch cache says is unscheduled: uid -> PodRef, and its revision."""
+    """What one replica's watch cache says is unscheduled: uid -> PodRef, and its revision.
+
+    Kept current by the guard's one watch (the *watched* replica) or by listing the replica's cache
+    every few seconds (every other replica)."""
 
     def __init__(self, client: ReplicaClient, *, fallback: bool = False) -> None:
         self.client = client
@@ -96,11 +119,15 @@ class ReplicaView:
         self.synced = False
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
-        # The watch's state, for /readyz and ghost_guard_replica_watch_up: starting, synced, retrying.
-        self.fallback = fallback  # the kubeconfig's own server, watched while no replica can be
+        # The view's state, for /readyz and ghost_guard_replica_watch_up: starting, synced, retrying.
+        self.fallback = fallback  # the kubeconfig's own server, watched while no replica can be read
         self.state = "starting"
         self.error: str | None = None
         self.changed_at = time.time()
+        self.watched = False  # the guard's watch runs on this replica now
+        self.listing = False  # a listing of it is in flight
+        self.listed_at = -1e18  # monotonic time at which its last listing began
+        self.as_of = 0  # the tick at which its last listing began (its pods are complete as of then)
 
     def mark(self, state: str, error: str | None = None) -> None:
         if state != self.state:
@@ -110,7 +137,12 @@ class ReplicaView:
             metrics.REPLICA_WATCH_UP.labels(self.client.replica.address).set(1 if state == "synced" else 0)
 
     def status(self) -> dict:
-        return {"state": self.state, "error": self.error, "since": format_time(self.changed_at), "pods": len(self.pods)}
+        return {"state": self.state, "mode": "watch" if self.watched or self.fallback else "list",
+                "error": self.error, "since": format_time(self.changed_at), "pods": len(self.pods)}
+
+
+def _created(obj: dict) -> str:
+    return str((obj.get("metadata") or {}).get("creationTimestamp") or "")
 
 
 class Preverifier:
@@ -129,10 +161,13 @@ class Preverifier:
         self._seen: cachetools.TTLCache = cachetools.TTLCache(500_000, settings.prepared_max_age)
         self._lock = threading.Lock()
         self._views: dict[str, ReplicaView] = {}
+        self._watched: ReplicaView | None = None  # the one view the guard's watch keeps current
         self._suspects: set[PodRef] = set()
-        self._fallback: ReplicaView | None = None  # the kubeconfig's server, while no replica can be watched
+        self._fallback: ReplicaView | None = None  # the kubeconfig's server, while no replica can be read
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._lister: ThreadPoolExecutor | None = None
         # Idle or active (--prepare-idle-after): when a scheduler call last arrived (None: never),
         # whether a takeover waits for a verification thread, and the pods seen while idle
         # (pod -> the tick at which the guard knew it), in the order they were seen.
@@ -148,19 +183,25 @@ class Preverifier:
 
     def start(self) -> None:
         metrics.PREVERIFY_ACTIVE.set(1 if self.active() else 0)
+        self._lister = ThreadPoolExecutor(max_workers=LISTERS, thread_name_prefix="ghost-list")
         for i in range(self.settings.verify_concurrency):
             self._spawn(self._verify_loop, f"ghost-verify-{i}")
-        self._spawn(self._sweep_loop, "ghost-sweep")
         self._replicas_changed(self.pool.clients(), [])
+        self._spawn(self._manage_loop, "ghost-views")
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         with self._lock:
             views = list(self._views.values())
+            if self._fallback is not None:
+                views.append(self._fallback)
         for v in views:
             v.stop.set()
         with self._queue_cond:
             self._queue_cond.notify_all()
+        if self._lister is not None:
+            self._lister.shutdown(wait=False, cancel_futures=True)
 
     def _spawn(self, target, name: str, *args) -> threading.Thread:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -174,30 +215,67 @@ class Preverifier:
                 view = self._views.pop(c.replica.address, None)
                 if view:
                     view.stop.set()
+                    if view is self._watched:
+                        self._watched = None
             for c in added:
-                if c.replica.address in self._views:
-                    continue
-                view = ReplicaView(c)
-                self._views[c.replica.address] = view
-                view.thread = self._spawn(self._watch_loop, f"ghost-watch-{c.replica.address}", view)
+                if c.replica.address not in self._views:
+                    self._views[c.replica.address] = ReplicaView(c)
+        self._wake.set()
 
-    # -- the watch (one per replica) --------------------------------------------------
+    # -- the views: one watch, every other replica listed --------------------------------------
+
+    def list_interval(self, view: ReplicaView) -> float:
+        """Seconds between listings of a replica the guard does not watch: a few seconds while this
+        guard verifies ahead, ``--sweep-interval`` while idle, and never more often than its last
+        listing's size allows (``LIST_OBJECTS_PER_SECOND``), so a large backlog is listed rarely."""
+        base = min(ACTIVE_LIST_INTERVAL, self.settings.sweep_interval / 2) if self.active() \
+            else self.settings.sweep_interval
+        return max(base, len(view.pods) / LIST_OBJECTS_PER_SECOND)
+
+    def list_view(self, view: ReplicaView) -> None:
+        """List the unscheduled pods of one replica's cache (``resourceVersion=0``) into its view."""
+        view.listed_at = time.monotonic()
+        as_of = self.checker.cache.tick()
+        try:
+            rv, items = view.client.pending_pods()
+        except Exception as e:
+            view.synced = False
+            view.mark("retrying", f"{type(e).__name__}: {str(e)[:200]}")
+            if not view.watched:
+                log.debug("listing unscheduled pods on %s failed: %s", view.client.replica, e)
+            raise
+        self.apply_listing(view, rv, items, as_of)
+
+    def apply_listing(self, view: ReplicaView, rv: str, items: list[dict], as_of: int) -> None:
+        """A replica's unscheduled pods, listed from its cache at tick ``as_of``: the view becomes the
+        listing. New pods are seen (queued for verification, oldest first, while active); a pod the
+        view held that the listing lacks left the replica's pending set (deleted, bound or terminating
+        in etcd's event stream: a cache misses events, it never invents them), so it is gone."""
+        pods: dict[str, PodRef] = {}
+        for obj in sorted(items, key=_created):
+            pod, schedulable = _pod_of(obj)
+            if pod and schedulable:
+                pods[pod.uid] = pod
+        old, view.pods = view.pods, pods
+        view.resource_version, view.synced, view.as_of = rv, True, as_of
+        view.mark("synced")
+        for uid, pod in old.items():
+            if uid not in pods:
+                self._gone(pod)
+        for uid, pod in pods.items():
+            if uid not in old:
+                known_at = self._seen_pod(pod)
+                self.checker.cache.invalidate_name(pod.namespace, pod.name, before=known_at)
 
     def _watch_loop(self, view: ReplicaView) -> None:
+        """The guard's one watch of unscheduled pods, on ``view``'s replica, until told to stop."""
         backoff = 0.5
         relist = True
         while not (self._stop.is_set() or view.stop.is_set()):
             try:
                 if relist:
-                    rv, items = view.client.pending_pods()
-                    pods = {}
-                    for obj in items:
-                        pod, schedulable = _pod_of(obj)
-                        if pod and schedulable:
-                            pods[pod.uid] = pod
-                            self._seen_pod(pod)
-                    view.pods, view.resource_version, view.synced, relist = pods, rv, True, False
-                    view.mark("synced")
+                    self.list_view(view)
+                    relist = False
                 for event in view.client.watch_pending(view.resource_version, timeout_seconds=240):
                     if self._stop.is_set() or view.stop.is_set():
                         return
@@ -213,8 +291,102 @@ class Preverifier:
                 relist = True
                 log.info("watch of unscheduled pods on %s failed (%s: %s); retrying in %.1fs",
                          view.client.replica, type(e).__name__, str(e)[:200], backoff)
+                self._wake.set()  # another replica may be watched instead
                 view.stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
+
+    def _manage_loop(self) -> None:
+        """Each second (or when woken): the watch, the listings due, the sweep, discovery."""
+        last_sweep = time.monotonic()
+        while not self._stop.is_set():
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.manage()
+                if time.monotonic() - last_sweep >= self.settings.sweep_interval:
+                    last_sweep = time.monotonic()
+                    self.sweep()
+                    for hook in self.sweep_hooks:
+                        hook()
+            except Exception:
+                log.exception("managing the replica views failed")
+
+    def manage(self) -> None:
+        """Keep the replica set current (discovery is due-checked), run the watch while active (on a
+        replica whose cache answers, else through the kubeconfig's server), list the other replicas
+        when due."""
+        active = self.active()
+        metrics.PREVERIFY_ACTIVE.set(1 if active else 0)
+        metrics.PREVERIFY_BACKLOG.set(len(self._backlog))
+        self.pool.clients()
+        with self._lock:
+            views = dict(sorted(self._views.items()))
+            watched = self._watched
+        if active:
+            self._place_watch(views, watched)
+        elif watched is not None or self._fallback is not None:
+            self._stop_watch()
+        self._fallback_check(active)
+        now = time.monotonic()
+        for view in views.values():
+            if view is not self._watched and not view.listing and now - view.listed_at >= self.list_interval(view):
+                self._submit_listing(view)
+
+    def _submit_listing(self, view: ReplicaView) -> None:
+        if self._lister is None:
+            return
+        view.listing = True
+
+        def run() -> None:
+            try:
+                self.list_view(view)
+            except Exception:
+                pass  # the view says retrying, with the error
+            finally:
+                view.listing = False
+
+        try:
+            self._lister.submit(run)
+        except RuntimeError:  # shutting down
+            view.listing = False
+
+    def _place_watch(self, views: dict[str, ReplicaView], watched: ReplicaView | None) -> None:
+        """The watch runs on the first replica (by address) whose cache answers; it moves when its
+        replica stops answering while another one does."""
+        if watched is not None and (watched.state != "retrying" or not any(
+                v.state == "synced" for v in views.values() if v is not watched)):
+            return
+        target = next((v for v in views.values() if v.state == "synced"), None)
+        if target is None and watched is None:
+            target = next(iter(views.values()), None)  # nothing listed yet: try the first
+        if target is None or target is watched:
+            return
+        if watched is not None:
+            log.info("watch of unscheduled pods moves from %s (%s) to %s", watched.client.replica,
+                     watched.error, target.client.replica)
+            self._end_watch(watched)
+        target.stop = threading.Event()
+        target.watched = True
+        with self._lock:
+            self._watched = target
+        target.thread = self._spawn(self._watch_loop, f"ghost-watch-{target.client.replica.address}", target)
+
+    def _end_watch(self, view: ReplicaView) -> None:
+        view.stop.set()  # its thread ends at its next event or the watch's timeout
+        view.watched = False
+        view.listed_at = -1e18  # listed again at once: the watch no longer keeps it current
+
+    def _stop_watch(self) -> None:
+        """Idle: no watch (the views are listed every --sweep-interval)."""
+        with self._lock:
+            watched, self._watched = self._watched, None
+        if watched is not None:
+            self._end_watch(watched)
+            log.info("no scheduler call for %gs: stopped watching unscheduled pods on %s; listing every replica "
+                     "every %gs", self.settings.prepare_idle_after, watched.client.replica,
+                     self.settings.sweep_interval)
 
     def apply_event(self, view: ReplicaView, event: dict) -> None:
         """One watch event from one replica's view of unscheduled pods."""
@@ -232,10 +404,7 @@ class Preverifier:
             # Gone from etcd's event stream (a stale cache misses events, it never invents them):
             # no verdict may call this identity alive, and the name's cached reads are dropped.
             view.pods.pop(pod.uid, None)
-            self.checker.cache.gone(pod)
-            if self._backlog:
-                with self._lock:
-                    self._backlog.pop(pod, None)
+            self._gone(pod)
             return
         known_at = self._seen_pod(pod)
         if kind == "ADDED":
@@ -243,6 +412,12 @@ class Preverifier:
             # of the pod before. Later replicas' ADDED for the same UID leave newer reads alone.
             self.checker.cache.invalidate_name(pod.namespace, pod.name, before=known_at)
         view.pods[pod.uid] = pod
+
+    def _gone(self, pod: PodRef) -> None:
+        self.checker.cache.gone(pod)
+        if self._backlog:
+            with self._lock:
+                self._backlog.pop(pod, None)
 
     # -- verification -------------------------------------------------------------------
 
@@ -357,15 +532,25 @@ class Preverifier:
     # -- the sweep --------------------------------------------------------------------------
 
     def disagreements(self) -> list[PodRef]:
-        """Pods some replica lists as unscheduled while another synced replica does not."""
+        """Pods some replica shows as unscheduled while another synced replica does not, although the
+        guard knew the pod before that replica's view was last complete (its listing began, or it is
+        the watched one): a replica merely listed before the pod existed disagrees with no one."""
         with self._lock:
             views = [v for v in self._views.values() if v.synced]
+            seen = {pod: self._seen.get(pod) for v in views for pod in v.pods.values()}
         if len(views) < 2:
             return []
         listed: dict[str, PodRef] = {}
         for v in views:
             listed.update(v.pods)
-        return [pod for uid, pod in listed.items() if any(uid not in v.pods for v in views)]
+
+        def lacks(v: ReplicaView, uid: str, pod: PodRef) -> bool:
+            if uid in v.pods:
+                return False
+            known = seen.get(pod)
+            return v.watched or (known is not None and known < v.as_of)
+
+        return [pod for uid, pod in listed.items() if any(lacks(v, uid, pod) for v in views)]
 
     def sweep(self) -> list[PodRef]:
         """Verify the pods on which replicas disagreed in this sweep *and* the previous one.
@@ -385,32 +570,16 @@ class Preverifier:
                 self.checker.announce(pod)  # verified as gone before, and a replica still lists it
         return queued
 
-    def _sweep_loop(self) -> None:
-        """Keeps the replica set current (discovery is due-checked each second) and sweeps."""
-        last_sweep = time.monotonic()
-        while not self._stop.wait(1.0):
-            try:
-                metrics.PREVERIFY_ACTIVE.set(1 if self.active() else 0)
-                metrics.PREVERIFY_BACKLOG.set(len(self._backlog))
-                self.pool.clients()
-                self._fallback_check()
-                if time.monotonic() - last_sweep >= self.settings.sweep_interval:
-                    last_sweep = time.monotonic()
-                    self.sweep()
-                    for hook in self.sweep_hooks:
-                        hook()
-            except Exception:
-                log.exception("sweep failed")
-
     # -- when no replica can be watched: the kubeconfig's own server ---------------------------
 
-    def _fallback_check(self) -> None:
-        """Watch through the kubeconfig's server while no discovered replica can be watched, so
-        pre-verification never silently stops; say so once when it starts and once when it ends."""
+    def _fallback_check(self, active: bool) -> None:
+        """While active, watch through the kubeconfig's server while no discovered replica's cache
+        answers, so pre-verification never silently stops; say so once when it starts and once when
+        it ends."""
         with self._lock:
             views = list(self._views.values())
             fallback = self._fallback
-        if fallback is None and all(v.state == "retrying" for v in views):
+        if fallback is None and active and all(v.state == "retrying" for v in views):
             kube = self.pool.kube
             host = kube.host or ""
             client = ReplicaClient(kube.configuration, Replica(urlsplit(host).netloc or host, host),
@@ -424,24 +593,26 @@ class Preverifier:
                         "until one can", "; ".join(f"{v.client.replica}: {v.error}" for v in views)[:500]
                         or "none discovered", host)
             view.thread = self._spawn(self._watch_loop, "ghost-watch-fallback", view)
-        elif fallback is not None and any(v.state == "synced" for v in views):
+        elif fallback is not None and (not active or any(v.state == "synced" for v in views)):
             with self._lock:
                 self._fallback = None
             fallback.stop.set()  # its thread ends at its next event or the watch's timeout
             fallback.client.close()
             metrics.WATCH_FALLBACK.set(0)
-            log.warning("apiserver replica %s watched again; stopped pre-verifying through the kubeconfig's server",
-                        ", ".join(str(v.client.replica) for v in views if v.state == "synced"))
+            if active:
+                log.warning("apiserver replica %s watched again; stopped pre-verifying through the kubeconfig's "
+                            "server", ", ".join(str(v.client.replica) for v in views if v.state == "synced"))
 
     def pending_views(self) -> dict[str, tuple[bool, dict[str, PodRef]]]:
-        """Per replica (the kubeconfig-server fallback excluded): whether its watch is synced, and a
+        """Per replica (the kubeconfig-server fallback excluded): whether its view is synced, and a
         copy of the pending pods it shows (uid -> PodRef). Read by guard.cache_health."""
         with self._lock:
             views = dict(self._views)
         return {address: (v.synced, dict(v.pods)) for address, v in views.items()}
 
     def watch_status(self) -> dict:
-        """Per replica, its watch's state; and the kubeconfig-server fallback's, while it runs (/readyz)."""
+        """Per replica, its view's state (watched or listed); and the kubeconfig-server fallback's, while
+        it runs (/readyz)."""
         with self._lock:
             views = dict(self._views)
             fallback = self._fallback

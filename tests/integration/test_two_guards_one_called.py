@@ -1,10 +1,11 @@
 """Two guard replicas against one lab, only one of them called (the leading scheduler's connection
 reaches one guard): the cluster pays one quorum GET per pod, not one per guard.
 
-Both guards watch every replica. The one nobody calls (idle, --prepare-idle-after) makes no quorum
-GET for the new pods and says so in /readyz and ``ghost_guard_preverify_active``. The called one's
-first call is a takeover: answered inline, and the backlog of pods pending before it is verified
-in the background, so the scheduler's later calls find their verdicts prepared.
+Neither guard watches while idle: both list every replica's cache every --sweep-interval. The one
+nobody calls (idle, --prepare-idle-after) makes no quorum GET for the new pods and says so in
+/readyz and ``ghost_guard_preverify_active``. The called one's first call is a takeover: answered
+inline, the backlog of pods pending before it is verified in the background, so the scheduler's
+later calls find their verdicts prepared, and it watches one replica (of three) from then on.
 """
 
 from __future__ import annotations
@@ -30,14 +31,18 @@ def preverification(g) -> dict:
     return resp.json()["details"]["preverification"]
 
 
+def modes(g) -> dict[str, tuple[str, str]]:
+    replicas = g.session.get(g.url("/readyz"), timeout=5).json()["details"]["replicas"]
+    return {a: (r["watch"]["mode"], r["watch"]["state"]) for a, r in replicas.items() if r["watch"]}
+
+
 def test_only_the_called_guard_verifies_and_the_backlog_is_ready_after_the_takeover(lab, start_guard, tmp_path):
-    args = ["--kubeconfig", lab.kubeconfig(0), "--no-events", "--discovery-interval", "5"]
+    args = ["--kubeconfig", lab.kubeconfig(0), "--no-events", "--discovery-interval", "5", "--sweep-interval", "2"]
     called = start_guard([*args, "--audit-db", str(tmp_path / "a.db")])
     idle = start_guard([*args, "--audit-db", str(tmp_path / "b.db")])
     for g in (called, idle):
-        eventually(lambda g=g: all(r["watch"] and r["watch"]["state"] == "synced"
-                                   for r in g.session.get(g.url("/readyz"), timeout=5).json()["details"]
-                                   ["replicas"].values()), 20, what="every replica watched", process=g)
+        eventually(lambda g=g: len(modes(g)) == 3 and all(m == ("list", "synced") for m in modes(g).values()), 20,
+                   what="every replica listed, none watched", process=g)
     api = lab.core_v1(0)
     uids = {f"p-{i}": api.create_namespaced_pod("default", pod_manifest(f"p-{i}"), _request_timeout=5).metadata.uid
             for i in range(PODS)}
@@ -69,6 +74,11 @@ def test_only_the_called_guard_verifies_and_the_backlog_is_ready_after_the_takeo
     assert called.metric("ghost_guard_verdicts_inline_total") == 1
     eventually(lambda: called.metric("ghost_guard_preverify_active") == 1, 5, what="the gauge sampled",
                process=called)
+
+    # The called guard watches one replica and lists the other two; the idle one still watches none.
+    eventually(lambda: sorted(modes(called).values()) == [("list", "synced")] * 2 + [("watch", "synced")], 5,
+               what="one replica watched by the called guard", process=called)
+    assert all(m == ("list", "synced") for m in modes(idle).values())
 
     # The cluster paid one quorum GET per pod; the idle guard none.
     assert quorum_gets() == PODS

@@ -1,0 +1,145 @@
+"""The per-replica views kept by listing (guard.prepare): what a listing may conclude, in process.
+
+Every replica but the watched one is *listed* (its cache's unscheduled pods, ``resourceVersion=0``)
+every few seconds instead of watched. A listing replaces the view: new pods are seen (queued for
+verification while active, oldest first), pods that left it are gone (their prepared verdicts
+dropped), and a replica listed before the guard knew a pod never counts as disagreeing about it.
+Scripted etcd and replica caches, events delivered by hand, no threads, no sleeps.
+"""
+
+from __future__ import annotations
+
+import pytest
+from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
+
+from guard.check import Checker
+from guard.prepare import LIST_OBJECTS_PER_SECOND, Preverifier, ReplicaView
+from guard.verdict import Verdict
+
+
+@pytest.fixture
+def world():
+    etcd = Etcd()
+    gets = ScriptedGets(etcd)
+    clock = FakeClock()
+    checker = Checker(settings(prepare_idle_after=0, sweep_interval=30.0), gets, timer=clock, background=False)
+    replicas = [ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)]
+    pv = Preverifier(checker.settings, Pool(replicas), checker)
+    pv._replicas_changed(replicas, [])  # the views, without the threads start() would run
+    views = [pv._views[r.replica.address] for r in replicas]
+    return etcd, gets, checker, pv, replicas, views
+
+
+def catch_up(replica: ReplicaModel) -> None:
+    while replica.deliver() is not None:
+        pass
+
+
+def drain(pv: Preverifier) -> list[str]:
+    order: list[str] = []
+    real = pv.checker.verify
+
+    def spy(p, known_at, **kw):
+        order.append(p.name)
+        return real(p, known_at, **kw)
+
+    pv.checker.verify = spy  # type: ignore[method-assign]
+    try:
+        while pv.verify_next():
+            pass
+    finally:
+        pv.checker.verify = real  # type: ignore[method-assign]
+    return order
+
+
+def created_at(second: int) -> dict:
+    return {"creationTimestamp": f"2026-12-01T00:00:{second:02d}Z"}
+
+
+def test_a_listing_queues_new_pods_oldest_first(world):
+    etcd, gets, checker, pv, replicas, views = world
+    for name in ("c", "a", "b"):
+        etcd.create(name)
+    catch_up(replicas[0])
+    rv, items = replicas[0].pending_pods()
+    stamps = {"a": 1, "b": 2, "c": 3}  # kube-scheduler's order for equal priorities: oldest first
+    for obj in items:
+        obj["metadata"].update(created_at(stamps[obj["metadata"]["name"]]))
+    pv.apply_listing(views[0], rv, items, checker.cache.tick())
+    assert sorted(p.name for p in views[0].pods.values()) == ["a", "b", "c"]
+    assert drain(pv) == ["a", "b", "c"]
+    assert gets.count == 3
+    # Listed again: nothing new, nothing verified again.
+    pv.list_view(views[0])
+    assert drain(pv) == [] and gets.count == 3
+
+
+def test_a_pod_that_leaves_a_listing_loses_its_prepared_verdict(world):
+    etcd, gets, checker, pv, replicas, views = world
+    uid = etcd.create("web")
+    catch_up(replicas[0])
+    pv.list_view(views[0])
+    drain(pv)
+    assert checker.cache.take_prepared(pod("web", uid)) is not None  # verified ahead by the listing
+    other = etcd.create("other")
+    catch_up(replicas[0])
+    pv.list_view(views[0])
+    drain(pv)
+    assert checker.cache.gone_since(pod("other", other)) == 0
+    etcd.delete("other")  # deleted: the next listing lacks it
+    catch_up(replicas[0])
+    assert checker.cache.gone_since(pod("other", other)) == 0
+    pv.list_view(views[0])
+    assert checker.cache.gone_since(pod("other", other)) > 0
+    assert checker.cache.take_prepared(pod("other", other)) is None
+    # A later call for it reads etcd again, with a read that began after it was seen gone.
+    assert checker.check(pod("other", other)).verdict is Verdict.GHOST_DELETED
+
+
+def test_a_replica_listed_before_the_pod_existed_does_not_disagree(world):
+    etcd, gets, checker, pv, replicas, views = world
+    pv.list_view(views[1])  # replica 2 listed: empty
+    etcd.create("new")
+    catch_up(replicas[0])
+    catch_up(replicas[1])
+    pv.list_view(views[0])  # replica 1 listed after the create: shows it
+    assert pv.disagreements() == []  # replica 2's view is older than the pod
+    pv.list_view(views[1])
+    assert pv.disagreements() == []  # and its next listing shows it
+
+
+def test_a_replica_that_lost_the_delete_disagrees_once_its_listing_is_newer_than_the_pod(world):
+    etcd, gets, checker, pv, replicas, views = world
+    uid = etcd.create("ghost")
+    catch_up(replicas[0])
+    catch_up(replicas[1])
+    for v in views:
+        pv.list_view(v)
+    drain(pv)
+    etcd.delete("ghost")
+    catch_up(replicas[0])
+    replicas[1].drop()  # replica 2's watch lost the delete: it serves the ghost forever
+    for v in views:
+        pv.list_view(v)
+    assert pv.disagreements() == [pod("ghost", uid)]
+    assert pv.sweep() == []  # the first sweep only suspects
+    assert pv.sweep() == [pod("ghost", uid)]  # the second, in a row, verifies it again
+    drain(pv)
+    assert checker.cache.ghost(pod("ghost", uid)) is not None
+
+
+def test_the_listing_interval_is_short_while_active_long_while_idle_and_grows_with_the_backlog():
+    etcd = Etcd()
+    clock = FakeClock()
+    checker = Checker(settings(prepare_idle_after=60.0, sweep_interval=30.0), ScriptedGets(etcd), timer=clock,
+                      background=False)
+    replica = ReplicaModel("10.0.0.1:6443", etcd)
+    pv = Preverifier(checker.settings, Pool([replica]), checker)
+    view = ReplicaView(replica)
+    assert pv.list_interval(view) == 30.0  # idle: every --sweep-interval
+    pv.called()
+    assert pv.list_interval(view) == 3.0  # active: every few seconds
+    view.pods = {str(i): pod(f"p-{i}", str(i)) for i in range(20 * LIST_OBJECTS_PER_SECOND)}
+    assert pv.list_interval(view) == 20.0  # a backlog of 10,000 pods: every 20 s
+    clock.advance(61)
+    assert pv.list_interval(view) == 30.0
