@@ -22,8 +22,9 @@ whatever the number of apiserver and guard replicas:
 - **Every replica listed.** The per-replica views (the sweep below, and the
   missing-pod and frozen-replica checks of guard.cache_health) come from
   listing each other replica's cache (``resourceVersion=0``, served from its
-  watch cache) every few seconds while active and every ``--sweep-interval``
-  while idle, less often as the backlog grows (``LIST_OBJECTS_PER_SECOND``): a
+  watch cache) every few seconds, idle or not (a replica that lost pods'
+  creations may be the very one the scheduler reads, which then calls no
+  guard), less often as the backlog grows (``LIST_OBJECTS_PER_SECOND``): a
   cost per second, not per pod.
 - A ``DELETED`` (or a ``deletionTimestamp``) seen by the watch, or a pod that
   left a replica's listing, drops the prepared verdict at once.
@@ -64,9 +65,9 @@ log = logging.getLogger(__name__)
 
 # Pods waiting for background verification at most (a re-list of a huge backlog is rate limited).
 MAX_QUEUE = 100_000
-# Seconds between listings of each replica the guard does not watch, while active (at most half
-# --sweep-interval, so two sweeps in a row compare fresh views).
-ACTIVE_LIST_INTERVAL = 3.0
+# Seconds between listings of each replica the guard does not watch (at most half --sweep-interval,
+# so two sweeps in a row compare fresh views).
+LIST_INTERVAL = 3.0
 # A listing of N pending pods waits at least N / this many seconds for the next: a replica serving a
 # backlog of 10,000 pods is listed every 20 s, not every 3.
 LIST_OBJECTS_PER_SECOND = 500
@@ -225,12 +226,11 @@ class Preverifier:
     # -- the views: one watch, every other replica listed --------------------------------------
 
     def list_interval(self, view: ReplicaView) -> float:
-        """Seconds between listings of a replica the guard does not watch: a few seconds while this
-        guard verifies ahead, ``--sweep-interval`` while idle, and never more often than its last
+        """Seconds between listings of a replica the guard does not watch: a few seconds (at most half
+        ``--sweep-interval``), idle or not (a replica that lost pods' creations may be the one the
+        scheduler reads, which then never calls any guard), and never more often than its last
         listing's size allows (``LIST_OBJECTS_PER_SECOND``), so a large backlog is listed rarely."""
-        base = min(ACTIVE_LIST_INTERVAL, self.settings.sweep_interval / 2) if self.active() \
-            else self.settings.sweep_interval
-        return max(base, len(view.pods) / LIST_OBJECTS_PER_SECOND)
+        return max(min(LIST_INTERVAL, self.settings.sweep_interval / 2), len(view.pods) / LIST_OBJECTS_PER_SECOND)
 
     def list_view(self, view: ReplicaView) -> None:
         """List the unscheduled pods of one replica's cache (``resourceVersion=0``) into its view."""
@@ -379,14 +379,13 @@ class Preverifier:
         view.listed_at = -1e18  # listed again at once: the watch no longer keeps it current
 
     def _stop_watch(self) -> None:
-        """Idle: no watch (the views are listed every --sweep-interval)."""
+        """Idle: no watch (every replica's view is listed)."""
         with self._lock:
             watched, self._watched = self._watched, None
         if watched is not None:
             self._end_watch(watched)
-            log.info("no scheduler call for %gs: stopped watching unscheduled pods on %s; listing every replica "
-                     "every %gs", self.settings.prepare_idle_after, watched.client.replica,
-                     self.settings.sweep_interval)
+            log.info("no scheduler call for %gs: stopped watching unscheduled pods on %s; only listing every "
+                     "replica", self.settings.prepare_idle_after, watched.client.replica)
 
     def apply_event(self, view: ReplicaView, event: dict) -> None:
         """One watch event from one replica's view of unscheduled pods."""

@@ -1,7 +1,7 @@
 """Two guard replicas against one lab, only one of them called (the leading scheduler's connection
 reaches one guard): the cluster pays one quorum GET per pod, not one per guard.
 
-Neither guard watches while idle: both list every replica's cache every --sweep-interval. The one
+Neither guard watches while idle: both list every replica's cache every few seconds. The one
 nobody calls (idle, --prepare-idle-after) makes no quorum GET for the new pods and says so in
 /readyz and ``ghost_guard_preverify_active``. The called one's first call is a takeover: answered
 inline, the backlog of pods pending before it is verified in the background, so the scheduler's
@@ -37,7 +37,7 @@ def modes(g) -> dict[str, tuple[str, str]]:
 
 
 def test_only_the_called_guard_verifies_and_the_backlog_is_ready_after_the_takeover(lab, start_guard, tmp_path):
-    args = ["--kubeconfig", lab.kubeconfig(0), "--no-events", "--discovery-interval", "5", "--sweep-interval", "2"]
+    args = ["--kubeconfig", lab.kubeconfig(0), "--no-events", "--discovery-interval", "5"]
     called = start_guard([*args, "--audit-db", str(tmp_path / "a.db")])
     idle = start_guard([*args, "--audit-db", str(tmp_path / "b.db")])
     for g in (called, idle):
