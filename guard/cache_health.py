@@ -1,8 +1,9 @@
 """Replica caches that miss pods or stopped: the checks, their metrics, Events and /readyz detail.
 
 One background thread per guard worker, never on the scheduling path. Every
-second it compares the views the pre-verifier's watches already hold of every
-replica (guard/prepare.py: the pending pods each replica's cache shows); a
+second it compares the views the pre-verifier already holds of every replica
+(guard/prepare.py: the pending pods each replica's cache shows, listed every
+few seconds, one replica watched while the guard is called); a
 pod other replicas have shown for ``--missing-after`` seconds but one synced
 replica has not is confirmed before anyone is named: a quorum GET (still
 pending, same UID?), a consistent read on that replica (a flowing cache

@@ -105,8 +105,9 @@ def main() -> None:
         help="Seconds between sweeps comparing the replicas' views (finds ghosts no scheduler asked about).")
 @option("--prepare-idle-after", type=float, default=60.0,
         help="Verify new pods ahead only while scheduler calls (/filter, /preempt, /validate/binding) arrived within "
-             "this many seconds: a guard replica nobody calls watches but makes no quorum GETs. The first call after "
-             "that is answered inline and queues the pending pods the watch holds. 0: always verify ahead.")
+             "this many seconds: a guard replica nobody calls has no watch (it still lists every replica's cache) and "
+             "makes no quorum GETs. The first call after that is answered inline, starts the watch and queues the "
+             "pending pods the listings hold. 0: always verify ahead.")
 @option("--missing-after", type=float, default=30.0,
         help="Seconds a pending pod may be shown by other apiserver replicas but not by one before the guard checks "
              "whether that replica's cache misses it (quorum GET, then that cache read past the pod's revision).")

@@ -33,10 +33,10 @@ PREVERIFIED = Counter("ghost_guard_preverified", "Pods verified in the backgroun
 PREVERIFY_DROPPED = Counter("ghost_guard_preverify_dropped", "New pods not queued for background verification "
                             "because the queue was full (their first scheduling call verifies inline).")
 PREVERIFY_ACTIVE = Gauge("ghost_guard_preverify_active", "1 while this guard verifies new pods ahead (a scheduler "
-                         "call arrived within --prepare-idle-after, or it is 0), 0 while idle: its watches run, "
-                         "it makes no quorum GETs for new pods (sampled every second).", multiprocess_mode="livemax")
+                         "call arrived within --prepare-idle-after, or it is 0), 0 while idle: no watch, its listings "
+                         "of every replica run, it makes no quorum GETs for new pods (sampled every second).", multiprocess_mode="livemax")
 PREVERIFY_TAKEOVERS = Counter("ghost_guard_preverify_takeovers", "First scheduler calls after an idle spell (or "
-                              "since start): each queued the pending pods the watch held for background verification.")
+                              "since start): each queued the pending pods the listings held for background verification.")
 PREVERIFY_DEFERRED = Counter("ghost_guard_preverify_deferred", "New pods seen while idle, not verified ahead (kept "
                              "for the next takeover; a call for one before then verifies it inline).")
 PREVERIFY_BACKLOG = Gauge("ghost_guard_preverify_backlog", "Pending pods seen while idle, waiting for a takeover "
@@ -94,9 +94,9 @@ AUDIT_PRUNED = Counter("ghost_guard_audit_pruned", "GhostPods deleted by retenti
 FOLLOWUPS_COALESCED = Counter("ghost_guard_followups_coalesced", "Ghost follow-ups merged into one already waiting "
                               "for the same pod identity because more than 1,000 were pending (a repeated sighting "
                               "of a looping ghost; its extra blocks are not counted in the audit).")
-REPLICA_WATCH_UP = Gauge("ghost_guard_replica_watch_up", "1 while the unscheduled-pod watch on an apiserver replica "
-                         "is synced, 0 while it is retrying.", ["replica"], multiprocess_mode="livemin")
-WATCH_FALLBACK = Gauge("ghost_guard_watch_fallback", "1 while no apiserver replica can be watched and pre-verification "
+REPLICA_WATCH_UP = Gauge("ghost_guard_replica_watch_up", "1 while the guard's view of an apiserver replica's "
+                         "unscheduled pods (its last listing, or the watch on it) is synced, 0 while it is retrying.", ["replica"], multiprocess_mode="livemin")
+WATCH_FALLBACK = Gauge("ghost_guard_watch_fallback", "1 while no apiserver replica answers and pre-verification "
                        "watches through the kubeconfig's own server instead.", multiprocess_mode="livemax")
 REPLICA_PROBE_ERRORS = Counter("ghost_guard_replica_probe_errors", "Cache probes of an apiserver replica that got "
                                "no answer, by replica and kind (unreachable: timeout or refused, not-ready: 429, error).",
