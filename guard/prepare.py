@@ -178,7 +178,7 @@ class Preverifier:
         self._queued: cachetools.TTLCache = cachetools.TTLCache(500_000, settings.prepared_max_age)
         self.takeovers = 0
         checker.call_hooks.append(self.called)
-        pool.on_change(self._replicas_changed)
+        pool.on_change(self.replicas_changed)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -187,7 +187,7 @@ class Preverifier:
         self._lister = ThreadPoolExecutor(max_workers=LISTERS, thread_name_prefix="ghost-list")
         for i in range(self.settings.verify_concurrency):
             self._spawn(self._verify_loop, f"ghost-verify-{i}")
-        self._replicas_changed(self.pool.clients(), [])
+        self.replicas_changed(self.pool.clients(), [])
         self._spawn(self._manage_loop, "ghost-views")
 
     def close(self) -> None:
@@ -210,7 +210,7 @@ class Preverifier:
         self._threads.append(t)
         return t
 
-    def _replicas_changed(self, added: list[ReplicaClient], removed: list[ReplicaClient]) -> None:
+    def replicas_changed(self, added: list[ReplicaClient], removed: list[ReplicaClient]) -> None:
         with self._lock:
             for c in removed:
                 view = self._views.pop(c.replica.address, None)
@@ -224,6 +224,11 @@ class Preverifier:
         self._wake.set()
 
     # -- the views: one watch, every other replica listed --------------------------------------
+
+    def view(self, address: str) -> ReplicaView | None:
+        """The view of the replica at ``address`` (IP:PORT), if it is one of the current replicas."""
+        with self._lock:
+            return self._views.get(address)
 
     def list_interval(self, view: ReplicaView) -> float:
         """Seconds between listings of a replica the guard does not watch: a few seconds (at most half

@@ -32,7 +32,7 @@ from scripted import Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, Script
 from guard.audit import AuditStore
 from guard.check import Checker
 from guard.incident import IncidentRecorder
-from guard.prepare import Preverifier, ReplicaView
+from guard.prepare import Preverifier
 
 NAMES = ("web-0", "web-1")
 STEPS = {"run": 0}  # rule steps taken by every example, in this process
@@ -64,7 +64,8 @@ class VerdictMachine(RuleBasedStateMachine):
         self.replicas = [Blame(f"10.0.0.{i}:6443", self.etcd) for i in (1, 2)]
         self.pv = Preverifier(self.checker.settings, Pool(self.replicas), self.checker)
         self.pv.called()  # starts active; idle_spell makes it idle, the next scheduler call takes over
-        self.views = [ReplicaView(r) for r in self.replicas]
+        self.pv.replicas_changed(self.replicas, [])  # the views (start() would also run the threads)
+        self.views = [self.pv.view(r.replica.address) for r in self.replicas]
         self.tmp = tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
         self.audit = AuditStore(Path(self.tmp.name) / "audit.db")
         self.confirms: list[tuple] = []
@@ -136,6 +137,16 @@ class VerdictMachine(RuleBasedStateMachine):
         event = self.replicas[i].deliver()
         if event is not None:
             self.pv.apply_event(self.views[i], event)
+
+    @rule(i=st.sampled_from((0, 1)))
+    def list_replica(self, i):
+        """The guard lists the replica's cache into its view (every replica it does not watch)."""
+        self.pv.list_view(self.views[i])
+
+    @rule()
+    def sweep(self):
+        """The views compared: pods one replica still shows and another does not are verified again."""
+        self.pv.sweep()
 
     @rule(i=st.sampled_from((0, 1)))
     def drop_event(self, i):
