@@ -17,7 +17,7 @@ from guard.lab.api import resource_for
 from guard.lab.etcd import Etcd, free_port
 from guard.lab.pki import CA
 from guard.lab.registry import Registry
-from guard.lab.replica import Replica
+from guard.lab.replica import ApiserverReplica
 
 _live: weakref.WeakSet[Lab] = weakref.WeakSet()
 
@@ -43,7 +43,7 @@ class Lab:
         with open(self.ca_path, "wb") as f:
             f.write(self.ca.cert_pem)
         self.etcd = Etcd(data_dir=os.path.join(self.out_dir, "etcd"))
-        self.replicas: list[Replica] = []
+        self.replicas: list[ApiserverReplica] = []
         self.port = 0
         self._clients: dict[int, Any] = {}
         self._started = False
@@ -88,7 +88,7 @@ class Lab:
             try:
                 for i in range(self.n):
                     ip = f"127.0.0.{i + 1}"
-                    rep = Replica(i, ip, port, self.etcd.url, self.token, self.ca.serving(ip), **self._opts)  # type: ignore[arg-type]
+                    rep = ApiserverReplica(i, ip, port, self.etcd.url, self.token, self.ca.serving(ip), **self._opts)  # type: ignore[arg-type]
                     reps.append(rep)
                     rep.bind()
             except OSError:

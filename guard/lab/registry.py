@@ -22,7 +22,7 @@ from guard.lab.api import (
     ApiError, Obj, Resource, already_exists, apply_patch, bad_request, conflict, invalid, modified_conflict, not_found,
     now_micro, now_rfc3339, resource_for, uid_precondition_failed,
 )
-from guard.lab.cache import decode
+from guard.lab.watchcache import decode
 from guard.lab.store import KV, EtcdClient
 
 MAX_RETRIES = 16
