@@ -13,7 +13,7 @@ import time
 import weakref
 from typing import Any
 
-from guard.lab.api import resource_for
+from guard.lab.api import known_resource
 from guard.lab.etcd import Etcd, free_port
 from guard.lab.pki import CA
 from guard.lab.registry import Registry
@@ -70,9 +70,8 @@ class Lab:
 
     def _bootstrap(self) -> None:
         reg = Registry(self.etcd.client)
-        ns = resource_for("", "v1", "namespaces")
-        svc = resource_for("", "v1", "services")
-        assert ns is not None and svc is not None
+        ns = known_resource("", "v1", "namespaces")
+        svc = known_resource("", "v1", "services")
         for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
             reg.ensure(ns, None, {"metadata": {"name": name}, "spec": {"finalizers": ["kubernetes"]},
                                   "status": {"phase": "Active"}})

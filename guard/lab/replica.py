@@ -640,9 +640,10 @@ class ApiserverReplica:
             ctx.source = "cache"
             if rv != "0":
                 self._wait_fresh(cache, int(rv))
-            obj, _ = cache.get(r.key(namespace, name))
-            if obj is None:
+            cached, _ = cache.get(r.key(namespace, name))
+            if cached is None:
                 raise not_found(r, name)
+            obj = cached
         if r.printer_columns and wants_table(ctx.headers.get("Accept")):
             return self._send(ctx, 200, table(r, [obj], str(obj["metadata"].get("resourceVersion", "")), time.time()))
         self._send(ctx, 200, output_form(r, obj))
