@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from guard.verdict import QuorumRead, ReadStatus
+from guard.verdict import QuorumRead, ReadStatus, pending_in_etcd
 
 # The project's API domain (the webhook is pods-binding.ghost-guard.kube-ghost-guard.io).
 DOMAIN = "kube-ghost-guard.io"
@@ -182,7 +182,7 @@ def plan(read: QuorumRead, views: Sequence[CacheView]) -> Plan:
     stale = tuple(sorted(v.replica for v in views if disagreement(v, read)))
     ghosts = tuple(ghost_uids(read, views))
     if not stale:
-        if read.status is ReadStatus.FOUND and not read.node_name and not read.deletion_timestamp:
+        if pending_in_etcd(read, read.uid):
             return Plan(Action.NONE, Outcome.ALIVE, f"pod uid {read.uid} is pending in etcd and every reachable replica "
                                                     "agrees: alive, not touched")
         return Plan(Action.NONE, Outcome.HEALED, "every reachable replica already agrees with etcd")
