@@ -4,7 +4,8 @@ Pure: no I/O and no clock. Every time is passed in (seconds since the epoch).
 
 A *probe* reads one replica's watch cache for one ghost
 (``GET /api/v1/namespaces/NS/pods?resourceVersion=0&fieldSelector=metadata.name=NAME``)
-and becomes a :class:`ReplicaObservation`. The rules here turn observations
+and becomes a :class:`ReplicaObservation` (whether a cached copy serves the ghost is
+:func:`guard.verdict.shows_pending`, asked after etcd said it has no such pod pending). The rules here turn observations
 into answers: which replicas serve the ghost, which ones healed, whether a
 cache *missed the delete* rather than lagging behind, and when to probe again.
 
@@ -19,9 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
-
-from guard.verdict import QuorumRead, ReadStatus
+from typing import Final
 
 STALE: Final = "stale"
 """The replica's cache serves the ghost."""
@@ -98,32 +97,6 @@ def latest(observations: Iterable[ReplicaObservation]) -> dict[str, ReplicaObser
         if seen is None or obs.checked_at >= seen.checked_at:
             newest[obs.replica] = obs
     return newest
-
-
-def is_pending(obj: dict[str, Any]) -> bool:
-    """Whether a pod object is one a scheduler would try to place: no ``spec.nodeName``, no
-    ``deletionTimestamp``."""
-    return not (obj.get("spec") or {}).get("nodeName") and not (obj.get("metadata") or {}).get("deletionTimestamp")
-
-
-def serves_as_pending(items: Iterable[dict[str, Any]], uid: str) -> bool:
-    """Whether a replica's cached copies of one pod name (a LIST's ``items``) would make a scheduler
-    try to place pod ``uid``: a copy with that UID, no ``spec.nodeName`` and no ``deletionTimestamp``.
-
-    This is what "serves the ghost" means for every ghost verdict: deleted or replaced (the
-    old UID is still listed), already bound (the copy is still unbound), terminating (the copy
-    has no deletionTimestamp). A replica that lists the pod bound, or terminating, is consistent.
-    Without a ``uid`` any schedulable copy counts.
-    """
-    return any(is_pending(item) for item in items if not uid or (item.get("metadata") or {}).get("uid") == uid)
-
-
-def pending_in_etcd(read: QuorumRead, uid: str) -> bool:
-    """Whether a quorum read of a pod's name shows pod ``uid`` pending (found, same UID, no
-    ``nodeName``, no ``deletionTimestamp``): then it is no ghost, and a replica serving it serves
-    the truth. A failed read says nothing (False); the caller must not blame on it either."""
-    return (read.status is ReadStatus.FOUND and bool(uid) and read.uid == uid
-            and not read.node_name and not read.deletion_timestamp)
 
 
 def stale_replicas(observations: Iterable[ReplicaObservation]) -> list[str]:

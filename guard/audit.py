@@ -14,9 +14,12 @@ gunicorn workers and several guard processes sharing one file:
   and never cross a ``fork()``: a connection opened in another process id is
   dropped (not closed: closing would touch the parent's locks) and reopened.
 
-Two tables: ``ghosts`` (one row per ghost UID) and ``replica_observations``
-(one row per UID and apiserver replica: the newest probe of that replica's
-watch cache, plus when it started serving the ghost and when it healed).
+Three tables of records: ``ghosts`` (one row per ghost UID),
+``replica_observations`` (one row per UID and apiserver replica: the newest
+probe of that replica's watch cache, plus when it started serving the ghost and
+when it healed) and ``heal_attempts`` (one row per attempt of ``serve --heal``
+on a ghost: when, action, outcome, detail). A fourth, ``meta``, is the
+``/readyz`` write check's scratch row (``check``).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import cachetools
@@ -56,8 +57,10 @@ class Read(NamedTuple):
     own: bool
 
 
-class Announcement(NamedTuple):
-    """A cached ghost: its verdict, the read that proved it, and whether this is its first announcement."""
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """A cached ghost: its verdict, the read that proved it, and whether this is its first announcement.
+    A record, not a tuple: read by field name only."""
 
     decision: Decision
     read: QuorumRead

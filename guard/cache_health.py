@@ -30,12 +30,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from guard import metrics, replica_health
-from guard.attribution import is_pending, pending_in_etcd
 from guard.kube import Kube, ReplicaClient, emit_event
 from guard.replica_health import CacheTrack, RevisionSample
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
-from guard.verdict import PodRef, QuorumRead
+from guard.verdict import PodRef, QuorumRead, is_pending, pending_in_etcd
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,10 @@
    (``POST /v3/kv/range``; Kubernetes stores protobuf there, so only presence and
    ``mod_revision`` are read).
 
-A replica is *stale* when its cache disagrees with the quorum read: it lists the
-pod etcd no longer has, under another UID, or as unbound/not terminating when
-etcd has it bound/terminating. Rendering is in :mod:`guard.report`.
+A replica is *stale* when its cache serves a ghost (``guard.verdict.serves_ghost``, the
+same rule the running guard's attribution uses): it lists, as a pod to schedule, the pod
+etcd no longer has, another UID than etcd's, or the pod unbound/not terminating when etcd
+has it bound/terminating. Rendering is in :mod:`guard.report`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import urllib3
 from guard.attribution import ReplicaObservation
 from guard.kube import Kube, ReplicaClient
 from guard.report import render_diagnosis
-from guard.verdict import QuorumRead, ReadStatus
+from guard.verdict import ReadStatus, serves_ghost
 
 
 @dataclass(frozen=True)
@@ -33,21 +34,6 @@ class EtcdAccess:
     cert: str | None = None
     key: str | None = None
     prefix: str = "/registry"
-
-
-def cache_disagrees(items: list[dict], read: QuorumRead) -> bool:
-    """Whether a replica's cached copies of one pod name contradict the quorum read."""
-    if read.status is ReadStatus.NOT_FOUND:
-        return bool(items)
-    for item in items:
-        meta, spec = item.get("metadata") or {}, item.get("spec") or {}
-        if meta.get("uid") != read.uid:
-            return True
-        if read.node_name and not spec.get("nodeName"):
-            return True
-        if read.deletion_timestamp and not meta.get("deletionTimestamp"):
-            return True
-    return False
 
 
 def read_etcd(access: EtcdAccess, namespace: str, name: str, timeout: float = 3.0) -> str:
@@ -91,7 +77,7 @@ def diagnose(kube: Kube, replicas: list[ReplicaClient], namespace: str, name: st
         if error or read.status is ReadStatus.ERROR:
             observations.append(ReplicaObservation(client.replica.address, None, rv, error or "quorum read failed", now))
         else:
-            observations.append(ReplicaObservation(client.replica.address, cache_disagrees(items, read), rv, None, now))
+            observations.append(ReplicaObservation(client.replica.address, serves_ghost(items, read), rv, None, now))
     etcd_detail = read_etcd(etcd, namespace, name) if etcd else None
     text = render_diagnosis(namespace=namespace, name=name, quorum_status=status, quorum_detail=detail,
                             observations=observations, etcd_detail=etcd_detail, output=output)

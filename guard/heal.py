@@ -25,10 +25,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from guard import healing
-from guard.attribution import pending_in_etcd
 from guard.healing import Action, CacheView, HealResult, Outcome, Plan, ReplicaResult
 from guard.kube import Kube, KubeWriteError, ReplicaClient
-from guard.verdict import QuorumRead, ReadStatus
+from guard.verdict import QuorumRead, ReadStatus, pending_in_etcd
 
 log = logging.getLogger(__name__)
 

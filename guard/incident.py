@@ -40,7 +40,7 @@ from guard.kube import Kube, ReplicaClient, emit_event
 from guard.replicas import ReplicaPool
 from guard.report import format_time
 from guard.settings import Settings
-from guard.verdict import Decision, PodRef, QuorumRead, ReadStatus, Verdict
+from guard.verdict import Decision, PodRef, QuorumRead, ReadStatus, Verdict, pending_in_etcd
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class IncidentRecorder:
         if read.status is ReadStatus.ERROR:
             log.info("attribution of %s uid %s postponed: the quorum read failed (%s)", pod, pod.uid, read.error)
             return None
-        if not attribution.pending_in_etcd(read, pod.uid):
+        if not pending_in_etcd(read, pod.uid):
             return True
         self._withdraw(pod)
         return False

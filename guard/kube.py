@@ -22,9 +22,9 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from guard.attribution import ReplicaObservation, http_error, serves_as_pending, transport_error
+from guard.attribution import ReplicaObservation, http_error, transport_error
 from guard.settings import Replica
-from guard.verdict import QuorumRead
+from guard.verdict import QuorumRead, shows_pending
 
 log = logging.getLogger(__name__)
 
@@ -316,11 +316,12 @@ class ReplicaClient:
             return None, f"no resourceVersion in the list: {str(rv)[:50]}"
 
     def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
-        """Does this replica's watch cache still serve the ghost with this UID (as a pod to schedule)?"""
+        """Does this replica's watch cache still serve the ghost with this UID (as a pod to schedule)?
+        The cache half of ``verdict.serves_ghost``: the caller asked etcd first."""
         items, rv, error = self.read_cache(namespace, name)
         if error:
             return ReplicaObservation(self.replica.address, None, None, error, at)
-        return ReplicaObservation(self.replica.address, serves_as_pending(items, uid), rv, None, at)
+        return ReplicaObservation(self.replica.address, shows_pending(items, uid), rv, None, at)
 
     def pending_pods(self, *, resource_version: str = "0") -> tuple[str, list[dict]]:
         """LIST unscheduled pods from this replica's cache: (list resourceVersion, items)."""

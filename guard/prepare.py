@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 import cachetools
 
 from guard import metrics
-from guard.attribution import is_pending
+from guard.verdict import is_pending
 from guard.check import Checker
 from guard.kube import ReplicaClient, WatchExpired
 from guard.replicas import ReplicaPool

@@ -47,8 +47,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Final
 
-from guard.attribution import pending_in_etcd
-from guard.verdict import QuorumRead, ReadStatus
+from guard.verdict import QuorumRead, ReadStatus, pending_in_etcd
 
 # Outcomes of confirm_missing().
 MISSING: Final = "missing"

@@ -7,7 +7,7 @@ See docs/LAB.md.
 from guard.lab.etcd import Etcd, EtcdError
 from guard.lab.faults import DropRule, DroppedEvent, FaultError, FaultRule, Faults
 from guard.lab.lab import Lab
-from guard.lab.replica import Replica, RequestRecord
+from guard.lab.replica import ApiserverReplica, RequestRecord
 
-__all__ = ["DropRule", "DroppedEvent", "Etcd", "EtcdError", "FaultError", "FaultRule", "Faults", "Lab", "Replica",
+__all__ = ["ApiserverReplica", "DropRule", "DroppedEvent", "Etcd", "EtcdError", "FaultError", "FaultRule", "Faults", "Lab",
            "RequestRecord"]

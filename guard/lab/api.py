@@ -94,6 +94,14 @@ def resource_for(group: str, version: str, plural: str) -> Resource | None:
     return None
 
 
+def known_resource(group: str, version: str, plural: str) -> Resource:
+    """A resource the lab itself writes (pods, namespaces, endpoints, ...): always served."""
+    r = resource_for(group, version, plural)
+    if r is None:
+        raise LookupError(f"the lab serves no {plural}.{version}.{group or 'core'}")
+    return r
+
+
 def resource_for_key(key: str) -> Resource | None:
     """The storage resource (core flavour) a key belongs to."""
     for r in RESOURCES:

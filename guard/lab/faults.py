@@ -1,6 +1,6 @@
 """Per-replica fault injection: request faults, dropped DELETE (or creation) events, a frozen watch.
 
-Used through ``Replica.faults`` (Python) or the replica's ``/lab/faults`` admin
+Used through ``ApiserverReplica.faults`` (Python) or the replica's ``/lab/faults`` admin
 endpoint (JSON). Every method is thread-safe.
 """
 

@@ -13,11 +13,11 @@ import time
 import weakref
 from typing import Any
 
-from guard.lab.api import resource_for
+from guard.lab.api import known_resource
 from guard.lab.etcd import Etcd, free_port
 from guard.lab.pki import CA
 from guard.lab.registry import Registry
-from guard.lab.replica import Replica
+from guard.lab.replica import ApiserverReplica
 
 _live: weakref.WeakSet[Lab] = weakref.WeakSet()
 
@@ -43,7 +43,7 @@ class Lab:
         with open(self.ca_path, "wb") as f:
             f.write(self.ca.cert_pem)
         self.etcd = Etcd(data_dir=os.path.join(self.out_dir, "etcd"))
-        self.replicas: list[Replica] = []
+        self.replicas: list[ApiserverReplica] = []
         self.port = 0
         self._clients: dict[int, Any] = {}
         self._started = False
@@ -70,9 +70,8 @@ class Lab:
 
     def _bootstrap(self) -> None:
         reg = Registry(self.etcd.client)
-        ns = resource_for("", "v1", "namespaces")
-        svc = resource_for("", "v1", "services")
-        assert ns is not None and svc is not None
+        ns = known_resource("", "v1", "namespaces")
+        svc = known_resource("", "v1", "services")
         for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
             reg.ensure(ns, None, {"metadata": {"name": name}, "spec": {"finalizers": ["kubernetes"]},
                                   "status": {"phase": "Active"}})
@@ -88,7 +87,7 @@ class Lab:
             try:
                 for i in range(self.n):
                     ip = f"127.0.0.{i + 1}"
-                    rep = Replica(i, ip, port, self.etcd.url, self.token, self.ca.serving(ip), **self._opts)  # type: ignore[arg-type]
+                    rep = ApiserverReplica(i, ip, port, self.etcd.url, self.token, self.ca.serving(ip), **self._opts)  # type: ignore[arg-type]
                     reps.append(rep)
                     rep.bind()
             except OSError:

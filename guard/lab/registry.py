@@ -14,20 +14,20 @@ import datetime
 import hashlib
 import random
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 from guard.lab.api import (
     ApiError, Obj, Resource, already_exists, apply_patch, bad_request, conflict, invalid, modified_conflict, not_found,
-    now_micro, now_rfc3339, resource_for, uid_precondition_failed,
+    known_resource, now_micro, now_rfc3339, uid_precondition_failed,
 )
-from guard.lab.cache import decode
+from guard.lab.watchcache import decode
 from guard.lab.store import KV, EtcdClient
 
 MAX_RETRIES = 16
-PODS = resource_for("", "v1", "pods")
-assert PODS is not None
+PODS = known_resource("", "v1", "pods")
 
 
 def encode(obj: Obj) -> bytes:
@@ -214,8 +214,7 @@ class Registry:
             meta["namespace"] = namespace
         else:
             meta.pop("namespace", None)
-        storage_r = r if r.group != "events.k8s.io" else resource_for("", "v1", "events")
-        assert storage_r is not None
+        storage_r = r if r.group != "events.k8s.io" else known_resource("", "v1", "events")
         obj["apiVersion"], obj["kind"] = storage_r.api_version, storage_r.kind
         meta.pop("resourceVersion", None)
         meta.pop("deletionTimestamp", None)
@@ -411,8 +410,7 @@ class Registry:
         """Add or remove one apiserver IP in ``default/kubernetes`` Endpoints and EndpointSlice
         (pkg/controlplane/reconcilers/lease.go: each apiserver adds itself, removes itself on shutdown)."""
         ports = [{"name": "https", "port": port, "protocol": "TCP"}]
-        ep_r, es_r = resource_for("", "v1", "endpoints"), resource_for("discovery.k8s.io", "v1", "endpointslices")
-        assert ep_r is not None and es_r is not None
+        ep_r, es_r = known_resource("", "v1", "endpoints"), known_resource("discovery.k8s.io", "v1", "endpointslices")
 
         def ips_of_ep(o: Obj) -> list[str]:
             return [a["ip"] for s in o.get("subsets") or [] for a in s.get("addresses") or []]
@@ -428,13 +426,14 @@ class Registry:
             o["ports"] = ports
             o["addressType"] = "IPv4"
 
-        for r, blank, get_ips, set_ips in (
+        targets: list[tuple[Resource, Obj, Callable[[Obj], list[str]], Callable[[Obj, list[str]], None]]] = [
             (ep_r, {"metadata": {"name": "kubernetes", "namespace": "default",
                                  "labels": {"endpointslice.kubernetes.io/skip-mirror": "true"}}}, ips_of_ep, set_ep),
             (es_r, {"metadata": {"name": "kubernetes", "namespace": "default",
                                  "labels": {"kubernetes.io/service-name": "kubernetes"}},
                     "addressType": "IPv4", "endpoints": [], "ports": ports}, ips_of_es, set_es),
-        ):
+        ]
+        for r, blank, get_ips, set_ips in targets:
             for _ in range(MAX_RETRIES):
                 key = r.key("default", "kubernetes")
                 kv, _ = self.etcd.get(key)
@@ -463,8 +462,7 @@ class Registry:
         """
         digest = hashlib.sha256(hostname.encode()).digest()[:16]
         lease_name = "apiserver-" + base64.b32encode(digest).decode().rstrip("=").lower()
-        r = resource_for("coordination.k8s.io", "v1", "leases")
-        assert r is not None
+        r = known_resource("coordination.k8s.io", "v1", "leases")
         holder = f"{lease_name}_{uuid.uuid4()}"
         spec = {"holderIdentity": holder, "leaseDurationSeconds": 3600, "renewTime": now_micro()}
         labels = {"apiserver.kubernetes.io/identity": "kube-apiserver", "kubernetes.io/hostname": hostname}

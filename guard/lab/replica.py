@@ -31,7 +31,7 @@ from guard.lab.api import (
 )
 from guard.lab import openapi
 from guard.lab.api import FIELD_VALIDATION_DIRECTIVES, unknown_fields
-from guard.lab.cache import WatchCache
+from guard.lab.watchcache import WatchCache
 from guard.lab.faults import FaultError, Faults
 from guard.lab.pki import KeyPair
 from guard.lab.registry import Registry, output_field, output_form
@@ -128,7 +128,7 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, addr: tuple[str, int], replica: Replica, ssl_ctx: ssl.SSLContext) -> None:
+    def __init__(self, addr: tuple[str, int], replica: ApiserverReplica, ssl_ctx: ssl.SSLContext) -> None:
         self.replica = replica
         self.ssl_ctx = ssl_ctx
         self.conns: set[socket.socket] = set()
@@ -229,8 +229,10 @@ def _int(q: dict[str, str], key: str) -> int | None:
         raise bad_request(f"{key}: invalid value {v!r}: must be an integer") from e
 
 
-class Replica:
-    """One apiserver replica. Created and started by ``Lab``; ``stop()``/``start()``/``restart()`` for faults."""
+class ApiserverReplica:
+    """One lab kube-apiserver replica: an HTTPS server over its own watch cache (``guard.lab.watchcache``).
+    Created and started by ``Lab``; ``stop()``/``start()``/``restart()`` for faults. (The guard's own
+    record of a replica's address is ``guard.settings.Replica``.)"""
 
     def __init__(self, index: int, ip: str, port: int, etcd_url: str, token: str, serving: KeyPair, *,
                  bookmark_interval: float = 1.0, history_size: int = 10000, consistent_read_timeout: float = 3.0,
@@ -265,7 +267,7 @@ class Replica:
         self.identity_lease: Obj | None = None
 
     def __repr__(self) -> str:
-        return f"Replica({self.index}, {self.url}, running={self.running})"
+        return f"ApiserverReplica({self.index}, {self.url}, running={self.running})"
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -638,9 +640,10 @@ class Replica:
             ctx.source = "cache"
             if rv != "0":
                 self._wait_fresh(cache, int(rv))
-            obj, _ = cache.get(r.key(namespace, name))
-            if obj is None:
+            cached, _ = cache.get(r.key(namespace, name))
+            if cached is None:
                 raise not_found(r, name)
+            obj = cached
         if r.printer_columns and wants_table(ctx.headers.get("Accept")):
             return self._send(ctx, 200, table(r, [obj], str(obj["metadata"].get("resourceVersion", "")), time.time()))
         self._send(ctx, 200, output_form(r, obj))

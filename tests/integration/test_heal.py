@@ -115,8 +115,8 @@ def test_a_deleted_ghost_is_healed_with_two_writes_and_the_loop_stops(lab, world
 
 def test_a_replaced_ghost_is_healed_by_one_annotation_on_the_live_pod(lab, world):
     """No scheduler here: kube-scheduler's own status patch after a failed bind goes by name without a UID
-    precondition, so it writes the live pod and heals the cache itself (kubernetes-facts §8; the lab does the
-    same). The heal matters when nothing else writes the pod."""
+    precondition, so it writes the live pod and heals the cache itself (any real write to the key replaces the
+    stale copy in a cache whose watch still flows: measured on a real v1.36.2 control plane; the lab does the same). The heal matters when nothing else writes the pod."""
     api = lab.core_v1(2)
     ghost = create(api, pod_manifest("web-0"))["metadata"]["uid"]
     assert lab.wait_synced()

@@ -17,9 +17,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from guard.attribution import ReplicaObservation, serves_as_pending
+from guard.attribution import ReplicaObservation
 from guard.settings import Replica, Settings
-from guard.verdict import Decision, PodRef, QuorumRead
+from guard.verdict import Decision, PodRef, QuorumRead, shows_pending
 
 NS = "default"
 
@@ -256,7 +256,7 @@ class ReplicaModel:
 
     def serves_pending(self, name: str, uid: str) -> bool:
         obj = self.cache.get(name)
-        return obj is not None and serves_as_pending([obj], uid)
+        return obj is not None and shows_pending([obj], uid)
 
     def pending_pods(self, *, resource_version: str = "0") -> tuple[str, list[dict]]:
         """A listing of this cache's unscheduled pods (the ReplicaClient surface the views use)."""
@@ -266,7 +266,7 @@ class ReplicaModel:
     # the ReplicaClient surface the incident recorder uses
     def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
         obj = self.cache.get(name)
-        return ReplicaObservation(self.replica.address, serves_as_pending([obj] if obj else [], uid),
+        return ReplicaObservation(self.replica.address, shows_pending([obj] if obj else [], uid),
                                   str(len(self.cache)), None, at)
 
 

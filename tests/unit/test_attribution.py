@@ -178,24 +178,3 @@ def test_latest_and_summarize() -> None:
     }
     assert summarize([]) == {c: [] for c in CLASSES}
 
-
-def _item(uid: str, node: str = "", deleting: bool = False) -> dict:
-    meta = {"name": "web-1", "namespace": "default", "uid": uid}
-    if deleting:
-        meta["deletionTimestamp"] = "2026-11-29T10:00:00Z"
-    return {"metadata": meta, "spec": {"nodeName": node} if node else {}}
-
-
-@pytest.mark.parametrize("items,uid,expected", [
-    pytest.param([_item("u1")], "u1", True, id="deleted-or-bound-ghost-still-listed-pending"),
-    pytest.param([], "u1", False, id="not-listed"),
-    pytest.param([_item("u2")], "u1", False, id="only-the-replacement-listed"),
-    pytest.param([_item("u1"), _item("u2")], "u1", True, id="old-uid-listed-beside-the-replacement"),
-    pytest.param([_item("u1", node="n1")], "u1", False, id="listed-bound-is-consistent"),
-    pytest.param([_item("u1", deleting=True)], "u1", False, id="listed-terminating-is-consistent"),
-    pytest.param([_item("u9")], "", True, id="no-uid-any-pending-copy"),
-])
-def test_serves_as_pending(items, uid, expected):
-    from guard.attribution import serves_as_pending
-
-    assert serves_as_pending(items, uid) is expected

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 PREFIX = "/registry/"
 
+# (type, object) pairs; named out here because inside WatchCache `list` is its LIST method.
+EventList = list[tuple[str, Obj]]
+
 
 @dataclass(frozen=True)
 class CacheEvent:
@@ -267,7 +270,7 @@ class WatchCache:
             items = [copy.deepcopy(o) for k, o in sorted(self._objects.items()) if k.startswith(prefix) and matches(o)]
             return items, self.rv
 
-    def watch(self, prefix: str, matches: Callable[[Obj], bool], rv: int | None) -> tuple[CacheWatcher, list[tuple[str, Obj]]]:
+    def watch(self, prefix: str, matches: Callable[[Obj], bool], rv: int | None) -> tuple[CacheWatcher, EventList]:
         """Register a watcher; returns it with the events it must send first.
 
         ``rv`` None (or 0): synthetic ADDED events for the current state, then live
