@@ -1,16 +1,24 @@
 """The ``ghost-guard`` command line. Each command parses its arguments and delegates.
 
 Every option has an environment variable ``GHOST_GUARD_<OPTION>`` (shown in
-``--help``); precedence is flag, then environment, then default.
+``--help``); precedence is flag, then environment, then default. The defaults of
+``serve`` (and of the options other commands share with it) are the ``Settings``
+fields' (guard/settings.py), never written here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import click
 
 from guard import __version__
+from guard.settings import DEFAULT_AUDIT_DB, Settings
+
+# The default of every `serve` option, and of the options other commands share with it: the Settings
+# field's (guard/settings.py is the one place a default is written).
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 
 
 def option(flag: str, **kwargs):
@@ -18,6 +26,12 @@ def option(flag: str, **kwargs):
     envvar = "GHOST_GUARD_" + flag.lstrip("-").split("/")[0].upper().replace("-", "_")
     kwargs.setdefault("show_envvar", True)
     return click.option(flag, envvar=envvar, **kwargs)
+
+
+def setting(flag: str, **kwargs):
+    """``option`` for the Settings field named like the flag (``--get-timeout`` -> ``get_timeout``,
+    ``--prepare/--no-prepare`` -> ``prepare``), with the field's default."""
+    return option(flag, default=DEFAULTS[flag.lstrip("-").split("/")[0].replace("-", "_")], **kwargs)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -30,135 +44,134 @@ def main() -> None:
 
 
 @main.command()
-@option("--bind", default="0.0.0.0:8443", metavar="HOST:PORT", help="Address to listen on.")
-@option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
-        help="Cluster credentials. Default: in-cluster service account, then $KUBECONFIG / ~/.kube/config.")
-@option("--tls-cert", type=click.Path(dir_okay=False), default=None, help="Serving certificate (PEM). HTTPS is the default.")
-@option("--tls-key", type=click.Path(dir_okay=False), default=None, help="Serving private key (PEM).")
-@option("--client-ca", type=click.Path(dir_okay=False), default=None,
-        help="Require client certificates signed by this CA (mTLS), and authorize each endpoint by the "
-             "certificate's role (--scheduler-identities, --apiserver-identities, --monitoring-identities).")
-@option("--insecure-http", is_flag=True, default=False,
-        help="Serve plain HTTP. Only for a loopback sidecar next to kube-scheduler (bind 127.0.0.1). "
-             "No client identities are checked.")
-@option("--workers", type=int, default=1,
-        help="gunicorn worker processes. Each has its own verdict cache; one worker with threads is recommended.")
-@option("--threads", type=int, default=16, help="Threads per worker (gthread); also the apiserver connection pool size.")
-@option("--get-timeout", type=float, default=1.0,
-        help="Seconds allowed for one quorum GET; must stay below kube-scheduler's httpTimeout (5s).")
-@option("--request-budget", type=float, default=2.0,
-        help="Seconds within which every /filter, /preempt and /validate/binding answer is ready (all quorum GETs "
-             "and waits included); past it the pod passes (fails open; closed with --fail-closed), counted. "
-             "At most 60% of the callers' timeouts (kube-scheduler httpTimeout 5s, webhook timeoutSeconds 5s).")
-@option("--ghost-ttl", type=float, default=3600.0, help="Seconds a ghost verdict is remembered (by pod UID).")
-@option("--ghost-cache-size", type=int, default=100_000, help="Most ghost verdicts remembered.")
-@option("--alive-ttl", type=float, default=0.5,
-        help="Seconds a quorum read is reused (bursts); below the scheduler's 1s initial backoff.")
-@option("--read-cache-size", type=int, default=10_000, help="Most quorum reads remembered at once.")
-@option("--fail-closed", is_flag=True, default=False,
-        help="Reject a pod when the guard cannot decide (apiserver trouble). Default: fail open (pass it, counted).")
-@option("--max-body-bytes", type=int, default=4 * 1024 * 1024,
-        help="Largest request body accepted (413 above). Names mode for 15,000 nodes is about 1 MB.")
-@option("--access-log/--no-access-log", default=True, help="One JSON line per request on stderr.")
-@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Log level.")
-@option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
-        help="Static list of apiserver replicas to probe and watch; replaces discovery from the "
-             "default/kubernetes EndpointSlice entirely.")
-@option("--apiserver-server-name", default="kubernetes.default.svc",
-        help="TLS server name verified when dialling a replica by IP.")
-@option("--discovery-interval", type=float, default=60.0, help="Seconds between replica discoveries.")
-@option("--probe-timeout", type=float, default=0.5, help="Seconds allowed for one replica cache probe or LIST.")
-@option("--reprobe-interval", type=float, default=30.0,
-        help="Least seconds between probe rounds for one ghost seen again (to see a replica heal).")
-@option("--stale-confirm-delay", type=float, default=2.0,
-        help="Seconds before re-probing a replica that served a ghost; still serving then = stale (not lag).")
-@option("--audit-store", default=None, metavar="kubernetes|sqlite[:PATH]", show_default="sqlite (--audit-db)",
-        help="Where blocked pods are recorded: `kubernetes` (GhostPod objects in the pod's namespace: shared by every "
-             "guard replica, kept across rollouts, readable with kubectl; needs manifests/crd) or `sqlite:PATH` "
-             "(an embedded file; `sqlite` alone means --audit-db).")
-@option("--audit-db", default="/var/lib/ghost-guard/audit.db", type=click.Path(dir_okay=False),
-        help="SQLite audit store of blocked pods (shared by workers and CLI), with --audit-store sqlite.")
-@click.option("--audit-retention", "--audit-max-age", "audit_max_age", type=float, default=30 * 86400.0,
+@setting("--bind", metavar="HOST:PORT", help="Address to listen on.")
+@setting("--kubeconfig", type=click.Path(dir_okay=False),
+         help="Cluster credentials. Default: in-cluster service account, then $KUBECONFIG / ~/.kube/config.")
+@setting("--tls-cert", type=click.Path(dir_okay=False), help="Serving certificate (PEM). HTTPS is the default.")
+@setting("--tls-key", type=click.Path(dir_okay=False), help="Serving private key (PEM).")
+@setting("--client-ca", type=click.Path(dir_okay=False),
+         help="Require client certificates signed by this CA (mTLS), and authorize each endpoint by the "
+              "certificate's role (--scheduler-identities, --apiserver-identities, --monitoring-identities).")
+@setting("--insecure-http", is_flag=True,
+         help="Serve plain HTTP. Only for a loopback sidecar next to kube-scheduler (bind 127.0.0.1). "
+              "No client identities are checked.")
+@setting("--workers", type=int,
+         help="gunicorn worker processes. Each has its own verdict cache; one worker with threads is recommended.")
+@setting("--threads", type=int, help="Threads per worker (gthread); also the apiserver connection pool size.")
+@setting("--get-timeout", type=float,
+         help="Seconds allowed for one quorum GET; must stay below kube-scheduler's httpTimeout (5s).")
+@setting("--request-budget", type=float,
+         help="Seconds within which every /filter, /preempt and /validate/binding answer is ready (all quorum GETs "
+              "and waits included); past it the pod passes (fails open; closed with --fail-closed), counted. "
+              "At most 60% of the callers' timeouts (kube-scheduler httpTimeout 5s, webhook timeoutSeconds 5s).")
+@setting("--ghost-ttl", type=float, help="Seconds a ghost verdict is remembered (by pod UID).")
+@setting("--ghost-cache-size", type=int, help="Most ghost verdicts remembered.")
+@setting("--alive-ttl", type=float,
+         help="Seconds a quorum read is reused (bursts); below the scheduler's 1s initial backoff.")
+@setting("--read-cache-size", type=int, help="Most quorum reads remembered at once.")
+@setting("--fail-closed", is_flag=True,
+         help="Reject a pod when the guard cannot decide (apiserver trouble). Default: fail open (pass it, counted).")
+@setting("--max-body-bytes", type=int,
+         help="Largest request body accepted (413 above). Names mode for 15,000 nodes is about 1 MB.")
+@setting("--access-log/--no-access-log", help="One JSON line per request on stderr.")
+@setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+@setting("--apiserver-replicas", metavar="https://IP:PORT,...",
+         help="Static list of apiserver replicas to probe and watch; replaces discovery from the "
+              "default/kubernetes EndpointSlice entirely.")
+@setting("--apiserver-server-name", help="TLS server name verified when dialling a replica by IP.")
+@setting("--discovery-interval", type=float, help="Seconds between replica discoveries.")
+@setting("--probe-timeout", type=float, help="Seconds allowed for one replica cache probe or LIST.")
+@setting("--reprobe-interval", type=float,
+         help="Least seconds between probe rounds for one ghost seen again (to see a replica heal).")
+@setting("--stale-confirm-delay", type=float,
+         help="Seconds before re-probing a replica that served a ghost; still serving then = stale (not lag).")
+@setting("--audit-store", metavar="kubernetes|sqlite[:PATH]", show_default="sqlite (--audit-db)",
+         help="Where blocked pods are recorded: `kubernetes` (GhostPod objects in the pod's namespace: shared by every "
+              "guard replica, kept across rollouts, readable with kubectl; needs manifests/crd) or `sqlite:PATH` "
+              "(an embedded file; `sqlite` alone means --audit-db).")
+@setting("--audit-db", type=click.Path(dir_okay=False),
+         help="SQLite audit store of blocked pods (shared by workers and CLI), with --audit-store sqlite.")
+@click.option("--audit-retention", "--audit-max-age", "audit_max_age", type=float, default=DEFAULTS["audit_max_age"],
               envvar=["GHOST_GUARD_AUDIT_RETENTION", "GHOST_GUARD_AUDIT_MAX_AGE"], show_envvar=True,
               help="Seconds an audit record is kept after last seen (30 days). With --audit-store kubernetes every "
                    "guard replica deletes expired GhostPods, each delete conditional on the version it saw.")
-@option("--audit-max-records", type=int, default=100_000, help="Most audit records kept.")
-@option("--audit-write-qps", type=float, default=20.0,
-        help="GhostPod writes per second at most, all records together (--audit-store kubernetes).")
-@option("--audit-write-interval", type=float, default=10.0,
-        help="Seconds between two writes of one GhostPod by this guard (--audit-store kubernetes): a ghost the "
-             "scheduler retries in a loop costs one write per interval, not one per attempt.")
-@option("--audit-queue-size", type=int, default=50_000,
-        help="Records (pod identities) waiting to be written at most (--audit-store kubernetes), e.g. while the "
-             "apiserver is unreachable; beyond, new ones are dropped and counted "
-             "(ghost_guard_audit_records_dropped_total).")
-@option("--events/--no-events", default=True, help="Emit GhostPodBlocked and StaleWatchCache Warning Events.")
-@option("--prepare/--no-prepare", default=True,
-        help="Watch unscheduled pods on every replica and verify them before kube-scheduler asks.")
-@option("--prepared-max-age", type=float, default=300.0, help="Seconds a background-verified verdict stays usable.")
-@option("--prepared-grace", type=float, default=0.5,
-        help="Seconds after a pod's first call during which its prepared verdict still answers.")
-@option("--verify-concurrency", type=int, default=16, help="Background quorum GETs in flight at most.")
-@option("--verify-qps", type=float, default=500.0,
-        help="Background quorum GETs per second at most (one per new pod; bounds re-list storms).")
-@option("--sweep-interval", type=float, default=30.0,
-        help="Seconds between sweeps comparing the replicas' views (finds ghosts no scheduler asked about).")
-@option("--prepare-idle-after", type=float, default=60.0,
-        help="Verify new pods ahead only while scheduler calls (/filter, /preempt, /validate/binding) arrived within "
-             "this many seconds: a guard replica nobody calls has no watch (it still lists every replica's cache) and "
-             "makes no quorum GETs. The first call after that is answered inline, starts the watch and queues the "
-             "pending pods the listings hold. 0: always verify ahead.")
-@option("--missing-after", type=float, default=30.0,
-        help="Seconds a pending pod may be shown by other apiserver replicas but not by one before the guard checks "
-             "whether that replica's cache misses it (quorum GET, then that cache read past the pod's revision).")
-@option("--frozen-after", type=float, default=30.0,
-        help="Seconds a replica's cache revision may stand still behind etcd's before the replica is named frozen "
-             "(revisions are read every third of this, at most every 20s).")
+@setting("--audit-max-records", type=int, help="Most audit records kept.")
+@setting("--audit-write-qps", type=float,
+         help="GhostPod writes per second at most, all records together (--audit-store kubernetes).")
+@setting("--audit-write-interval", type=float,
+         help="Seconds between two writes of one GhostPod by this guard (--audit-store kubernetes): a ghost the "
+              "scheduler retries in a loop costs one write per interval, not one per attempt.")
+@setting("--audit-queue-size", type=int,
+         help="Records (pod identities) waiting to be written at most (--audit-store kubernetes), e.g. while the "
+              "apiserver is unreachable; beyond, new ones are dropped and counted "
+              "(ghost_guard_audit_records_dropped_total).")
+@setting("--events/--no-events", help="Emit GhostPodBlocked and StaleWatchCache Warning Events.")
+@setting("--prepare/--no-prepare",
+         help="Keep views of every replica's unscheduled pods, watch one while called, and verify new pods before "
+              "kube-scheduler asks.")
+@setting("--prepared-max-age", type=float, help="Seconds a background-verified verdict stays usable.")
+@setting("--prepared-grace", type=float,
+         help="Seconds after a pod's first call during which its prepared verdict still answers.")
+@setting("--verify-concurrency", type=int, help="Background quorum GETs in flight at most.")
+@setting("--verify-qps", type=float,
+         help="Background quorum GETs per second at most (one per new pod; bounds re-list storms).")
+@setting("--sweep-interval", type=float,
+         help="Seconds between sweeps comparing the replicas' views (finds ghosts no scheduler asked about).")
+@setting("--prepare-idle-after", type=float,
+         help="Verify new pods ahead only while scheduler calls (/filter, /preempt, /validate/binding) arrived within "
+              "this many seconds: a guard replica nobody calls has no watch (it still lists every replica's cache) "
+              "and makes no quorum GETs. The first call after that is answered inline, starts the watch and queues "
+              "the pending pods the listings hold. 0: always verify ahead.")
+@setting("--missing-after", type=float,
+         help="Seconds a pending pod may be shown by other apiserver replicas but not by one before the guard checks "
+              "whether that replica's cache misses it (quorum GET, then that cache read past the pod's revision).")
+@setting("--frozen-after", type=float,
+         help="Seconds a replica's cache revision may stand still behind etcd's before the replica is named frozen "
+              "(revisions are read every third of this, at most every 20s).")
 # --- serving: connection deadlines and limits, TLS, caller identities (guard/worker.py, guard/identity.py)
-@option("--tls-handshake-timeout", type=float, default=2.0,
-        help="Seconds a client has to complete the TLS handshake; then the connection is closed.")
-@option("--header-timeout", type=float, default=5.0,
-        help="Seconds a client has to send the request line and headers (from the handshake, or the first byte "
-             "of a kept-alive connection's next request).")
-@option("--body-timeout", type=float, default=5.0,
-        help="Seconds a client has to send the request body (a larger body gets its length / --body-min-rate).")
-@option("--body-min-rate", type=int, default=1024 * 1024, metavar="BYTES_PER_SECOND",
-        help="Slowest body upload accepted, in bytes per second (sets the body deadline of large bodies).")
-@option("--write-timeout", type=float, default=5.0,
-        help="Seconds a client has to read the whole reply; a slower reader is cut off.")
-@option("--keepalive-timeout", type=float, default=30.0, help="Seconds an idle kept-alive connection stays open.")
-@option("--max-connections", type=int, default=512,
-        help="Open connections per worker process; beyond it a 503 with the reason, then close.")
-@option("--max-connections-per-client", type=int, default=64,
-        help="Open connections per client address (per worker process); beyond it a 503 with the reason.")
-@option("--max-buffered-bytes", type=int, default=16 * 1024 * 1024,
-        help="Bytes of large requests (over 64 KiB) read, running or being answered at once, per worker; "
-             "beyond it a 503 with the reason. At least --max-body-bytes.")
-@option("--tls-min-version", type=click.Choice(["1.2", "1.3"]), default="1.2",
-        help="Oldest TLS version accepted. TLS 1.2 offers only ECDHE key exchange with AES-GCM or ChaCha20-Poly1305.")
-@option("--scheduler-identities", default="system:kube-scheduler", metavar="NAME,...",
-        help="Client-certificate names (CN or DNS SAN) allowed to call /filter and /preempt. Checked only with "
-             "--client-ca: without it (server-only TLS) and with --insecure-http there is no identity check.")
-@option("--apiserver-identities", default="kube-apiserver-ghost-guard-client", metavar="NAME,...",
-        help="Client-certificate names (CN or DNS SAN) allowed to call /validate/binding (with --client-ca only).")
-@option("--monitoring-identities", default="ghost-guard-monitoring", metavar="NAME,...",
-        help="Client-certificate names (CN or DNS SAN) allowed to call /metrics, /healthz and /readyz "
-             "(with --client-ca only).")
-@option("--max-nodes", type=int, default=5000,
-        help="Most Nodes.items accepted in a nodes-mode /filter (whole v1.Node objects; 413 above). "
-             "Names mode (nodeCacheCapable: true) is bounded by --max-body-bytes only.")
-@option("--heal/--no-heal", default=False,
-        help="Heal automatically: once a replica is confirmed to serve a ghost, write under its name as "
-             "`ghost-guard heal` does (placeholder or one annotation), one heal at a time. Needs create, delete and "
-             "patch on pods (the opt-in manifests/heal).")
-@option("--heal-rate", type=float, default=1.0, help="Automatic heals per second at most, on average (with --heal).")
-@option("--heal-burst", type=int, default=3, help="Automatic heals at once at most before --heal-rate applies.")
-@option("--heal-timeout", type=float, default=10.0,
-        help="Seconds one automatic heal may take until every replica agrees with etcd.")
+@setting("--tls-handshake-timeout", type=float,
+         help="Seconds a client has to complete the TLS handshake; then the connection is closed.")
+@setting("--header-timeout", type=float,
+         help="Seconds a client has to send the request line and headers (from the handshake, or the first byte "
+              "of a kept-alive connection's next request).")
+@setting("--body-timeout", type=float,
+         help="Seconds a client has to send the request body (a larger body gets its length / --body-min-rate).")
+@setting("--body-min-rate", type=int, metavar="BYTES_PER_SECOND",
+         help="Slowest body upload accepted, in bytes per second (sets the body deadline of large bodies).")
+@setting("--write-timeout", type=float,
+         help="Seconds a client has to read the whole reply; a slower reader is cut off.")
+@setting("--keepalive-timeout", type=float, help="Seconds an idle kept-alive connection stays open.")
+@setting("--max-connections", type=int,
+         help="Open connections per worker process; beyond it a 503 with the reason, then close.")
+@setting("--max-connections-per-client", type=int,
+         help="Open connections per client address (per worker process); beyond it a 503 with the reason.")
+@setting("--max-buffered-bytes", type=int,
+         help="Bytes of large requests (over 64 KiB) read, running or being answered at once, per worker; "
+              "beyond it a 503 with the reason. At least --max-body-bytes.")
+@setting("--tls-min-version", type=click.Choice(["1.2", "1.3"]),
+         help="Oldest TLS version accepted. TLS 1.2 offers only ECDHE key exchange with AES-GCM or ChaCha20-Poly1305.")
+@setting("--scheduler-identities", metavar="NAME,...",
+         help="Client-certificate names (CN or DNS SAN) allowed to call /filter and /preempt. Checked only with "
+              "--client-ca: without it (server-only TLS) and with --insecure-http there is no identity check.")
+@setting("--apiserver-identities", metavar="NAME,...",
+         help="Client-certificate names (CN or DNS SAN) allowed to call /validate/binding (with --client-ca only).")
+@setting("--monitoring-identities", metavar="NAME,...",
+         help="Client-certificate names (CN or DNS SAN) allowed to call /metrics, /healthz and /readyz "
+              "(with --client-ca only).")
+@setting("--max-nodes", type=int,
+         help="Most Nodes.items accepted in a nodes-mode /filter (whole v1.Node objects; 413 above). "
+              "Names mode (nodeCacheCapable: true) is bounded by --max-body-bytes only.")
+@setting("--heal/--no-heal",
+         help="Heal automatically: once a replica is confirmed to serve a ghost, write under its name as "
+              "`ghost-guard heal` does (placeholder or one annotation), one heal at a time. Needs create, delete and "
+              "patch on pods (the opt-in manifests/heal).")
+@setting("--heal-rate", type=float, help="Automatic heals per second at most, on average (with --heal).")
+@setting("--heal-burst", type=int, help="Automatic heals at once at most before --heal-rate applies.")
+@setting("--heal-timeout", type=float, help="Seconds one automatic heal may take until every replica agrees with etcd.")
 def serve(**kwargs) -> None:
     """Serve the extender (/filter, /preempt), probes and metrics under gunicorn."""
     from guard.server import StartupError, preflight, serve as run
-    from guard.settings import Settings, SettingsError
+    from guard.settings import SettingsError
 
     try:
         settings = Settings(**kwargs).validate()
@@ -214,9 +227,6 @@ def certs(out: str, namespace: str, service: str, dns: tuple[str, ...], ips: tup
 # choices come from it. The store itself (sqlite3) is imported inside the commands.
 from guard.verdict import Verdict as _Verdict  # noqa: E402
 
-_AUDIT_DB_DEFAULT_SHOWN = "/var/lib/ghost-guard/audit.db"  # guard.audit.DEFAULT_AUDIT_DB (a unit test keeps them equal)
-
-
 def _audit_db_option(func):
     # Shared with `serve` through the environment: one GHOST_GUARD_AUDIT_DB / GHOST_GUARD_AUDIT_STORE for the
     # writer and the readers.
@@ -229,7 +239,7 @@ def _audit_db_option(func):
                         help="The store to read: `kubernetes` (GhostPod objects, every namespace you may list; "
                              "from any machine with a kubeconfig) or `sqlite:PATH`.")(func)
     return click.option("--db", "--audit-db", "db", default=None, envvar="GHOST_GUARD_AUDIT_DB", show_envvar=True,
-                        type=click.Path(), show_default=_AUDIT_DB_DEFAULT_SHOWN, metavar="PATH",
+                        type=click.Path(), show_default=DEFAULT_AUDIT_DB, metavar="PATH",
                         help="The audit store (SQLite file) written by `ghost-guard serve`.")(func)
 
 
@@ -238,7 +248,7 @@ def _open_audit_store(command: str, db: str | None, store: str | None = None, ku
     line if it is missing or unusable."""
     import os
 
-    from guard.audit import DEFAULT_AUDIT_DB, AuditError, AuditPathError, AuditStore
+    from guard.audit import AuditError, AuditPathError, AuditStore
     from guard.auditstore import StoreSpecError, open_store, parse_store
 
     try:
@@ -247,8 +257,9 @@ def _open_audit_store(command: str, db: str | None, store: str | None = None, ku
         raise click.BadParameter(str(e), param_hint="--audit-store") from e
     if kind == "kubernetes":
         try:
-            return open_store("kubernetes", DEFAULT_AUDIT_DB, kubeconfig=kubeconfig, max_age_seconds=30 * 86400,
-                              max_records=100_000, writer=False)
+            return open_store("kubernetes", DEFAULT_AUDIT_DB, kubeconfig=kubeconfig,
+                              max_age_seconds=Settings.audit_max_age, max_records=Settings.audit_max_records,
+                              writer=False)
         except (AuditError, ValueError) as e:
             click.echo(f"ghost-guard {command}: {e}", err=True)
             sys.exit(2)
@@ -328,7 +339,7 @@ def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
 
     Safe to run again: an existing object is only widened (larger count, wider time span, newer probes),
     never counted twice. Prints how many objects were created and updated; exit 1 if any record failed."""
-    from guard.audit import DEFAULT_AUDIT_DB, AuditError
+    from guard.audit import AuditError
     from guard.auditstore import StoreSpecError, parse_store
 
     try:
@@ -371,8 +382,7 @@ def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
              "the pending pods it misses. Needs cluster credentials; works without an audit store.")
 @option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
         help="With --live: replicas to check; default: discovered from the default/kubernetes EndpointSlice.")
-@option("--apiserver-server-name", default="kubernetes.default.svc",
-        help="With --live: TLS server name verified when dialling a replica by IP.")
+@setting("--apiserver-server-name", help="With --live: TLS server name verified when dialling a replica by IP.")
 def report(db: str | None, store: str | None, kubeconfig: str | None, namespace: str | None, since: str | None,
            output: str, live: bool, apiserver_replicas: str | None, apiserver_server_name: str) -> None:
     """Per apiserver replica, the ghosts its watch cache serves and since when, then the remediation in order.
@@ -382,7 +392,6 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
     """
     import os
 
-    from guard.audit import DEFAULT_AUDIT_DB
     from guard.report import render_report
 
     text, records = "", None
@@ -420,7 +429,7 @@ def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | Non
     credentials, the flags or replica discovery fail."""
     from guard.kube import Kube, KubeConfigError, load_configuration
     from guard.replicas import ReplicaPool
-    from guard.settings import Settings, SettingsError
+    from guard.settings import SettingsError
 
     try:
         settings = Settings(apiserver_replicas=apiserver_replicas, apiserver_server_name=server_name,
@@ -458,8 +467,7 @@ def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_
         help="Cluster credentials. Default: in-cluster service account, then $KUBECONFIG / ~/.kube/config.")
 @option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
         help="Replicas to check; default: discovered from the default/kubernetes EndpointSlice.")
-@option("--apiserver-server-name", default="kubernetes.default.svc",
-        help="TLS server name verified when dialling a replica by IP.")
+@setting("--apiserver-server-name", help="TLS server name verified when dialling a replica by IP.")
 @option("--probe-timeout", type=float, default=2.0, help="Seconds allowed for each read.")
 @click.option("--etcd-endpoint", default=None, metavar="https://IP:2379",
               help="Also read /registry/pods/NS/NAME from etcd directly (its JSON gateway).")
@@ -505,8 +513,7 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
              "account, then $KUBECONFIG / ~/.kube/config.")
 @option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
         help="Replicas to check; default: discovered from the default/kubernetes EndpointSlice.")
-@option("--apiserver-server-name", default="kubernetes.default.svc",
-        help="TLS server name verified when dialling a replica by IP.")
+@setting("--apiserver-server-name", help="TLS server name verified when dialling a replica by IP.")
 @option("--timeout", type=float, default=10.0,
         help="Seconds per pod, from the first read to the last check of every replica.")
 @option("--probe-timeout", type=float, default=2.0, help="Seconds allowed for each read.")

@@ -53,13 +53,12 @@ from urllib.parse import urlsplit
 import cachetools
 
 from guard import metrics
-from guard.verdict import is_pending
 from guard.check import Checker
 from guard.kube import ReplicaClient, WatchExpired
 from guard.replicas import ReplicaPool
 from guard.report import format_time
 from guard.settings import Replica, Settings
-from guard.verdict import PodRef
+from guard.verdict import PodRef, is_pending
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,9 @@
 
 Pure. ``ghost-guard serve`` fills it from flags and ``GHOST_GUARD_*``
 environment variables; ``validate()`` rejects bad combinations before any
-server starts, with one line that says what to change.
+server starts, with one line that says what to change. The field defaults
+are the only place a default is written: guard/cli.py gives every ``serve``
+option its field's default (and ``--help`` shows it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from urllib.parse import urlsplit
 SCHEDULER_HTTP_TIMEOUT = 5.0
 # The validating webhook's timeoutSeconds in manifests/webhook (a test keeps them equal).
 WEBHOOK_TIMEOUT_SECONDS = 5.0
+# The SQLite audit store's path (--audit-db), for `serve` and for the commands that read the store.
+DEFAULT_AUDIT_DB = "/var/lib/ghost-guard/audit.db"
 
 
 class SettingsError(ValueError):
@@ -55,7 +59,7 @@ class Settings:
     reprobe_interval: float = 30.0
     stale_confirm_delay: float = 2.0
     # audit store and Events
-    audit_db: str = "/var/lib/ghost-guard/audit.db"
+    audit_db: str = DEFAULT_AUDIT_DB
     # Where the audit goes: None/"sqlite" (audit_db), "sqlite:PATH", or "kubernetes" (GhostPod objects).
     audit_store: str | None = None
     audit_max_age: float = 30 * 86400.0  # --audit-retention (alias --audit-max-age)

@@ -24,23 +24,19 @@ import logging
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
-from flask import Blueprint, Response, current_app, g, request
+from flask import Blueprint, Response, g, request
 from werkzeug.wsgi import ClosingIterator
 
 from guard import extender
 from guard.extender import ProtocolError
-from guard.http.app import Overloaded, guard_of, json_error, record_request
+from guard.http.exchange import BodyBudget, acquire_room, read_json_body, record_request
 from guard.verdict import Decision, PodRef
-
-if TYPE_CHECKING:
-    from guard.http.app import Guard
-    from guard.settings import Settings
+from guard.wiring import Guard
 
 log = logging.getLogger(__name__)
-bp = Blueprint("extender", __name__)
 
 
 def _filter_reject(args: extender.FilterArgs, decision: Decision) -> bytes:
@@ -70,35 +66,6 @@ def answer(guard: Guard, path: str, body: bytes, arrived: float) -> tuple[bytes,
     return payload, args.pod, decision
 
 
-def acquire_room(guard: Guard, stream: Any, length: int) -> int:
-    """Room in the worker's BodyBudget for a body of ``length`` bytes (before it is read).
-
-    Without room, the body (``stream``, unless None) is read and dropped in 64 KiB pieces, so the
-    client reads the 503 and its reason instead of a reset connection; raises Overloaded.
-    """
-    try:
-        return guard.bodies.acquire(length)
-    except Overloaded:
-        if stream is not None:
-            drain(stream, length)
-        raise
-
-
-def drain(stream: Any, length: int) -> None:
-    """Read and drop up to ``length`` bytes of a body that will not be used, 64 KiB at a time.
-
-    A reply sent while the client still sends its body would otherwise be lost: closing a
-    socket with unread data resets the connection, and the client drops the reply with it.
-    And gunicorn closes a connection after the reply when more than 64 KiB of the body is left
-    unread, which a client reusing the connection sees as a reset.
-    """
-    try:
-        while length > 0 and (chunk := stream.read(min(length, 65536))):
-            length -= len(chunk)
-    except Exception:  # the client went away: it gets no answer either way
-        pass
-
-
 # --- the fast lane ---------------------------------------------------------------------------------
 
 _JSON = "application/json"
@@ -108,11 +75,12 @@ _STATUS_LINES = {code: f"{code} {HTTPStatus(code).phrase}" for code in (200, 400
 class FastLane:
     """WSGI middleware: answers kube-scheduler's well-formed verb calls itself, passes the rest on."""
 
-    def __init__(self, app: Callable, guard: Guard, settings: Settings) -> None:
+    def __init__(self, app: Callable, guard: Guard, bodies: BodyBudget) -> None:
         self.app = app
         self.guard = guard
-        self.settings = settings
-        self.limit = settings.max_body_bytes
+        self.bodies = bodies
+        self.settings = guard.settings
+        self.limit = guard.settings.max_body_bytes
 
     def _length(self, environ: dict) -> int | None:
         """The body length when this call is for the fast lane, else None."""
@@ -136,7 +104,7 @@ class FastLane:
         pod = verdict = None
         taken = 0
         try:
-            taken = acquire_room(self.guard, environ["wsgi.input"], length)
+            taken = acquire_room(self.bodies, environ["wsgi.input"], length)
             try:
                 body = environ["wsgi.input"].read(length)
             except Exception as e:  # the client went away or stalled mid-body
@@ -153,60 +121,33 @@ class FastLane:
         record_request(self.settings, "POST", path, status, time.perf_counter() - start,
                        environ.get("REMOTE_ADDR"), pod, verdict)
         if taken:  # the room is given back once the reply is written (the server closes the iterable)
-            return ClosingIterator([payload], lambda: self.guard.bodies.release(taken))
+            return ClosingIterator([payload], lambda: self.bodies.release(taken))
         return [payload]
 
 
 # --- the Flask lane: everything the fast lane passes on ----------------------------------------------
 
 
-def read_json_body() -> bytes | Response:
-    """The request body, or an error reply: 415 unless JSON, 413 over ``--max-body-bytes``.
+def blueprint(guard: Guard, bodies: BodyBudget) -> Blueprint:
+    """The Flask routes of the verbs, closed over this worker's guard and body budget."""
+    bp = Blueprint("extender", __name__)
 
-    With a Content-Length, an oversized body is refused before it is read (and read past,
-    unkept, up to twice the limit, so that the client gets the reply). A chunked body has
-    none: it is read up to one byte past the limit, so an oversized one is refused instead
-    of being cut at the limit and parsed.
-    """
-    if request.mimetype != "application/json":
-        return json_error(415, f"Content-Type must be application/json, got {request.mimetype or 'none'!r}")
-    limit = current_app.config["MAX_CONTENT_LENGTH"]
-    stream = request.environ["wsgi.input"]
-    if request.content_length is not None and request.content_length > limit:
-        if request.content_length <= 2 * limit:  # read past, unkept, so that the client gets the reason
-            drain(stream, request.content_length)
-        return json_error(413, f"request body of {request.content_length} bytes is larger than the limit "
-                               f"({limit} bytes, --max-body-bytes)")
-    # Room in the worker's BodyBudget before reading (a chunked body may be as large as the limit);
-    # given back when the reply is written (guard.http.app, after_request).
-    g.body_room = acquire_room(guard_of(current_app), stream if request.content_length is not None else None,
-                               request.content_length if request.content_length is not None else limit)
-    if request.content_length is not None:
-        return request.get_data(cache=False)
-    body = stream.read(limit + 1)
-    if len(body) > limit:
-        del body
-        drain(stream, 2 * limit)  # so that the connection stays usable (gunicorn drops it past 64 KiB unread)
-        return json_error(413, f"request body larger than the limit ({limit} bytes, --max-body-bytes)")
-    return body
+    def verb() -> Response:
+        body = read_json_body(bodies, guard.settings.max_body_bytes)
+        if isinstance(body, Response):
+            return body
+        payload, g.pod, decision = answer(guard, request.path, body, g.arrived)
+        g.verdict = decision.verdict.value
+        return Response(payload, mimetype="application/json")
 
+    @bp.post("/filter")
+    def filter_nodes() -> Response:
+        """A ghost: every node unresolvable, one reason. Otherwise every node passes, in the request's mode."""
+        return verb()
 
-def _verb() -> Response:
-    body = read_json_body()
-    if isinstance(body, Response):
-        return body
-    payload, g.pod, decision = answer(guard_of(current_app), request.path, body, g.arrived)
-    g.verdict = decision.verdict.value
-    return Response(payload, mimetype="application/json")
+    @bp.post("/preempt")
+    def preempt() -> Response:
+        """A ghost: no node may lose a pod for it. Otherwise every candidate, as meta victims."""
+        return verb()
 
-
-@bp.post("/filter")
-def filter_nodes() -> Response:
-    """A ghost: every node unresolvable, one reason. Otherwise every node passes, in the request's mode."""
-    return _verb()
-
-
-@bp.post("/preempt")
-def preempt() -> Response:
-    """A ghost: no node may lose a pod for it. Otherwise every candidate, as meta victims."""
-    return _verb()
+    return bp

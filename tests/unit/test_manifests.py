@@ -304,7 +304,7 @@ def test_deployment_args_are_valid_guard_settings_and_files_are_mounted(pod):
     assert "emptyDir" in volumes[mounts["/tmp"]]
     assert "emptyDir" in volumes[mounts["/var/lib/ghost-guard"]]
     env = {e["name"]: e["value"] for e in c["env"]}
-    from guard.audit import DEFAULT_AUDIT_DB
+    from guard.settings import DEFAULT_AUDIT_DB
 
     assert env["GHOST_GUARD_AUDIT_DB"] == DEFAULT_AUDIT_DB and DEFAULT_AUDIT_DB.startswith("/var/lib/ghost-guard/")
     # The probes call /healthz and /readyz: the monitoring role's certificate (guard.identity).

@@ -1,3 +1,6 @@
+import dataclasses
+
+import click
 import pytest
 
 from guard.settings import Settings, SettingsError
@@ -51,16 +54,71 @@ def test_valid_settings(kw):
     assert Settings(**kw).validate() is not None
 
 
-def test_serve_flags_repeat_the_settings_defaults():
-    """Every `serve` option's default equals the Settings field's (the brief: both are kept equal)."""
-    import dataclasses
+NO_FIELD = "(no Settings field of this name)"
 
+
+def defaults_that_differ(command: click.Command, defaults: dict[str, object]) -> dict[str, tuple[object, object]]:
+    """Option name -> (the option's default, the Settings field's) for every option of ``command``
+    whose default is not the field's; an option without a field of its name gets NO_FIELD."""
+    return {p.name: (p.default, defaults.get(p.name, NO_FIELD)) for p in command.params
+            if isinstance(p, click.Option) and p.name and p.default != defaults.get(p.name, NO_FIELD)}
+
+
+SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
+
+
+def test_every_serve_option_takes_its_default_from_settings():
+    """`serve` has one option per Settings field, and each option's default is the field's."""
     from guard.cli import serve
 
-    fields = {f.name: f.default for f in dataclasses.fields(Settings)}
-    options = [p for p in serve.params if p.name != "help"]
-    assert {p.name for p in options} == set(fields)
-    assert {p.name: p.default for p in options} == fields
+    assert {p.name for p in serve.params if isinstance(p, click.Option)} == set(SETTINGS_DEFAULTS)
+    assert defaults_that_differ(serve, SETTINGS_DEFAULTS) == {}
+
+
+@pytest.mark.parametrize("name", ["report", "diagnose", "heal"])
+def test_options_shared_with_serve_take_its_defaults(name):
+    """The commands that dial the replicas as `serve` does verify the same TLS server name by default."""
+    from guard.cli import main
+
+    command = main.commands[name]
+    shared = [p for p in command.params if p.name in ("apiserver_server_name", "apiserver_replicas", "kubeconfig")]
+    assert "apiserver_server_name" in {p.name for p in shared}
+    assert {p.name: p.default for p in shared} == {p.name: SETTINGS_DEFAULTS[p.name] for p in shared}
+
+
+def test_serve_help_shows_every_default_and_variable():
+    """--help names each option's GHOST_GUARD_<FLAG> variable and its default (the Settings field's)."""
+    from click.testing import CliRunner
+
+    from guard.cli import main, serve
+
+    text = " ".join(CliRunner().invoke(main, ["serve", "--help"], terminal_width=10_000).output.split())
+    for p in serve.params:
+        assert isinstance(p, click.Option)
+        flag = p.opts[0]
+        envvar = "GHOST_GUARD_" + flag.lstrip("-").upper().replace("-", "_")
+        assert envvar in text, flag
+        if SETTINGS_DEFAULTS[p.name] not in (None, False):
+            shown = SETTINGS_DEFAULTS[p.name]
+            shown = ("" if shown else "no-") + flag.lstrip("-") if isinstance(shown, bool) else shown
+            assert f"default: {shown}" in text, flag
+
+
+def test_a_default_written_twice_is_found():
+    """The check above fails when an option writes its own default (or names no field)."""
+    @click.command()
+    @click.option("--get-timeout", type=float, default=1.0)
+    @click.option("--threads", type=int, default=8)
+    @click.option("--prepare/--no-prepare", default=True)
+    @click.option("--no-such-setting", default="x")
+    def command(**kwargs: object) -> None:
+        pass
+
+    assert SETTINGS_DEFAULTS["get_timeout"] == 1.0 and SETTINGS_DEFAULTS["prepare"] is True
+    assert defaults_that_differ(command, SETTINGS_DEFAULTS) == {
+        "threads": (8, SETTINGS_DEFAULTS["threads"]),
+        "no_such_setting": ("x", NO_FIELD),
+    }
 
 
 _LOCAL = {"insecure_http": True, "bind": "127.0.0.1:80"}

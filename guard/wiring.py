@@ -1,0 +1,116 @@
+"""The guard of one worker process: its clients, caches and background workers, wired together.
+
+``build_guard(settings)`` runs in each gunicorn worker after the fork (guard.http.app.create_app)
+and returns the one :class:`Guard` value every route closes over. Nothing here speaks HTTP:
+guard/http/ decodes a request, asks the Guard, and encodes the answer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from guard.autoheal import AutoHealer
+from guard.cache_health import CacheHealthMonitor
+from guard.check import Checker
+from guard.incident import IncidentRecorder, open_audit_store
+from guard.kube import Kube, load_configuration
+from guard.prepare import Preverifier
+from guard.replicas import ReplicaPool
+from guard.settings import Settings
+
+# Readiness results are reused for this long, so probes never load the apiserver.
+READY_CACHE_SECONDS = 2.0
+
+
+@dataclass
+class Guard:
+    """What the routes share in one worker process."""
+
+    settings: Settings
+    kube: Kube
+    checker: Checker
+    incidents: IncidentRecorder
+    preverifier: Preverifier | None
+    # Extra readiness checks (None when fine, else a reason): only what stops verdicts, e.g. the
+    # served certificate. The apiserver is checked by readiness() itself.
+    readiness_checks: list[Callable[[], str | None]] = field(default_factory=list)
+    # /readyz body details, never a reason for 503: name -> callable returning a JSON-able value.
+    details: dict[str, Callable[[], object]] = field(default_factory=dict)
+    # The last readiness() result and when it was taken (time.monotonic), under _ready_lock.
+    _ready: tuple[float, list[str], dict[str, object]] | None = field(default=None, init=False, repr=False)
+    _ready_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def readiness(self) -> tuple[list[str], dict[str, object]]:
+        """(problems, details): problems are what stops verdicts (a 503), details what degrades a
+        feature (the audit store, a replica's watch), shown but never a reason for 503. Reused for
+        READY_CACHE_SECONDS; one caller at a time computes it, the others wait for its result."""
+        with self._ready_lock:
+            now = time.monotonic()
+            if self._ready is not None and now - self._ready[0] < READY_CACHE_SECONDS:
+                return list(self._ready[1]), dict(self._ready[2])
+            problems = []
+            problem = self.kube.ping()
+            if problem:
+                problems.append(problem)
+            for check in self.readiness_checks:
+                problem = check()
+                if problem:
+                    problems.append(problem)
+            details: dict[str, object] = {}
+            for name, detail in self.details.items():
+                try:
+                    details[name] = detail()
+                except Exception as e:  # a detail never breaks the probe
+                    details[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            self._ready = (now, problems, details)
+            return list(problems), dict(details)
+
+
+def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str | None]] = ()) -> Guard:
+    """Clients, caches and background workers of one worker process (after the fork)."""
+    kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout, pool_size=settings.threads)
+    checker = Checker(settings, kube.quorum_get)
+    # An audit store that cannot be opened or written never changes a verdict nor readiness: its
+    # health is a metric, a log line and a /readyz detail (IncidentRecorder.check_audit).
+    audit, audit_error = open_audit_store(settings)
+    pool = ReplicaPool(settings, kube)
+    healer = AutoHealer(settings, kube, pool, audit) if settings.heal else None
+    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract, audit_error=audit_error,
+                                 heal=healer.submit if healer is not None else None)
+    if healer is not None:
+        healer.done = incidents.after_heal
+    checker.listeners.append(incidents.new_ghost)
+    checker.sighting_listeners.append(incidents.sighting)
+    checker.block_recorders.append(incidents.record_block_now)
+    preverifier = None
+    if settings.prepare:
+        preverifier = Preverifier(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
+        preverifier.start()
+    # Replica caches that miss pods or froze: metrics, Events, a /readyz detail (guard/cache_health.py).
+    cache_health = CacheHealthMonitor(settings, kube, pool, preverifier.pending_views if preverifier else None)
+    cache_health.start()
+    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=list(readiness_checks),
+                 details={
+                     "audit_store": incidents.check_audit,
+                     "replicas": lambda: replica_details(incidents, preverifier),
+                     "replica_caches": cache_health.status,
+                     "preverification": lambda: preverification_details(preverifier)})
+
+
+def replica_details(incidents: IncidentRecorder, preverifier: Preverifier | None) -> dict[str, dict[str, object]]:
+    """Per apiserver replica, its unscheduled-pod watch (None with --no-prepare) and its newest cache
+    probe (None before any ghost was probed). Information, never a reason for 503."""
+    watches = preverifier.watch_status()["replicas"] if preverifier else {}
+    probes = incidents.probe_status()
+    return {address: {"watch": watches.get(address), "last_probe": probes.get(address)}
+            for address in sorted(set(watches) | set(probes))}
+
+
+def preverification_details(preverifier: Preverifier | None) -> dict[str, object]:
+    """Whether pods are verified ahead, the watch fallback in use, and the idle state (--prepare-idle-after)."""
+    if preverifier is None:
+        return {"enabled": False, "fallback": None}
+    return {"enabled": True, "fallback": preverifier.watch_status()["fallback"], **preverifier.idle_status()}
