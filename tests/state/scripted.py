@@ -260,7 +260,7 @@ class ReplicaModel:
 
     def pending_pods(self, *, resource_version: str = "0") -> tuple[str, list[dict]]:
         """A listing of this cache's unscheduled pods (the ReplicaClient surface the views use)."""
-        items = [o for o in self.cache.values() if serves_as_pending([o], o["metadata"]["uid"])]
+        items = [o for o in self.cache.values() if shows_pending([o], o["metadata"]["uid"])]
         return str(max((int(o["metadata"]["resourceVersion"]) for o in self.cache.values()), default=1)), items
 
     # the ReplicaClient surface the incident recorder uses
