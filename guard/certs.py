@@ -73,7 +73,8 @@ ALL_FILES = (CA_CERT, CA_KEY, TLS_CERT, TLS_KEY, CLIENT_CERT, CLIENT_KEY, APISER
 
 #: The client certificates' common names, one per caller role; the defaults of
 #: --scheduler-identities, --apiserver-identities and --monitoring-identities
-#: (guard.settings; a unit test keeps them equal). With --client-ca the guard
+#: (guard.settings; tests/unit/test_certs.py checks that the serve defaults accept
+#: each certificate for its own role and no other). With --client-ca the guard
 #: answers each endpoint only for its role's names (guard.identity).
 CLIENT_COMMON_NAME = "system:kube-scheduler"
 APISERVER_COMMON_NAME = "kube-apiserver-ghost-guard-client"
