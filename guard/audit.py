@@ -28,8 +28,7 @@ import os
 import sqlite3
 import stat
 import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
@@ -317,14 +316,6 @@ class AuditStore:
         """
         self._write_probes(uid, [_probe_row(replica, serves, cache_resource_version, error, at)],
                            identity=(namespace, name) if namespace is not None else None)
-
-    def record_observations(self, uid: str, observations: Iterable[ReplicaObservation]) -> None:
-        """:meth:`record_probe` for each observation (one probe round), in one transaction (one disk sync)."""
-        rows = [
-            _probe_row(o.replica, o.serves_ghost, o.cache_resource_version, o.error, o.checked_at) for o in observations
-        ]
-        if rows:
-            self._write_probes(uid, rows)
 
     def _write_probes(self, uid: str, rows: list[tuple[str, int | None, str | None, str | None, float]],
                       identity: tuple[str, str | None] | None = None) -> None:
@@ -668,47 +659,6 @@ class AuditStore:
             self._echo.flush()  # type: ignore[union-attr]
         except (OSError, ValueError) as e:
             log.warning("cannot write new-ghost line: %s", e)
-
-
-def evidence_from(decision: Any, read: Any) -> dict[str, Any]:
-    """The ``evidence`` of a block: what the quorum GET answered.
-
-    ``decision``/``read`` are a ``guard.verdict.Decision`` and ``QuorumRead``.
-    Keys are present only when known: ``quorum_status`` (HTTP status),
-    ``quorum_result`` (``found``/``not-found``/``error``), ``reason`` (the
-    verdict's reason), ``quorum_uid``, ``etcd_resource_version``,
-    ``node_name``, ``deletion_timestamp``, ``error``.
-    """
-    evidence: dict[str, Any] = {"quorum_result": str(getattr(read.status, "value", read.status))}
-    if read.http_status:
-        evidence["quorum_status"] = int(read.http_status)
-    for key, value in (
-        ("reason", decision.reason),
-        ("quorum_uid", read.uid),
-        ("etcd_resource_version", read.resource_version),
-        ("node_name", read.node_name),
-        ("deletion_timestamp", read.deletion_timestamp),
-        ("error", read.error),
-    ):
-        if value:
-            evidence[key] = str(value)[:512]
-    return evidence
-
-
-def ghost_listener(store: AuditStore, *, clock: Callable[[], float] = time.time) -> Callable[[Any, Any, Any], None]:
-    """A ``guard.check`` listener ``(pod, decision, read)`` that records the block in ``store``.
-
-    A pod without a UID cannot be keyed, so it is logged and not recorded.
-    """
-
-    def record_ghost_block(pod: Any, decision: Any, read: Any) -> None:
-        if not pod.uid:
-            log.warning("not auditing ghost %s/%s: the scheduler's copy has no UID", pod.namespace, pod.name)
-            return
-        store.record_block(uid=pod.uid, namespace=pod.namespace, name=pod.name, verdict=decision.verdict.value,
-                           evidence=evidence_from(decision, read), at=clock())
-
-    return record_ghost_block
 
 
 class _immediate:

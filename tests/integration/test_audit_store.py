@@ -477,54 +477,6 @@ def test_echo_announces_each_new_ghost_once(db: str) -> None:
     ]
 
 
-def test_ghost_listener_records_the_quorum_evidence(db: str) -> None:
-    from guard.audit import ghost_listener
-    from guard.verdict import PodRef, QuorumRead, decide
-
-    with AuditStore(db) as store:
-        listener = ghost_listener(store, clock=lambda: T0)
-        pod = PodRef("default", "web-1", "uid-old")
-        for read in (QuorumRead.not_found(), QuorumRead.found("uid-new", resource_version="77")):
-            listener(pod, decide(pod, read), read)
-        listener(PodRef("default", "no-uid", ""), decide(PodRef("default", "no-uid", ""), QuorumRead.not_found()), QuorumRead.not_found())
-        (record,) = store.records()
-    assert (record.uid, record.verdict, record.times_blocked) == ("uid-old", "ghost-replaced", 2)
-    assert dict(record.evidence) == {
-        "quorum_result": "found",
-        "quorum_status": 200,
-        "quorum_uid": "uid-new",
-        "etcd_resource_version": "77",
-        "reason": "ghost pod: default/web-1 uid uid-old was replaced by uid uid-new (quorum read, etcd); scheduler cache is stale",
-    }
-
-
-def test_record_observations_is_one_probe_round(db: str) -> None:
-    from guard.attribution import ReplicaObservation, stale_replicas
-
-    with AuditStore(db) as store:
-        store.record_block(uid="u", namespace="default", name="web-1", verdict="ghost-deleted", evidence={}, at=T0)
-        assert store.record("missing") is None
-        store.record_observations("u", [
-            ReplicaObservation(R1, False, "120", None, T0 + 1),
-            ReplicaObservation(R2, True, "100", None, T0 + 1),
-            ReplicaObservation(R3, None, None, "HTTP 429: Too Many Requests", T0 + 1),
-        ])
-        store.record_observations("u", [])
-        record = store.record("u")
-        assert record is not None
-        assert stale_replicas(s.observation() for s in record.replicas) == [R2]
-        assert [(s.replica, s.serves, s.error) for s in record.replicas] == [
-            (R1, False, None), (R2, True, None), (R3, None, "HTTP 429: Too Many Requests")]
-        # One bad observation rejects the whole round: nothing of it is written.
-        with pytest.raises(ValueError) as e:
-            store.record_observations("u", [ReplicaObservation(R1, True, "130", None, T0 + 2),
-                                             ReplicaObservation("", True, None, None, T0 + 2)])
-        assert str(e.value) == "replica must be 1 to 512 characters, got 0"
-        assert store.record("u").replicas == record.replicas
-        with pytest.raises(LookupError):
-            store.record_observations("never-blocked", [ReplicaObservation(R1, True, "1", None, T0)])
-
-
 def test_probe_sequences_match_the_model(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Any sequence of probes (in or out of order, failed or not) leaves what a plain model says."""
     from hypothesis import HealthCheck, given, settings
