@@ -2,7 +2,9 @@
 
 Runs on background threads, never on the scheduling path:
 
-1. the audit store gets the block (durable before it counts as recorded);
+1. the audit store gets the block (durable before it counts as recorded); a
+   ghost new to the store is also written to stdout as one JSON line for log
+   shippers (:func:`announce_new_ghost`, the store's ``on_new`` hook);
 2. etcd is asked first (a quorum GET of the name): a replica is only ever
    blamed for serving the ghost's UID while etcd has no pending pod with that
    UID. If etcd has it pending after all, the ghost verdict is withdrawn at
@@ -34,11 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from guard import attribution, metrics
 from guard.attribution import ReplicaObservation
-from guard.audit import AuditError, IdentityConflictError, UnknownGhostError
 from guard.auditstore import AuditBackend, describe, open_store
 from guard.kube import Kube, ReplicaClient, emit_event
+from guard.records import AuditError, AuditRecord, IdentityConflictError, UnknownGhostError
 from guard.replicas import ReplicaPool
-from guard.report import format_time
+from guard.report import format_time, new_ghost_line
 from guard.settings import Settings
 from guard.verdict import Decision, PodRef, QuorumRead, ReadStatus, Verdict
 
@@ -53,12 +55,23 @@ _TRUTH = {
 }
 
 
+def announce_new_ghost(record: AuditRecord) -> None:
+    """The new-ghost line: one JSON line on stdout (``guard.report.new_ghost_line``) for log shippers, once per
+    ghost across every process sharing the store (the store calls this for the write that created the record)."""
+    try:
+        sys.stdout.write(new_ghost_line(record) + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError) as e:
+        log.warning("cannot write new-ghost line: %s", e)
+
+
 def open_audit_store(settings: Settings) -> tuple[AuditBackend | None, str | None]:
-    """The audit store ``--audit-store`` names, or None and why it cannot be opened."""
+    """The audit store ``--audit-store`` names (announcing each new ghost on stdout), or None and why it cannot
+    be opened."""
     try:
         return open_store(settings.audit_store, settings.audit_db, kubeconfig=settings.kubeconfig,
                           max_age_seconds=settings.audit_max_age, max_records=settings.audit_max_records,
-                          echo=sys.stdout, write_qps=settings.audit_write_qps,
+                          on_new=announce_new_ghost, write_qps=settings.audit_write_qps,
                           queue_size=settings.audit_queue_size, write_interval=settings.audit_write_interval), None
     except (AuditError, OSError, ValueError) as e:
         return None, f"audit store {describe(settings.audit_store, settings.audit_db)} unusable: {e}"

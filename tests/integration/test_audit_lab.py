@@ -6,7 +6,8 @@ it healed.
 Real etcd, real HTTPS replicas, and the objects one guard worker builds, wired as
 ``guard.http.app.build_guard`` wires them: ``Checker.check`` (what /filter, /preempt and
 /validate/binding call) -> ``IncidentRecorder`` (new ghost, sightings, block recorder) -> the store
-``open_audit_store`` opens (the one that announces each new ghost on stdout). The follow-ups run inline
+``open_audit_store`` opens, with the recorder's ``announce_new_ghost`` as its ``on_new`` hook (the new-ghost
+line on stdout). The follow-ups run inline
 and the stale confirmation's timer only records the delay asked for: the test runs each step itself,
 no sleeping. The CLI runs as a subprocess.
 """
@@ -76,7 +77,12 @@ def cli(*args: str) -> dict | list:
     return json.loads(result.stdout)
 
 
-def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker) -> None:
+def announced(capsys: pytest.CaptureFixture[str]) -> list[dict]:
+    """The new-ghost lines written to stdout since the last call."""
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker, capsys) -> None:
     uid = make_ghost(lab, "default", "web-1", stale=1)
     stale = f"{lab.replicas[1].ip}:{lab.replicas[1].port}"
     db = worker.settings.audit_db
@@ -97,6 +103,11 @@ def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker) -> N
     assert record.stale_replicas == []
     assert sorted((s.replica, s.serves) for s in record.replicas) == sorted(
         (f"{r.ip}:{r.port}", False) for i, r in enumerate(lab.replicas) if i != 1)
+    # One new-ghost line, with what the record holds.
+    (line,) = announced(capsys)
+    assert {k: line[k] for k in ("event", "namespace", "name", "uid", "verdict", "evidence")} == {
+        "event": "ghost-blocked", "namespace": "default", "name": "web-1", "uid": uid, "verdict": "ghost-deleted",
+        "evidence": evidence}
 
     # The confirmation after --stale-confirm-delay; meanwhile the stale cache keeps applying other events.
     ((delay, confirm, args),) = worker.delays
@@ -123,6 +134,7 @@ def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker) -> N
     lab.replicas[1].restart()
     assert lab.wait_synced()
     assert worker.checker.check(ghost).verdict.value == "ghost-deleted"
+    assert announced(capsys) == []  # not new any more
     assert len(worker.delays) == 1  # nobody serves it: nothing to confirm
 
     (record,) = cli("audit", "--db", db, "-o", "json", "--replica", stale)
