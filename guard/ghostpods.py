@@ -603,8 +603,10 @@ class KubeAuditStore:
     def _announce(self, obj: Mapping[str, Any]) -> None:
         """``on_new`` with the object this process created (no other replica created it): once per identity
         across the guard's replicas. A failing hook never fails the write."""
-        record = to_record(obj) if self._on_new is not None else None
-        if self._on_new is None or record is None:
+        if self._on_new is None:
+            return
+        record = to_record(obj)
+        if record is None:
             return
         try:
             self._on_new(record)

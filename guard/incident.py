@@ -38,7 +38,7 @@ from guard import attribution, metrics
 from guard.attribution import ReplicaObservation
 from guard.auditstore import AuditBackend, describe, open_store
 from guard.kube import Kube, ReplicaClient, emit_event
-from guard.records import AuditError, AuditRecord, IdentityConflictError, UnknownGhostError
+from guard.records import AuditError, AuditRecord, IdentityConflictError, UnknownGhostError, block_evidence
 from guard.replicas import ReplicaPool
 from guard.report import format_time, new_ghost_line
 from guard.settings import Settings
@@ -121,16 +121,6 @@ class AuditHealth:
                     "failures": self.failures}
 
 
-def _evidence(decision: Decision, read: QuorumRead | None) -> dict:
-    """What the audit keeps of a block: the verdict's reason and, for the first, the quorum read."""
-    if read is None:
-        return {"reason": decision.reason}
-    return {"reason": decision.reason, "quorum_get": {
-        "outcome": read.status.value, "http_status": read.http_status,
-        "uid": read.uid or None, "node_name": read.node_name or None,
-        "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}}
-
-
 class IncidentRecorder:
     """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
 
@@ -176,11 +166,11 @@ class IncidentRecorder:
 
     def record_block_now(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
         if self.records_inline:
-            self._record_block(pod, decision, _evidence(decision, read))
+            self._record_block(pod, decision, block_evidence(decision, read))
 
     def new_ghost(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
         if not self.records_inline:
-            self._record_block(pod, decision, _evidence(decision, read))
+            self._record_block(pod, decision, block_evidence(decision, read))
         with self._lock:
             if len(self._verdicts) > 100_000:
                 self._verdicts.clear()
@@ -197,7 +187,7 @@ class IncidentRecorder:
 
     def sighting(self, pod: PodRef, decision: Decision) -> None:
         if not self.records_inline:
-            self._record_block(pod, decision, {"reason": decision.reason})
+            self._record_block(pod, decision, block_evidence(decision, None))
         with self._lock:
             last = self._last_probe.get(pod, -1e18)
         if attribution.should_reprobe(last, time.monotonic(), self.settings.reprobe_interval):

@@ -7,6 +7,7 @@ Pure: no I/O and no clock. The one module to open to change what a record holds:
 - the vocabularies and limits of their fields (verdicts, heal actions and outcomes,
   lengths, the evidence's 4 KiB) and the checks that enforce them (:func:`check_text`,
   :func:`check_time`, :func:`evidence_json`);
+- the evidence of a block (:func:`block_evidence`: the verdict's reason and the quorum read);
 - the errors a store raises (:class:`AuditError` and its kinds);
 - :data:`NewRecordHook`, how a store tells its caller that a record is new.
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from guard.attribution import ReplicaObservation
-from guard.verdict import Verdict
+from guard.verdict import Decision, QuorumRead, Verdict
 
 VERDICTS: Final = tuple(v.value for v in Verdict)
 """Every verdict string (``guard.verdict.Verdict``); the stores accept only these."""
@@ -129,6 +130,19 @@ NewRecordHook = Callable[[AuditRecord], None]
 process sharing the store: the SQLite store after the commit that inserted the row, the GhostPod
 store after the create that made the object. The caller that opened the store decides what to do
 with it (``guard.incident`` writes the new-ghost line to stdout); the store never renders it."""
+
+
+def block_evidence(decision: Decision, read: QuorumRead | None) -> dict[str, Any]:
+    """What a record keeps of one block (docs/OPERATIONS.md, ``evidence``): the verdict's reason and, for
+    the block that made the verdict, what the quorum GET answered as ``quorum_get`` (``None`` for what etcd
+    did not say). Later blocks (``read`` None) carry the reason only: the store merges keys, so the first
+    read is kept."""
+    if read is None:
+        return {"reason": decision.reason}
+    return {"reason": decision.reason, "quorum_get": {
+        "outcome": read.status.value, "http_status": read.http_status,
+        "uid": read.uid or None, "node_name": read.node_name or None,
+        "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}}
 
 
 def check_text(label: str, value: object, max_len: int) -> None:

@@ -1,4 +1,5 @@
-"""guard/records.py: the checks every audit field passes in both stores, and what a record derives."""
+"""guard/records.py: the evidence a block records, the checks every audit field passes in both stores, and what a
+record derives."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from guard.records import (
     IdentityConflictError,
     ReplicaState,
     UnknownGhostError,
+    block_evidence,
     check_text,
     check_time,
     evidence_json,
 )
+from guard.verdict import PodRef, QuorumRead, decide
 
 
 @pytest.mark.parametrize(("value", "error"), [
@@ -95,3 +98,30 @@ def test_a_replica_is_stale_from_serving_until_healed_and_a_failed_probe_changes
 def test_the_store_errors_are_audit_errors() -> None:
     assert issubclass(UnknownGhostError, AuditError) and issubclass(UnknownGhostError, LookupError)
     assert issubclass(IdentityConflictError, AuditError)
+
+
+GHOST = PodRef("default", "web-1", "uid-a")
+NONE = {"uid": None, "node_name": None, "deletion_timestamp": None, "resource_version": None}
+
+
+@pytest.mark.parametrize(("read", "quorum_get"), [
+    pytest.param(QuorumRead.not_found(), {"outcome": "not-found", "http_status": 404, **NONE}, id="deleted"),
+    pytest.param(QuorumRead.found("uid-b", resource_version="77"),
+                 {"outcome": "found", "http_status": 200, **NONE, "uid": "uid-b", "resource_version": "77"},
+                 id="replaced"),
+    pytest.param(QuorumRead.found("uid-a", node_name="node-a", resource_version="78"),
+                 {"outcome": "found", "http_status": 200, **NONE, "uid": "uid-a", "node_name": "node-a",
+                  "resource_version": "78"}, id="already-bound"),
+    pytest.param(QuorumRead.found("uid-a", deletion_timestamp="2026-12-01T00:00:00Z", resource_version="79"),
+                 {"outcome": "found", "http_status": 200, **NONE, "uid": "uid-a",
+                  "deletion_timestamp": "2026-12-01T00:00:00Z", "resource_version": "79"}, id="terminating"),
+    pytest.param(QuorumRead.failed("HTTP 429 TooManyRequests", 429),
+                 {"outcome": "error", "http_status": 429, **NONE}, id="unknown"),
+])
+def test_block_evidence_keeps_the_reason_and_what_the_quorum_get_answered(read: QuorumRead, quorum_get: dict) -> None:
+    decision = decide(GHOST, read)
+    evidence = block_evidence(decision, read)
+    assert evidence == {"reason": decision.reason, "quorum_get": quorum_get}
+    assert evidence_json(evidence) is not None  # storable as it is
+    # a later sighting carries the reason only (the store keeps the first read's quorum_get)
+    assert block_evidence(decision, None) == {"reason": decision.reason}
