@@ -14,11 +14,12 @@ gunicorn workers and several guard processes sharing one file:
   and never cross a ``fork()``: a connection opened in another process id is
   dropped (not closed: closing would touch the parent's locks) and reopened.
 
-Three tables of records: ``ghosts`` (one row per ghost UID),
-``replica_observations`` (one row per UID and apiserver replica: the newest
-probe of that replica's watch cache, plus when it started serving the ghost and
-when it healed) and ``heal_attempts`` (one row per attempt of ``serve --heal``
-on a ghost: when, action, outcome, detail). A fourth, ``meta``, is the
+Three tables: ``ghosts`` (one row per ghost UID), ``replica_observations``
+(one row per UID and apiserver replica: the newest probe of that replica's
+watch cache, plus when it started serving the ghost and when it healed) and
+``heal_attempts`` (``serve --heal``). What a record holds, its field limits and
+the errors are :mod:`guard.records`; this module maps them onto the tables
+(``SCHEMA_VERSION`` and the migrations below). A fourth table, ``meta``, is the
 ``/readyz`` write check's scratch row (``check``).
 """
 
@@ -31,21 +32,16 @@ import os
 import sqlite3
 import stat
 import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final, TextIO
+from collections.abc import Mapping
+from typing import Any, Final
 
-from guard.attribution import ReplicaObservation
-from guard.verdict import Verdict
+from guard.records import (
+    HEAL_ACTIONS, HEAL_OUTCOMES, MAX_ERROR, MAX_HEAL_DETAIL, MAX_HEALS_PER_GHOST, MAX_NAME, MAX_NAMESPACE, MAX_REPLICA,
+    MAX_RESOURCE_VERSION, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt, IdentityConflictError,
+    NewRecordHook, ReplicaState, UnknownGhostError, check_text, check_time, evidence_json,
+)
 
 log = logging.getLogger(__name__)
-
-DEFAULT_AUDIT_DB: Final = "/var/lib/ghost-guard/audit.db"
-"""Where ``ghost-guard serve`` keeps the store and ``ghost-guard audit``/``report`` read it."""
-
-VERDICTS: Final = tuple(v.value for v in Verdict)
-"""Every verdict string (``guard.verdict.Verdict``); the store accepts only these."""
 
 APPLICATION_ID: Final = 0x47474144  # "GGAD": marks the file as a ghost-guard audit store
 SCHEMA_VERSION: Final = 3  # 2: ghosts.retracted_at; 3: heal_attempts
@@ -53,14 +49,6 @@ BUSY_TIMEOUT_SECONDS: Final = 5.0
 CHECK_BUSY_TIMEOUT_SECONDS: Final = 1.0
 PRUNE_EVERY_WRITES: Final = 1000
 PRUNE_EVERY_SECONDS: Final = 60.0
-
-MAX_UID: Final = 128
-MAX_NAMESPACE: Final = 63
-MAX_NAME: Final = 253
-MAX_REPLICA: Final = 512
-MAX_RESOURCE_VERSION: Final = 64
-MAX_ERROR: Final = 512
-MAX_EVIDENCE_BYTES: Final = 4096
 
 _INHERITED: list[sqlite3.Connection] = []
 """Connections opened before a fork(), kept alive (unused) in the child so they are never closed there."""
@@ -101,94 +89,9 @@ CREATE TABLE IF NOT EXISTS heal_attempts (
 CREATE INDEX IF NOT EXISTS heal_attempts_uid ON heal_attempts (uid, at);
 """
 
-HEAL_ACTIONS: Final = ("placeholder", "annotate", "none")
-HEAL_OUTCOMES: Final = ("healed", "frozen", "refused", "failed", "alive", "timeout")
-MAX_HEALS_PER_GHOST: Final = 20  # the newest attempts kept per ghost
-MAX_HEAL_DETAIL: Final = 1024
-
-
-class AuditError(Exception):
-    """The store cannot be opened, read or written. Chained to the ``sqlite3``/``OSError`` cause."""
-
-
-class UnknownGhostError(AuditError, LookupError):
-    """A probe for a UID the store has no record of (``record_block`` first)."""
-
-
-class IdentityConflictError(AuditError):
-    """A block of a UID the store has recorded under another namespace/name. A verdict belongs to
-    one pod identity: the record is never moved or merged (only a forged call names a UID under a
-    name that is not its own)."""
-
 
 class AuditPathError(AuditError):
     """The path is not usable as an audit store (a directory, not SQLite, another program's database)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaState:
-    """What the store knows about one replica for one ghost.
-
-    ``serves``/``cache_resource_version``/``error``/``last_checked`` are the
-    newest probe. ``first_seen_serving`` is when the replica was first seen
-    serving the ghost (since its last heal); ``healed_at`` is when a later
-    probe found it no longer serving it (``None`` while it still does).
-    """
-
-    replica: str
-    serves: bool | None
-    cache_resource_version: str | None
-    error: str | None
-    last_checked: float
-    first_seen_serving: float | None
-    healed_at: float | None
-
-    @property
-    def stale(self) -> bool:
-        """Seen serving the ghost and not seen healed since (a failed probe changes neither)."""
-        return self.first_seen_serving is not None and self.healed_at is None
-
-    def observation(self) -> ReplicaObservation:
-        """The newest probe as an :class:`~guard.attribution.ReplicaObservation`."""
-        return ReplicaObservation(
-            replica=self.replica,
-            serves_ghost=self.serves,
-            cache_resource_version=self.cache_resource_version,
-            error=self.error,
-            checked_at=self.last_checked,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class HealAttempt:
-    """One heal of a ghost (``ghost-guard serve --heal``): what was written and how it ended."""
-
-    at: float
-    action: str  # placeholder | annotate | none
-    outcome: str  # healed | frozen | refused | failed | alive | timeout
-    detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class AuditRecord:
-    """One blocked ghost Pod, deduplicated by UID."""
-
-    uid: str
-    namespace: str
-    name: str
-    verdict: str
-    evidence: Mapping[str, Any]
-    first_seen: float
-    last_seen: float
-    times_blocked: int
-    replicas: tuple[ReplicaState, ...] = field(default=())
-    retracted_at: float | None = None  # the verdict was withdrawn: etcd showed the pod pending after all
-    heals: tuple[HealAttempt, ...] = field(default=())  # oldest first, at most MAX_HEALS_PER_GHOST
-
-    @property
-    def stale_replicas(self) -> list[str]:
-        """Replicas seen serving this ghost and not healed since, sorted."""
-        return sorted(r.replica for r in self.replicas if r.stale)
 
 
 class AuditStore:
@@ -199,10 +102,9 @@ class AuditStore:
     recently seen beyond ``max_records``. :meth:`record_block` prunes by itself
     every 1000 writes or 60 s (of its ``at`` times), per process.
 
-    ``echo``: when set (e.g. to ``sys.stdout``), each *new* ghost is also
-    written there as one JSON line for log shippers
-    (:func:`guard.report.new_ghost_line`), once per UID across every process
-    sharing the file.
+    ``on_new`` (a :data:`guard.records.NewRecordHook`): called with each record
+    new to the file, after the commit that inserted it, once per UID across every
+    process sharing the file (``guard.incident`` writes the new-ghost line with it).
     """
 
     def __init__(
@@ -211,7 +113,7 @@ class AuditStore:
         *,
         max_age_seconds: float = 30 * 86400,
         max_records: int = 100_000,
-        echo: TextIO | None = None,
+        on_new: NewRecordHook | None = None,
     ) -> None:
         if isinstance(max_age_seconds, bool) or not isinstance(max_age_seconds, (int, float)) or not math.isfinite(max_age_seconds) or max_age_seconds <= 0:
             raise ValueError(f"max_age_seconds must be a positive number, not {max_age_seconds!r}")
@@ -220,7 +122,7 @@ class AuditStore:
         self.path = _check_path(path)
         self.max_age_seconds = float(max_age_seconds)
         self.max_records = max_records
-        self._echo = echo
+        self._on_new = on_new
         self._local = threading.local()
         self._prune_lock = threading.Lock()
         self._writes_since_prune = 0
@@ -244,13 +146,13 @@ class AuditStore:
         keeps what the quorum GET said (if the merge would pass 4 KiB, the
         newer evidence alone is kept).
         """
-        _check_text("uid", uid, MAX_UID)
-        _check_text("namespace", namespace, MAX_NAMESPACE)
-        _check_text("name", name, MAX_NAME)
+        check_text("uid", uid, MAX_UID)
+        check_text("namespace", namespace, MAX_NAMESPACE)
+        check_text("name", name, MAX_NAME)
         if verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {', '.join(VERDICTS)}; not {verdict!r}")
-        evidence_json = _evidence_json(evidence)
-        at = _check_time("at", at)
+        evidence_text = evidence_json(evidence)
+        at = check_time("at", at)
         conn = self._connection()
         try:
             with _immediate(conn):
@@ -263,13 +165,13 @@ class AuditStore:
                     conn.execute(
                         "INSERT INTO ghosts (uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked)"
                         " VALUES (?, ?, ?, ?, ?, ?, ?, 1)",
-                        (uid, namespace, name, verdict, evidence_json, at, at),
+                        (uid, namespace, name, verdict, evidence_text, at, at),
                     )
                 else:
                     stored, last_seen = _load_evidence(row[0]), row[1]
                     newest = at >= last_seen
                     merged = {**stored, **evidence} if newest else {**evidence, **stored}
-                    merged_json = _evidence_json(merged, strict=False) or (evidence_json if newest else row[0])
+                    merged_json = evidence_json(merged, strict=False) or (evidence_text if newest else row[0])
                     conn.execute(
                         "UPDATE ghosts SET retracted_at = NULL,"
                         " verdict = CASE WHEN ? THEN ? ELSE verdict END, evidence = ?,"
@@ -281,8 +183,9 @@ class AuditStore:
         except sqlite3.Error as e:
             raise AuditError(f"cannot record block of {namespace}/{name} in {self.path}: {e}") from e
         new = row is None
-        if new and self._echo is not None:
-            self._echo_line(uid=uid, namespace=namespace, name=name, verdict=verdict, evidence=evidence, at=at)
+        if new:
+            self._announce(AuditRecord(uid=uid, namespace=namespace, name=name, verdict=verdict,
+                                       evidence=dict(evidence), first_seen=at, last_seen=at, times_blocked=1))
         self._maybe_prune(at)
         return new
 
@@ -291,8 +194,8 @@ class AuditStore:
         forget its replica probes, so that no report names a replica for it. True if there was a record.
         A later block of the same UID (a new, proven verdict) clears the mark. With ``namespace`` and
         ``name``, only a record of that identity is touched."""
-        _check_text("uid", uid, MAX_UID)
-        at = _check_time("at", at)
+        check_text("uid", uid, MAX_UID)
+        at = check_time("at", at)
         conn = self._connection()
         try:
             with _immediate(conn):
@@ -318,20 +221,8 @@ class AuditStore:
         and a :class:`LookupError`) if ``uid`` has no record. With ``namespace``
         and ``name``, a record of another identity is left alone (no error).
         """
-        self._write_probes(uid, [_probe_row(replica, serves, cache_resource_version, error, at)],
-                           identity=(namespace, name) if namespace is not None else None)
-
-    def record_observations(self, uid: str, observations: Iterable[ReplicaObservation]) -> None:
-        """:meth:`record_probe` for each observation (one probe round), in one transaction (one disk sync)."""
-        rows = [
-            _probe_row(o.replica, o.serves_ghost, o.cache_resource_version, o.error, o.checked_at) for o in observations
-        ]
-        if rows:
-            self._write_probes(uid, rows)
-
-    def _write_probes(self, uid: str, rows: list[tuple[str, int | None, str | None, str | None, float]],
-                      identity: tuple[str, str | None] | None = None) -> None:
-        _check_text("uid", uid, MAX_UID)
+        check_text("uid", uid, MAX_UID)
+        probe = _probe_row(replica, serves, cache_resource_version, error, at)
         conn = self._connection()
         try:
             with _immediate(conn):
@@ -340,9 +231,9 @@ class AuditStore:
                     raise UnknownGhostError(f"no audit record for uid {uid!r}: record_block first")
                 if row[0] is not None:  # withdrawn: a probe finishing late names no replica
                     return
-                if identity is not None and (row[1], row[2]) != identity:  # another pod's record
+                if namespace is not None and (row[1], row[2]) != (namespace, name):  # another pod's record
                     return
-                conn.executemany(
+                conn.execute(
                     "INSERT INTO replica_observations"
                     " (uid, replica, serves, cache_resource_version, error, last_checked, first_seen_serving, healed_at)"
                     " VALUES (?1, ?2, ?3, ?4, ?5, ?6, CASE WHEN ?3 = 1 THEN ?6 END, NULL)"
@@ -359,24 +250,24 @@ class AuditStore:
                     "   WHEN ?3 = 0 AND first_seen_serving IS NOT NULL AND healed_at IS NULL THEN ?6"
                     "   ELSE healed_at END"
                     " WHERE excluded.last_checked >= replica_observations.last_checked",
-                    [(uid, *row) for row in rows],
+                    (uid, *probe),
                 )
         except sqlite3.Error as e:
-            raise AuditError(f"cannot record probes of ghost {uid} in {self.path}: {e}") from e
+            raise AuditError(f"cannot record a probe of ghost {uid} in {self.path}: {e}") from e
 
     def record_heal(self, *, uid: str, action: str, outcome: str, detail: str, at: float) -> None:
         """Record one heal attempt of ghost ``uid`` (the newest MAX_HEALS_PER_GHOST are kept).
 
         Raises :class:`UnknownGhostError` if ``uid`` has no record, ValueError for an unknown
         ``action``/``outcome``; ``detail`` is clipped to 1024 characters."""
-        _check_text("uid", uid, MAX_UID)
+        check_text("uid", uid, MAX_UID)
         if action not in HEAL_ACTIONS:
             raise ValueError(f"action must be one of {', '.join(HEAL_ACTIONS)}; not {action!r}")
         if outcome not in HEAL_OUTCOMES:
             raise ValueError(f"outcome must be one of {', '.join(HEAL_OUTCOMES)}; not {outcome!r}")
         if not isinstance(detail, str):
             raise ValueError("detail must be a string")
-        at = _check_time("at", at)
+        at = check_time("at", at)
         conn = self._connection()
         try:
             with _immediate(conn):
@@ -394,7 +285,7 @@ class AuditStore:
 
         Returns how many ghost records were dropped (their replica rows go too).
         """
-        now = _check_time("now", now)
+        now = check_time("now", now)
         conn = self._connection()
         try:
             with _immediate(conn):
@@ -432,7 +323,7 @@ class AuditStore:
         clauses: list[str] = [] if retracted else ["retracted_at IS NULL"]
         params: list[Any] = []
         if namespace is not None:
-            _check_text("namespace", namespace, MAX_NAMESPACE)
+            check_text("namespace", namespace, MAX_NAMESPACE)
             clauses.append("namespace = ?")
             params.append(namespace)
         if verdict is not None:
@@ -441,12 +332,12 @@ class AuditStore:
             clauses.append("verdict = ?")
             params.append(verdict)
         if replica is not None:
-            _check_text("replica", replica, MAX_REPLICA)
+            check_text("replica", replica, MAX_REPLICA)
             clauses.append("uid IN (SELECT uid FROM replica_observations WHERE replica = ? AND first_seen_serving IS NOT NULL)")
             params.append(replica)
         if since is not None:
             clauses.append("last_seen >= ?")
-            params.append(_check_time("since", since))
+            params.append(check_time("since", since))
         if limit is not None:
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
                 raise ValueError(f"limit must be a non-negative integer, not {limit!r}")
@@ -493,7 +384,7 @@ class AuditStore:
 
     def record(self, uid: str) -> AuditRecord | None:
         """The record of ghost ``uid``, or None (e.g. to decide on a re-probe with ``should_reprobe``)."""
-        _check_text("uid", uid, MAX_UID)
+        check_text("uid", uid, MAX_UID)
         found = self._select("uid = ?", [uid], limit=1)
         return found[0] if found else None
 
@@ -663,55 +554,14 @@ class AuditStore:
         if dropped:
             log.info("audit prune dropped %d records", dropped)
 
-    def _echo_line(self, *, uid: str, namespace: str, name: str, verdict: str, evidence: Mapping[str, Any], at: float) -> None:
-        from guard.report import new_ghost_line
-
-        try:
-            self._echo.write(new_ghost_line(uid=uid, namespace=namespace, name=name, verdict=verdict, evidence=evidence, at=at) + "\n")  # type: ignore[union-attr]
-            self._echo.flush()  # type: ignore[union-attr]
-        except (OSError, ValueError) as e:
-            log.warning("cannot write new-ghost line: %s", e)
-
-
-def evidence_from(decision: Any, read: Any) -> dict[str, Any]:
-    """The ``evidence`` of a block: what the quorum GET answered.
-
-    ``decision``/``read`` are a ``guard.verdict.Decision`` and ``QuorumRead``.
-    Keys are present only when known: ``quorum_status`` (HTTP status),
-    ``quorum_result`` (``found``/``not-found``/``error``), ``reason`` (the
-    verdict's reason), ``quorum_uid``, ``etcd_resource_version``,
-    ``node_name``, ``deletion_timestamp``, ``error``.
-    """
-    evidence: dict[str, Any] = {"quorum_result": str(getattr(read.status, "value", read.status))}
-    if read.http_status:
-        evidence["quorum_status"] = int(read.http_status)
-    for key, value in (
-        ("reason", decision.reason),
-        ("quorum_uid", read.uid),
-        ("etcd_resource_version", read.resource_version),
-        ("node_name", read.node_name),
-        ("deletion_timestamp", read.deletion_timestamp),
-        ("error", read.error),
-    ):
-        if value:
-            evidence[key] = str(value)[:512]
-    return evidence
-
-
-def ghost_listener(store: AuditStore, *, clock: Callable[[], float] = time.time) -> Callable[[Any, Any, Any], None]:
-    """A ``guard.check`` listener ``(pod, decision, read)`` that records the block in ``store``.
-
-    A pod without a UID cannot be keyed, so it is logged and not recorded.
-    """
-
-    def record_ghost_block(pod: Any, decision: Any, read: Any) -> None:
-        if not pod.uid:
-            log.warning("not auditing ghost %s/%s: the scheduler's copy has no UID", pod.namespace, pod.name)
+    def _announce(self, record: AuditRecord) -> None:
+        """``on_new``, once the record is committed: a failing hook never fails the write."""
+        if self._on_new is None:
             return
-        store.record_block(uid=pod.uid, namespace=pod.namespace, name=pod.name, verdict=decision.verdict.value,
-                           evidence=evidence_from(decision, read), at=clock())
-
-    return record_ghost_block
+        try:
+            self._on_new(record)
+        except Exception:
+            log.exception("new-record hook failed for %s/%s uid %s", record.namespace, record.name, record.uid)
 
 
 class _immediate:
@@ -732,16 +582,16 @@ class _immediate:
 
 
 def _probe_row(replica: str, serves: object, cache_resource_version: object, error: object, at: object) -> tuple[str, int | None, str | None, str | None, float]:
-    _check_text("replica", replica, MAX_REPLICA)
+    check_text("replica", replica, MAX_REPLICA)
     if serves is not None and not isinstance(serves, bool):
         raise ValueError(f"serves must be true, false or null, not {serves!r}")
     if cache_resource_version is not None:
-        _check_text("cache_resource_version", cache_resource_version, MAX_RESOURCE_VERSION)
+        check_text("cache_resource_version", cache_resource_version, MAX_RESOURCE_VERSION)
     if error is not None:
         if not isinstance(error, str):
             raise ValueError(f"error must be a string or null, not {type(error).__name__}")
         error = error[:MAX_ERROR]
-    return (replica, None if serves is None else int(serves), cache_resource_version, error, _check_time("at", at))  # type: ignore[return-value]
+    return (replica, None if serves is None else int(serves), cache_resource_version, error, check_time("at", at))  # type: ignore[return-value]
 
 
 def _check_path(path: str | os.PathLike[str]) -> str:
@@ -768,37 +618,6 @@ def _check_path(path: str | os.PathLike[str]) -> str:
         raise AuditPathError(f"audit store {text} is a directory, not a file")
     if not stat.S_ISREG(st.st_mode):
         raise AuditPathError(f"audit store {text} is not a regular file")
-    return text
-
-
-def _check_text(label: str, value: object, max_len: int) -> None:
-    if not isinstance(value, str):
-        raise ValueError(f"{label} must be a string, not {type(value).__name__}")
-    if not value or len(value) > max_len:
-        raise ValueError(f"{label} must be 1 to {max_len} characters, got {len(value)}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise ValueError(f"{label} must not contain control characters")
-
-
-def _check_time(label: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{label} must be a finite, non-negative number of seconds since the epoch, not {value!r}")
-    return float(value)
-
-
-def _evidence_json(evidence: object, *, strict: bool = True) -> str | None:
-    """Validated evidence as compact JSON; with ``strict=False``, None instead of an error for oversize."""
-    if not isinstance(evidence, Mapping):
-        raise ValueError(f"evidence must be a JSON object, not {type(evidence).__name__}")
-    try:
-        text = json.dumps(dict(evidence), sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"evidence must be JSON-serialisable: {e}") from e
-    size = len(text.encode())
-    if size > MAX_EVIDENCE_BYTES:
-        if not strict:
-            return None
-        raise ValueError(f"evidence must be at most {MAX_EVIDENCE_BYTES} bytes of JSON, got {size}")
     return text
 
 

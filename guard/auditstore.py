@@ -5,16 +5,16 @@ Two stores satisfy :class:`AuditBackend`: the embedded SQLite file
 and GhostPod objects in the Kubernetes API (:class:`guard.ghostpods.KubeAuditStore`,
 what the manifests use). ``guard.incident`` and ``guard.cli`` depend on this
 Protocol only, so either store can be plugged in (a lower layer naming what it
-needs of a higher one, kopf-style).
+needs of a higher one, kopf-style). What a record holds, and the errors both
+stores raise, are :mod:`guard.records`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # record types only; the stores are imported when opened
-    from guard.audit import AuditRecord
+from guard.records import AuditError, AuditRecord, NewRecordHook
 
 
 class AuditBackend(Protocol):
@@ -67,19 +67,19 @@ def describe(spec: str | None, default_path: str) -> str:
 
 
 def open_store(spec: str | None, default_path: str, *, kubeconfig: str | None = None, max_age_seconds: float,
-               max_records: int, echo: TextIO | None = None, write_qps: float = 20.0, queue_size: int = 50_000,
+               max_records: int, on_new: NewRecordHook | None = None, write_qps: float = 20.0, queue_size: int = 50_000,
                write_interval: float = 10.0, writer: bool = True, kube: Any = None) -> AuditBackend:
-    """Open the store ``spec`` names. Raises ``guard.audit.AuditError`` (or ``StoreSpecError``, a ValueError).
+    """Open the store ``spec`` names. Raises :class:`guard.records.AuditError` (or ``StoreSpecError``, a ValueError).
 
-    ``writer=False`` (the CLI's readers) starts no background writer. ``kube``: a ``guard.kube.Kube``
-    to share (the guard's own); else one is built from ``kubeconfig``."""
+    ``on_new`` (:data:`guard.records.NewRecordHook`): called with each record new to the store, once per
+    identity across every process sharing it. ``writer=False`` (the CLI's readers) starts no background
+    writer. ``kube``: a ``guard.kube.Kube`` to share (the guard's own); else one is built from ``kubeconfig``."""
     kind, path = parse_store(spec, default_path)
     if kind == "sqlite":
         from guard.audit import AuditStore
 
         assert path is not None
-        return AuditStore(path, max_age_seconds=max_age_seconds, max_records=max_records, echo=echo)
-    from guard.audit import AuditError
+        return AuditStore(path, max_age_seconds=max_age_seconds, max_records=max_records, on_new=on_new)
     from guard.ghostpods import KubeAuditStore
     from guard.kube import GhostPods, Kube, KubeConfigError, load_configuration
 
@@ -88,5 +88,5 @@ def open_store(spec: str | None, default_path: str, *, kubeconfig: str | None = 
             kube = Kube(load_configuration(kubeconfig), timeout=5.0, pool_size=8)
         except KubeConfigError as e:
             raise AuditError(str(e)) from e
-    return KubeAuditStore(GhostPods(kube), max_age_seconds=max_age_seconds, max_records=max_records, echo=echo,
+    return KubeAuditStore(GhostPods(kube), max_age_seconds=max_age_seconds, max_records=max_records, on_new=on_new,
                           write_qps=write_qps, queue_size=queue_size, min_interval=write_interval, start=writer)

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 
 from guard import metrics
-from guard.audit import AuditError, UnknownGhostError
 from guard.heal import Healer
 from guard.healing import HealResult, Outcome, TokenBucket
 from guard.kube import Kube, emit_event
+from guard.records import AuditError, UnknownGhostError
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
 from guard.verdict import PodRef

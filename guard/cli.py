@@ -248,8 +248,9 @@ def _open_audit_store(command: str, db: str | None, store: str | None = None, ku
     line if it is missing or unusable."""
     import os
 
-    from guard.audit import AuditError, AuditPathError, AuditStore
+    from guard.audit import AuditPathError, AuditStore
     from guard.auditstore import StoreSpecError, open_store, parse_store
+    from guard.records import AuditError
 
     try:
         kind, path = parse_store(store, db or DEFAULT_AUDIT_DB)
@@ -278,7 +279,7 @@ def _open_audit_store(command: str, db: str | None, store: str | None = None, ku
 def _audit_records(command: str, store, *, namespace, verdict, replica, since, limit, retracted=False):
     import time
 
-    from guard.audit import AuditError
+    from guard.records import AuditError
     from guard.report import parse_since
 
     try:
@@ -339,8 +340,8 @@ def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
 
     Safe to run again: an existing object is only widened (larger count, wider time span, newer probes),
     never counted twice. Prints how many objects were created and updated; exit 1 if any record failed."""
-    from guard.audit import AuditError
     from guard.auditstore import StoreSpecError, parse_store
+    from guard.records import AuditError
 
     try:
         src_kind, _ = parse_store(source, DEFAULT_AUDIT_DB)

@@ -54,14 +54,14 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TextIO
+from typing import Any, Final
 
 from guard import metrics
-from guard.audit import (
-    MAX_NAME, MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt,
-    ReplicaState, _check_text, _check_time, _evidence_json,
-)
 from guard.kube import GHOSTPOD_GROUP, GHOSTPOD_VERSION, GhostPodError, GhostPods
+from guard.records import (
+    MAX_NAME, MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt, NewRecordHook,
+    ReplicaState, check_text, check_time, evidence_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def status_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any], resource
 
 
 def to_record(obj: Mapping[str, Any]) -> AuditRecord | None:
-    """A GhostPod object -> :class:`~guard.audit.AuditRecord` (None if it is not one of ours)."""
+    """A GhostPod object -> :class:`~guard.records.AuditRecord` (None if it is not one of ours)."""
     meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
     if not isinstance(spec, dict) or not isinstance(status, dict) or not spec.get("podUID"):
         return None
@@ -306,7 +306,7 @@ class KubeAuditStore:
     writes_in_background = True  # a record call returns before the write: check() says how writes go
 
     def __init__(self, api: GhostPods, *, max_age_seconds: float = 30 * 86400, max_records: int = 100_000,
-                 echo: TextIO | None = None, write_qps: float = 20.0, queue_size: int = 50_000, writers: int = 2,
+                 on_new: NewRecordHook | None = None, write_qps: float = 20.0, queue_size: int = 50_000, writers: int = 2,
                  min_interval: float = MIN_WRITE_INTERVAL, prune_interval: float = PRUNE_INTERVAL,
                  start: bool = True, clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
@@ -321,7 +321,7 @@ class KubeAuditStore:
         self.queue_size = queue_size
         self.min_interval = min_interval
         self.prune_interval = prune_interval
-        self._echo = echo
+        self._on_new = on_new
         self._clock = clock
         self._mono = monotonic
         self._rate = _RateLimit(write_qps, max(1, int(write_qps)), monotonic)
@@ -358,24 +358,24 @@ class KubeAuditStore:
                      at: float) -> bool | None:
         """Queue one block of ``(namespace, name, uid)``. True the first time this process records it; None when
         it was dropped (the queue is full: counted, and ``check()`` says so)."""
-        _check_text("uid", uid, MAX_UID)
-        _check_text("namespace", namespace, MAX_NAMESPACE)
-        _check_text("name", name, MAX_NAME)
+        check_text("uid", uid, MAX_UID)
+        check_text("namespace", namespace, MAX_NAMESPACE)
+        check_text("name", name, MAX_NAME)
         if verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {', '.join(VERDICTS)}; not {verdict!r}")
-        evidence_json = _evidence_json(evidence, strict=False)
-        at = _check_time("at", at)
+        evidence_text = evidence_json(evidence, strict=False)
+        at = check_time("at", at)
         key = (namespace, name, uid)
         spec = {"podName": name, "podUID": uid, "verdict": verdict,
-                "evidence": dict(evidence) if evidence_json is not None else {"truncated": True}}
+                "evidence": dict(evidence) if evidence_text is not None else {"truncated": True}}
         new = self._queue(key, {"op": "block", "count": 1, "first": at, "last": at}, spec=spec)
         return new  # None: dropped (the queue is full; counted)
 
     def retract(self, *, uid: str, at: float, namespace: str | None = None, name: str | None = None) -> bool:
         """Queue the withdrawal of the identity's verdict. The identity is needed (the object is named by it):
         without ``namespace``/``name``, every identity with this UID this process recorded is retracted."""
-        _check_text("uid", uid, MAX_UID)
-        at = _check_time("at", at)
+        check_text("uid", uid, MAX_UID)
+        at = check_time("at", at)
         if namespace is not None and name is not None:
             keys = [(namespace, name, uid)]
         else:
@@ -388,21 +388,21 @@ class KubeAuditStore:
 
     def record_probe(self, *, uid: str, replica: str, serves: bool | None, cache_resource_version: str | None,
                      error: str | None, at: float, namespace: str | None = None, name: str | None = None) -> None:
-        _check_text("uid", uid, MAX_UID)
-        _check_text("replica", replica, MAX_REPLICA)
+        check_text("uid", uid, MAX_UID)
+        check_text("replica", replica, MAX_REPLICA)
         if serves is not None and not isinstance(serves, bool):
             raise ValueError(f"serves must be true, false or null, not {serves!r}")
         op = {"op": "probe", "replica": replica, "serves": serves,
               "rv": None if cache_resource_version is None else str(cache_resource_version)[:64],
-              "error": None if error is None else str(error)[:512], "at": _check_time("at", at)}
+              "error": None if error is None else str(error)[:512], "at": check_time("at", at)}
         keys = [(namespace, name, uid)] if namespace is not None and name is not None else self._keys_of(uid)
         for key in keys:
             self._queue(key, dict(op), known_only=True)
 
     def record_heal(self, *, uid: str, action: str, outcome: str, detail: str, at: float) -> None:
-        _check_text("uid", uid, MAX_UID)
+        check_text("uid", uid, MAX_UID)
         op = {"op": "heal", "action": str(action), "outcome": str(outcome), "detail": str(detail),
-              "at": _check_time("at", at)}
+              "at": check_time("at", at)}
         for key in self._keys_of(uid):
             self._queue(key, dict(op), known_only=True)
 
@@ -582,8 +582,8 @@ class KubeAuditStore:
             self._known.move_to_end(entry.key)
             if len(self._known) > 10_000:
                 self._known.popitem(last=False)
-        if created and self._echo is not None:
-            self._echo_line(entry)
+        if created:
+            self._announce(obj)
 
     def _get_or_none(self, namespace: str, name: str) -> dict | None:
         try:
@@ -600,18 +600,18 @@ class KubeAuditStore:
                              "labels": {LABEL_MANAGED_BY: "kube-ghost-guard"}},
                 "spec": spec}
 
-    def _echo_line(self, entry: _Pending) -> None:
-        from guard.report import new_ghost_line
-
-        spec = entry.spec or {}
-        first = next((op["first"] for op in entry.ops if op["op"] == "block"), self._clock())
+    def _announce(self, obj: Mapping[str, Any]) -> None:
+        """``on_new`` with the object this process created (no other replica created it): once per identity
+        across the guard's replicas. A failing hook never fails the write."""
+        if self._on_new is None:
+            return
+        record = to_record(obj)
+        if record is None:
+            return
         try:
-            self._echo.write(new_ghost_line(uid=entry.key[2], namespace=entry.key[0], name=entry.key[1],  # type: ignore[union-attr]
-                                            verdict=spec.get("verdict", ""), evidence=spec.get("evidence") or {},
-                                            at=first) + "\n")
-            self._echo.flush()  # type: ignore[union-attr]
-        except (OSError, ValueError) as e:
-            log.warning("cannot write new-ghost line: %s", e)
+            self._on_new(record)
+        except Exception:
+            log.exception("new-record hook failed for %s/%s uid %s", record.namespace, record.name, record.uid)
 
     def flush(self, timeout: float) -> bool:
         """Write everything pending now, ignoring the per-record interval and the rate limit, with
@@ -674,13 +674,13 @@ class KubeAuditStore:
                 since: float | None = None, limit: int | None = None, retracted: bool = False) -> list[AuditRecord]:
         """The same filters and order as :meth:`guard.audit.AuditStore.records` (most recently seen first)."""
         if namespace is not None:
-            _check_text("namespace", namespace, MAX_NAMESPACE)
+            check_text("namespace", namespace, MAX_NAMESPACE)
         if verdict is not None and verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {', '.join(VERDICTS)}; not {verdict!r}")
         if replica is not None:
-            _check_text("replica", replica, MAX_REPLICA)
+            check_text("replica", replica, MAX_REPLICA)
         if since is not None:
-            since = _check_time("since", since)
+            since = check_time("since", since)
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(f"limit must be a non-negative integer, not {limit!r}")
         out = []
@@ -701,7 +701,7 @@ class KubeAuditStore:
 
     def record(self, uid: str) -> AuditRecord | None:
         """The most recently seen record of a pod with this UID (any name), or None."""
-        _check_text("uid", uid, MAX_UID)
+        check_text("uid", uid, MAX_UID)
         found = [r for r in self.records(retracted=True) if r.uid == uid]
         return found[0] if found else None
 
@@ -711,7 +711,7 @@ class KubeAuditStore:
         True if the object was created. Raises AuditError."""
         namespace, obj_name = record.namespace, object_name(record.namespace, record.name, record.uid)
         spec = {"podName": record.name, "podUID": record.uid, "verdict": record.verdict,
-                "evidence": dict(record.evidence) if _evidence_json(record.evidence, strict=False) else {}}
+                "evidence": dict(record.evidence) if evidence_json(record.evidence, strict=False) else {}}
         want = record_status(record)
         try:
             obj, created = self._create_or_get(namespace, obj_name, spec)
@@ -739,7 +739,7 @@ class KubeAuditStore:
         """Delete records last seen before ``now - max_age_seconds``, then the least recently seen beyond
         ``max_records``; each delete names the uid and resourceVersion it saw (a record written since
         stays; one already gone is fine). Returns how many this call deleted. Raises AuditError."""
-        now = _check_time("now", now)
+        now = check_time("now", now)
         objs = self.objects()
         keyed = []
         for obj in objs:

@@ -2,7 +2,9 @@
 
 Runs on background threads, never on the scheduling path:
 
-1. the audit store gets the block (durable before it counts as recorded);
+1. the audit store gets the block (durable before it counts as recorded); a
+   ghost new to the store is also written to stdout as one JSON line for log
+   shippers (:func:`announce_new_ghost`, the store's ``on_new`` hook);
 2. etcd is asked first (a quorum GET of the name): a replica is only ever
    blamed for serving the ghost's UID while etcd has no pending pod with that
    UID. If etcd has it pending after all, the ghost verdict is withdrawn at
@@ -34,11 +36,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from guard import attribution, metrics
 from guard.attribution import ReplicaObservation
-from guard.audit import AuditError, IdentityConflictError, UnknownGhostError
 from guard.auditstore import AuditBackend, describe, open_store
+from guard.check import Checker
 from guard.kube import Kube, ReplicaClient, emit_event
+from guard.records import AuditError, AuditRecord, IdentityConflictError, UnknownGhostError, block_evidence
 from guard.replicas import ReplicaPool
-from guard.report import format_time
+from guard.report import format_time, new_ghost_line
 from guard.settings import Settings
 from guard.verdict import Decision, PodRef, QuorumRead, ReadStatus, Verdict, pending_in_etcd
 
@@ -53,12 +56,23 @@ _TRUTH = {
 }
 
 
+def announce_new_ghost(record: AuditRecord) -> None:
+    """The new-ghost line: one JSON line on stdout (``guard.report.new_ghost_line``) for log shippers, once per
+    ghost across every process sharing the store (the store calls this for the write that created the record)."""
+    try:
+        sys.stdout.write(new_ghost_line(record) + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError) as e:
+        log.warning("cannot write new-ghost line: %s", e)
+
+
 def open_audit_store(settings: Settings) -> tuple[AuditBackend | None, str | None]:
-    """The audit store ``--audit-store`` names, or None and why it cannot be opened."""
+    """The audit store ``--audit-store`` names (announcing each new ghost on stdout), or None and why it cannot
+    be opened."""
     try:
         return open_store(settings.audit_store, settings.audit_db, kubeconfig=settings.kubeconfig,
                           max_age_seconds=settings.audit_max_age, max_records=settings.audit_max_records,
-                          echo=sys.stdout, write_qps=settings.audit_write_qps,
+                          on_new=announce_new_ghost, write_qps=settings.audit_write_qps,
                           queue_size=settings.audit_queue_size, write_interval=settings.audit_write_interval), None
     except (AuditError, OSError, ValueError) as e:
         return None, f"audit store {describe(settings.audit_store, settings.audit_db)} unusable: {e}"
@@ -108,16 +122,6 @@ class AuditHealth:
                     "failures": self.failures}
 
 
-def _evidence(decision: Decision, read: QuorumRead | None) -> dict:
-    """What the audit keeps of a block: the verdict's reason and, for the first, the quorum read."""
-    if read is None:
-        return {"reason": decision.reason}
-    return {"reason": decision.reason, "quorum_get": {
-        "outcome": read.status.value, "http_status": read.http_status,
-        "uid": read.uid or None, "node_name": read.node_name or None,
-        "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}}
-
-
 class IncidentRecorder:
     """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
 
@@ -161,13 +165,20 @@ class IncidentRecorder:
         that a block is recorded even when its follow-up waits or the process exits first."""
         return bool(getattr(self.audit, "writes_in_background", False))
 
+    def attach(self, checker: Checker) -> None:
+        """Hear the checker's ghosts: a first sighting (:meth:`new_ghost`), every later one
+        (:meth:`sighting`), and each block on the request path (:meth:`record_block_now`)."""
+        checker.listeners.append(self.new_ghost)
+        checker.sighting_listeners.append(self.sighting)
+        checker.block_recorders.append(self.record_block_now)
+
     def record_block_now(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
         if self.records_inline:
-            self._record_block(pod, decision, _evidence(decision, read))
+            self._record_block(pod, decision, block_evidence(decision, read))
 
     def new_ghost(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
         if not self.records_inline:
-            self._record_block(pod, decision, _evidence(decision, read))
+            self._record_block(pod, decision, block_evidence(decision, read))
         with self._lock:
             if len(self._verdicts) > 100_000:
                 self._verdicts.clear()
@@ -184,7 +195,7 @@ class IncidentRecorder:
 
     def sighting(self, pod: PodRef, decision: Decision) -> None:
         if not self.records_inline:
-            self._record_block(pod, decision, {"reason": decision.reason})
+            self._record_block(pod, decision, block_evidence(decision, None))
         with self._lock:
             last = self._last_probe.get(pod, -1e18)
         if attribution.should_reprobe(last, time.monotonic(), self.settings.reprobe_interval):

@@ -1,7 +1,7 @@
 """Rendering for ``ghost-guard audit``, ``report`` and ``diagnose``, and the new-ghost log line.
 
-Pure: no I/O and no clock. Records come in (``guard.audit.AuditRecord`` or
-anything shaped like it), text goes out; ``now`` is passed in where needed.
+Pure: no I/O and no clock. Records come in (:class:`guard.records.AuditRecord`,
+whichever store read them), text goes out; ``now`` is passed in where needed.
 
 Every cell that can hold upstream text (errors, evidence) is flattened to one
 line without control characters, so a table cannot be broken or used to
@@ -14,7 +14,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from guard.attribution import (
     CONSISTENT,
@@ -27,9 +27,7 @@ from guard.attribution import (
     latest,
     stale_replicas,
 )
-
-if TYPE_CHECKING:
-    from guard.audit import AuditRecord
+from guard.records import AuditRecord
 
 OUTPUTS: Final = ("table", "json", "jsonl")
 SCHEDULER_ISSUE: Final = "kubernetes#123072"
@@ -72,17 +70,17 @@ def parse_since(text: str, *, now: float) -> float:
     return max(0.0, when.timestamp())
 
 
-def new_ghost_line(*, uid: str, namespace: str, name: str, verdict: str, evidence: Mapping[str, Any], at: float) -> str:
-    """The one JSON line written to stdout for each *new* ghost, for log shippers."""
+def new_ghost_line(record: AuditRecord) -> str:
+    """The one JSON line written to stdout for each *new* ghost, for log shippers (``guard.incident``)."""
     return json.dumps(
         {
             "event": "ghost-blocked",
-            "namespace": namespace,
-            "name": name,
-            "uid": uid,
-            "verdict": verdict,
-            "evidence": dict(evidence),
-            "first_seen": format_time(at),
+            "namespace": record.namespace,
+            "name": record.name,
+            "uid": record.uid,
+            "verdict": record.verdict,
+            "evidence": dict(record.evidence),
+            "first_seen": format_time(record.first_seen),
         },
         sort_keys=False,
         separators=(",", ":"),
@@ -138,7 +136,7 @@ def record_to_dict(record: AuditRecord) -> dict[str, Any]:
         "retracted_at": format_time(record.retracted_at) if record.retracted_at is not None else None,
         "stale_replicas": sorted(r.replica for r in record.replicas if r.stale),
         "heals": [{"at": format_time(h.at), "action": h.action, "outcome": h.outcome, "detail": h.detail}
-                  for h in getattr(record, "heals", ())],
+                  for h in record.heals],
         "replicas": [
             {
                 "replica": r.replica,
@@ -189,7 +187,7 @@ HEAL_COLUMNS: Final = ("POD", "UID", "AT", "ACTION", "OUTCOME", "DETAIL")
 def _heal_lines(records: Sequence[AuditRecord], indent: str = "  ") -> list[str]:
     """The heal attempts of these records (``serve --heal``), newest first; nothing when there are none."""
     rows = [(f"{r.namespace}/{r.name}", r.uid, h.at, h.action, h.outcome, h.detail)
-            for r in records for h in getattr(r, "heals", ())]
+            for r in records for h in r.heals]
     if not rows:
         return []
     rows.sort(key=lambda row: -row[2])

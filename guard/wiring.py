@@ -82,9 +82,7 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
                                  heal=healer.submit if healer is not None else None)
     if healer is not None:
         healer.done = incidents.after_heal
-    checker.listeners.append(incidents.new_ghost)
-    checker.sighting_listeners.append(incidents.sighting)
-    checker.block_recorders.append(incidents.record_block_now)
+    incidents.attach(checker)
     preverifier = None
     if settings.prepare:
         preverifier = Preverifier(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])

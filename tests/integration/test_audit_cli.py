@@ -35,14 +35,14 @@ def populated(tmp_path_factory: pytest.TempPathFactory) -> str:
     db = str(tmp_path_factory.mktemp("audit") / "audit.db")
     with AuditStore(db) as store:
         store.record_block(uid="uid-web-1", namespace="default", name="web-1", verdict="ghost-deleted",
-                           evidence={"quorum_status": 404, "reason": "NotFound"}, at=MINUTE_AGO)
+                           evidence={"quorum_get": {"http_status": 404}, "reason": "NotFound"}, at=MINUTE_AGO)
         store.record_block(uid="uid-web-1", namespace="default", name="web-1", verdict="ghost-deleted",
-                           evidence={"quorum_status": 404, "reason": "NotFound"}, at=MINUTE_AGO + 10)
+                           evidence={"quorum_get": {"http_status": 404}, "reason": "NotFound"}, at=MINUTE_AGO + 10)
         store.record_probe(uid="uid-web-1", replica=R1, serves=False, cache_resource_version="120", error=None, at=MINUTE_AGO)
         store.record_probe(uid="uid-web-1", replica=R2, serves=True, cache_resource_version="100", error=None, at=MINUTE_AGO)
         store.record_probe(uid="uid-web-1", replica=R3, serves=False, cache_resource_version="120", error=None, at=MINUTE_AGO)
         store.record_block(uid="uid-api-0", namespace="prod", name="api-0", verdict="ghost-replaced",
-                           evidence={"quorum_status": 200, "uid": "uid-api-0-new"}, at=HOUR_AGO)
+                           evidence={"quorum_get": {"http_status": 200, "uid": "uid-api-0-new"}}, at=HOUR_AGO)
         store.record_probe(uid="uid-api-0", replica=R3, serves=True, cache_resource_version="80", error=None, at=HOUR_AGO)
         store.record_probe(uid="uid-api-0", replica=R3, serves=False, cache_resource_version="95", error=None, at=HOUR_AGO + 30)
     return db
@@ -70,7 +70,7 @@ def test_audit_json(populated: str) -> None:
                         "stale_replicas", "replicas", "heals"}
     assert (web["namespace"], web["name"], web["verdict"], web["times_blocked"], web["stale_replicas"]) == (
         "default", "web-1", "ghost-deleted", 2, [R2])
-    assert web["evidence"] == {"quorum_status": 404, "reason": "NotFound"}
+    assert web["evidence"] == {"quorum_get": {"http_status": 404}, "reason": "NotFound"}
     assert [(r["replica"], r["state"], r["cache_resource_version"]) for r in web["replicas"]] == [
         (R1, "consistent", "120"), (R2, "stale", "100"), (R3, "consistent", "120")]
     api = records[1]

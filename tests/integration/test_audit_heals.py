@@ -6,7 +6,8 @@ import sqlite3
 
 import pytest
 
-from guard.audit import APPLICATION_ID, MAX_HEALS_PER_GHOST, SCHEMA_VERSION, AuditStore, HealAttempt, UnknownGhostError
+from guard.audit import APPLICATION_ID, SCHEMA_VERSION, AuditStore
+from guard.records import MAX_HEALS_PER_GHOST, HealAttempt, UnknownGhostError
 
 
 @pytest.fixture

@@ -1,8 +1,15 @@
-"""The incident on the lab, through the audit store: one replica drops a DELETE, the probes name exactly
-that replica, `report` says what to restart, and after the restart the record shows it healed.
+"""The incident on the lab, through the running guard's own recorder: one replica drops a DELETE, the
+audit record keeps what the quorum GET said (the nested ``quorum_get`` evidence of docs/OPERATIONS.md),
+the probes name exactly that replica, `report` says what to do, and after a restart the record shows
+it healed.
 
-Real etcd, real HTTPS replicas, the guard's own quorum GET and replica probes (guard/kube.py), the
-store, and the CLI as a subprocess.
+Real etcd, real HTTPS replicas, and the objects one guard worker builds, wired as
+``guard.wiring.build_guard`` wires them: ``Checker.check`` (what /filter, /preempt and
+/validate/binding call) -> ``IncidentRecorder`` (new ghost, sightings, block recorder) -> the store
+``open_audit_store`` opens, with the recorder's ``announce_new_ghost`` as its ``on_new`` hook (the new-ghost
+line on stdout). The follow-ups run inline
+and the stale confirmation's timer only records the delay asked for: the test runs each step itself,
+no sleeping. The CLI runs as a subprocess.
 """
 
 from __future__ import annotations
@@ -10,96 +17,131 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from fixtures_lab import make_ghost, pod_manifest
 
-from guard.attribution import missed_delete, stale_replicas
-from guard.audit import AuditStore, ghost_listener
-from guard.kube import Kube, Replica, ReplicaClient, load_configuration
-from guard.report import render_diagnosis
-from guard.verdict import PodRef, decide
+from guard.auditstore import AuditBackend
+from guard.check import Checker
+from guard.incident import IncidentRecorder, open_audit_store
+from guard.kube import Kube, load_configuration
+from guard.replicas import ReplicaPool
+from guard.settings import Settings
+from guard.verdict import PodRef
 
 pytestmark = pytest.mark.timeout(120)
 
+PODS = "/api/v1/namespaces/default/pods"
+
+
+@dataclass
+class Worker:
+    """One guard worker's checker and recorder; ``delays``: the timers the recorder asked for."""
+
+    settings: Settings
+    checker: Checker
+    incidents: IncidentRecorder
+    audit: AuditBackend
+    delays: list[tuple[float, object, tuple]]
+
 
 @pytest.fixture
-def clients(lab) -> Iterator[tuple[Kube, list[ReplicaClient]]]:
-    kube = Kube(load_configuration(lab.kubeconfig(0)), timeout=2.0, pool_size=2)
-    # As the guard does it: one base configuration (aimed at replica 0), one client pinned to each replica.
-    base = load_configuration(lab.kubeconfig(0))
-    replicas = [ReplicaClient(base, Replica(f"{r.ip}:{r.port}", r.url), server_name=None, timeout=2.0)
-                for r in lab.replicas]
-    yield kube, replicas
-    for c in replicas:
-        c.close()
+def worker(lab, tmp_path: Path) -> Iterator[Worker]:
+    settings = Settings(kubeconfig=lab.kubeconfig(0), audit_db=str(tmp_path / "audit.db"), events=False,
+                        probe_timeout=2.0, reprobe_interval=0.001)
+    kube = Kube(load_configuration(settings.kubeconfig), timeout=2.0, pool_size=4)
+    checker = Checker(settings, kube.quorum_get, background=False)
+    audit, error = open_audit_store(settings)
+    assert audit is not None, error
+    pool = ReplicaPool(settings, kube)
+    delays: list[tuple[float, object, tuple]] = []
+    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract,
+                                 later=lambda delay, fn, *args: delays.append((delay, fn, args)))
+    incidents.attach(checker)  # as guard.wiring.build_guard does
+    yield Worker(settings, checker, incidents, audit, delays)
+    incidents.close()
+    audit.close()
+    pool.close()
     kube.close()
 
 
-def cli(*args: str) -> dict:
+def cli(*args: str) -> dict | list:
     result = subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
-def test_stale_replica_named_then_healed_after_restart(lab, clients, tmp_path: Path) -> None:
-    kube, probes = clients
+def announced(capsys: pytest.CaptureFixture[str]) -> list[dict]:
+    """The new-ghost lines written to stdout since the last call."""
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker, capsys) -> None:
     uid = make_ghost(lab, "default", "web-1", stale=1)
-    stale = probes[1].replica.address
-    db = str(tmp_path / "audit.db")
-    store = AuditStore(db)
-    try:
-        # The guard's path: quorum GET -> verdict -> audit record.
-        pod = PodRef("default", "web-1", uid)
-        read = kube.quorum_get("default", "web-1")
-        decision = decide(pod, read)
-        assert decision.verdict.value == "ghost-deleted"
-        ghost_listener(store)(pod, decision, read)
+    stale = f"{lab.replicas[1].ip}:{lab.replicas[1].port}"
+    db = worker.settings.audit_db
+    ghost = PodRef("default", "web-1", uid)
 
-        # Attribution: probe every replica's cache.
-        first = [p.probe("default", "web-1", uid, at=time.time()) for p in probes]
-        store.record_observations(uid, first)
-        assert stale_replicas(first) == [stale]
+    # The scheduler asks about the ghost: quorum GET -> ghost-deleted -> record, etcd again, every replica probed.
+    decision = worker.checker.check(ghost)
+    assert decision.verdict.value == "ghost-deleted"
+    evidence = {"reason": decision.reason,
+                "quorum_get": {"outcome": "not-found", "http_status": 404, "uid": None, "node_name": None,
+                               "deletion_timestamp": None, "resource_version": None}}
+    record = worker.audit.record(uid)
+    assert record is not None
+    assert (record.namespace, record.name, record.verdict, record.times_blocked) == ("default", "web-1",
+                                                                                     "ghost-deleted", 1)
+    assert dict(record.evidence) == evidence
+    # The replica serving the ghost is not written down yet (it may only lag); the two others are, as consistent.
+    assert record.stale_replicas == []
+    assert sorted((s.replica, s.serves) for s in record.replicas) == sorted(
+        (f"{r.ip}:{r.port}", False) for i, r in enumerate(lab.replicas) if i != 1)
+    # One new-ghost line, with what the record holds.
+    (line,) = announced(capsys)
+    assert {k: line[k] for k in ("event", "namespace", "name", "uid", "verdict", "evidence")} == {
+        "event": "ghost-blocked", "namespace": "default", "name": "web-1", "uid": uid, "verdict": "ghost-deleted",
+        "evidence": evidence}
 
-        # The stale cache keeps applying other events: it missed the delete, it is not lagging.
-        lab.core_v1(0).create_namespaced_pod("default", pod_manifest("web-2"), _request_timeout=5)
-        assert lab.wait_synced()
-        again = probes[1].probe("default", "web-1", uid, at=time.time())
-        store.record_observations(uid, [again])
-        assert missed_delete(first[1].cache_resource_version, again.cache_resource_version, again.serves_ghost)
-        # Both probes were answered by that replica's cache (its request log), not by another replica.
-        assert [(r.query, r.source) for r in lab.replicas[1].requests(method="GET", path="/api/v1/namespaces/default/pods")] == [
-            ({"fieldSelector": "metadata.name=web-1", "resourceVersion": "0"}, "cache")] * 2
+    # The confirmation after --stale-confirm-delay; meanwhile the stale cache keeps applying other events.
+    ((delay, confirm, args),) = worker.delays
+    assert delay == worker.settings.stale_confirm_delay
+    lab.core_v1(0).create_namespaced_pod("default", pod_manifest("web-2"), _request_timeout=5)
+    assert lab.wait_synced()
+    confirm(*args)
+    record = worker.audit.record(uid)
+    assert record is not None and record.stale_replicas == [stale]
+    # Both probes were answered by that replica's cache (its request log), not by another replica.
+    assert [(r.query, r.source) for r in lab.replicas[1].requests(method="GET", path=PODS)] == [
+        ({"fieldSelector": "metadata.name=web-1", "resourceVersion": "0"}, "cache")] * 2
 
-        diagnosis = render_diagnosis(namespace="default", name="web-1", quorum_status=read.http_status,
-                                     quorum_detail="NotFound", observations=[*first, again])
-        assert diagnosis.splitlines()[-2:] == [f"verdict: stale replicas {stale}", "next: ghost-guard heal default/web-1 "
-                                               "(no restart; restart a replica only if heal reports it frozen)"]
+    report = cli("report", "--db", db, "-o", "json")
+    assert [r["replica"] for r in report["stale_replicas"]] == [stale]
+    assert [(g["namespace"], g["name"], g["uid"]) for g in report["stale_replicas"][0]["ghosts"]] == [
+        ("default", "web-1", uid)]
+    assert report["remediation"][0].startswith("Heal without restarting anything: ghost-guard heal default/web-1 (")
+    assert f"Only if heal reports a replica frozen (its cache revision no longer moves; among {stale})" in (
+        report["remediation"][2])
 
-        report = cli("report", "--db", db, "-o", "json")
-        assert [r["replica"] for r in report["stale_replicas"]] == [stale]
-        assert [(g["namespace"], g["name"], g["uid"]) for g in report["stale_replicas"][0]["ghosts"]] == [("default", "web-1", uid)]
-        assert report["remediation"][0].startswith("Heal without restarting anything: ghost-guard heal default/web-1 (")
-        assert f"Only if heal reports a replica frozen (its cache revision no longer moves; among {stale})" in report["remediation"][2]
-
-        # The operator restarts that replica: its cache is rebuilt from etcd, the next probe sees it healed.
-        lab.replicas[1].restart()
-        assert lab.wait_synced()
-        after = [p.probe("default", "web-1", uid, at=time.time()) for p in probes]
-        assert [o.serves_ghost for o in after] == [False, False, False]
-        store.record_observations(uid, after)
-    finally:
-        store.close()
+    # The operator restarts that replica: its cache is rebuilt from etcd. The scheduler asks again: the
+    # sighting is recorded and, the re-probe being due, every replica is probed again: healed.
+    lab.replicas[1].restart()
+    assert lab.wait_synced()
+    assert worker.checker.check(ghost).verdict.value == "ghost-deleted"
+    assert announced(capsys) == []  # not new any more
+    assert len(worker.delays) == 1  # nobody serves it: nothing to confirm
 
     (record,) = cli("audit", "--db", db, "-o", "json", "--replica", stale)
-    assert (record["uid"], record["verdict"], record["stale_replicas"]) == (uid, "ghost-deleted", [])
+    assert (record["uid"], record["verdict"], record["times_blocked"], record["stale_replicas"]) == (
+        uid, "ghost-deleted", 2, [])
+    # The sighting knew less (no read): what the quorum GET said is kept.
+    assert record["evidence"] == evidence
     entry = next(r for r in record["replicas"] if r["replica"] == stale)
     assert (entry["state"], entry["serves"]) == ("consistent", False)
     assert entry["first_seen_serving"] is not None and entry["healed_at"] is not None
-    assert record["evidence"]["quorum_status"] == 404
     report = cli("report", "--db", db, "-o", "json")
     assert report["stale_replicas"] == []
     assert [h["replica"] for h in report["healed_replicas"]] == [stale]

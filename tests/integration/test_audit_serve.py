@@ -1,8 +1,8 @@
 """The audit store behind a real `ghost-guard serve` (two gunicorn workers) on the lab: `kill -9` of a
 worker in the middle of a burst of blocks loses no acknowledged record and tears none.
 
-"Acknowledged" is the guard's stdout line for a new ghost: the store writes it only after the
-record's commit returned. Ghosts here are pods etcd never had (the quorum GET answers 404).
+"Acknowledged" is the guard's stdout line for a new ghost: the store calls the guard's on_new hook
+(guard.incident.announce_new_ghost) only after the record's commit returned. Ghosts here are pods etcd never had (the quorum GET answers 404).
 """
 
 from __future__ import annotations

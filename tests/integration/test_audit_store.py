@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import signal
 import sqlite3
@@ -17,12 +15,10 @@ import pytest
 
 from guard.audit import (
     SCHEMA_VERSION,
-    DEFAULT_AUDIT_DB,
-    AuditError,
     AuditPathError,
     AuditStore,
-    UnknownGhostError,
 )
+from guard.records import AuditError, AuditRecord, UnknownGhostError
 
 T0 = 1_780_000_000.0
 R1, R2, R3 = "https://127.0.0.1:6443", "https://127.0.0.2:6443", "https://127.0.0.3:6443"
@@ -30,28 +26,30 @@ R1, R2, R3 = "https://127.0.0.1:6443", "https://127.0.0.2:6443", "https://127.0.
 # A writer process. Prints "ready", waits for one line on stdin, then writes
 # `count` ghosts per thread; after each record_block + record_probe returned
 # (acknowledged) it prints the UID (with --ack). Every thread also blocks each
-# shared UID once. With --echo, new ghosts go to stdout as JSON lines.
+# shared UID once. With "announce", the store's on_new hook prints each new record's UID.
 WRITER = textwrap.dedent(
     """
     import sys, threading
     from guard.audit import AuditStore
     db, prefix, count, threads, shared, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     T0 = 1_780_000_000.0
-    store = AuditStore(db, echo=sys.stdout if mode == "echo" else None)
+    def announce(record):
+        print("new " + record.uid, flush=True)
+    store = AuditStore(db, on_new=announce if mode == "announce" else None)
     print("ready", flush=True)
     sys.stdin.readline()
     def work(t):
         for i in range(count):
             uid = f"{prefix}-{t}-{i:06d}"
             store.record_block(uid=uid, namespace="ns-" + prefix, name=f"pod-{t}-{i}", verdict="ghost-deleted",
-                               evidence={"quorum_status": 404, "reason": "NotFound", "i": i}, at=T0 + i)
+                               evidence={"quorum_get": {"http_status": 404}, "reason": "NotFound", "i": i}, at=T0 + i)
             store.record_probe(uid=uid, replica="https://127.0.0.2:6443", serves=True,
                                cache_resource_version=str(1000 + i), error=None, at=T0 + i)
             if mode == "ack":
                 print(uid, flush=True)
             if i < shared:
                 store.record_block(uid=f"shared-{i}", namespace="shared", name=f"shared-{i}", verdict="ghost-deleted",
-                                   evidence={"quorum_status": 404}, at=T0 + i)
+                                   evidence={"quorum_get": {"http_status": 404}}, at=T0 + i)
     workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     for w in workers: w.start()
     for w in workers: w.join()
@@ -120,7 +118,7 @@ def test_every_acknowledged_record_survives_kill_9_mid_burst(db: str, spawn, kil
             i = int(uid.rsplit("-", 1)[1])
             r = records[uid]
             assert (r.namespace, r.name, r.verdict, dict(r.evidence), r.first_seen, r.last_seen, r.times_blocked) == (
-                "ns-burst", f"pod-0-{i}", "ghost-deleted", {"quorum_status": 404, "reason": "NotFound", "i": i},
+                "ns-burst", f"pod-0-{i}", "ghost-deleted", {"quorum_get": {"http_status": 404}, "reason": "NotFound", "i": i},
                 T0 + i, T0 + i, 1,
             )
             assert [(s.replica, s.serves, s.cache_resource_version, s.first_seen_serving) for s in r.replicas] == [
@@ -140,7 +138,7 @@ def test_every_acknowledged_record_survives_kill_9_mid_burst(db: str, spawn, kil
 def test_two_processes_with_two_threads_each_lose_no_write(db: str, spawn) -> None:
     AuditStore(db).close()
     per_thread, shared = 150, 40
-    writers = [spawn(db, f"w{n}", str(per_thread), "2", str(shared), "echo") for n in range(2)]
+    writers = [spawn(db, f"w{n}", str(per_thread), "2", str(shared), "announce") for n in range(2)]
     for w in writers:
         w.stdin.write("go\n")
         w.stdin.flush()
@@ -157,11 +155,10 @@ def test_two_processes_with_two_threads_each_lose_no_write(db: str, spawn) -> No
     assert {records[u].times_blocked for u in own} == {1}
     assert {records[u].times_blocked for u in shared_uids} == {4}  # 2 processes x 2 threads, none lost
     assert all(len(records[u].replicas) == 1 for u in own)
-    # Each new ghost was announced exactly once across both processes.
-    lines = [json.loads(line) for out, _ in outputs for line in out.splitlines() if line != "ready"]
-    announced = [line["uid"] for line in lines]
-    assert sorted(announced) == sorted(own | shared_uids)
-    assert {line["event"] for line in lines} == {"ghost-blocked"}
+    # Each new ghost was announced (on_new) exactly once across both processes.
+    lines = [line for out, _ in outputs for line in out.splitlines() if line != "ready"]
+    assert all(line.startswith("new ") for line in lines), lines[:5]
+    assert sorted(line.removeprefix("new ") for line in lines) == sorted(own | shared_uids)
     assert integrity(db) == "ok"
 
 
@@ -193,7 +190,7 @@ def test_store_opened_before_fork_is_safe_in_the_child(db: str) -> None:
 def test_block_dedup_keeps_first_and_newest(db: str) -> None:
     with AuditStore(db) as store:
         assert store.record_block(uid="u", namespace="ns", name="p", verdict="ghost-deleted",
-                                  evidence={"quorum_status": 404, "reason": "first"}, at=T0 + 10) is True
+                                  evidence={"quorum_get": {"http_status": 404}, "reason": "first"}, at=T0 + 10) is True
         # A later sighting that knows less keeps what the quorum GET said; its own keys win.
         assert store.record_block(uid="u", namespace="ns", name="p", verdict="ghost-deleted",
                                   evidence={"reason": "seen again", "n": 2}, at=T0 + 20) is False
@@ -202,7 +199,7 @@ def test_block_dedup_keeps_first_and_newest(db: str) -> None:
                                   evidence={"reason": "late", "late": True}, at=T0 + 5) is False
         (r,) = store.records()
         assert (r.first_seen, r.last_seen, r.times_blocked, r.verdict, dict(r.evidence)) == (
-            T0 + 5, T0 + 20, 3, "ghost-deleted", {"quorum_status": 404, "reason": "seen again", "n": 2, "late": True})
+            T0 + 5, T0 + 20, 3, "ghost-deleted", {"quorum_get": {"http_status": 404}, "reason": "seen again", "n": 2, "late": True})
         # Evidence that would pass 4 KiB once merged: the newer evidence alone is kept.
         store.record_block(uid="u", namespace="ns", name="p", verdict="ghost-deleted", evidence={"big": "x" * 4070}, at=T0 + 30)
         assert dict(store.record("u").evidence) == {"big": "x" * 4070}
@@ -301,9 +298,6 @@ def test_record_block_prunes_by_itself_at_a_bounded_rate(db: str) -> None:
 
 # -- bad input and bad paths ----------------------------------------------------------------
 
-
-def test_default_path() -> None:
-    assert DEFAULT_AUDIT_DB == "/var/lib/ghost-guard/audit.db"
 
 
 @pytest.mark.parametrize(
@@ -463,66 +457,36 @@ def test_wal_and_full_sync_are_on(db: str) -> None:
     store.close()
 
 
-def test_echo_announces_each_new_ghost_once(db: str) -> None:
-    out = io.StringIO()
-    with AuditStore(db, echo=out) as store:
-        store.record_block(uid="u1", namespace="default", name="web-1", verdict="ghost-deleted", evidence={"quorum_status": 404}, at=T0)
-        store.record_block(uid="u1", namespace="default", name="web-1", verdict="ghost-deleted", evidence={"quorum_status": 404}, at=T0 + 1)
-        store.record_block(uid="u2", namespace="default", name="web-2", verdict="ghost-replaced", evidence={}, at=T0 + 2)
-    assert [json.loads(line) for line in out.getvalue().splitlines()] == [
-        {"event": "ghost-blocked", "namespace": "default", "name": "web-1", "uid": "u1", "verdict": "ghost-deleted",
-         "evidence": {"quorum_status": 404}, "first_seen": "2026-05-28T20:26:40Z"},
-        {"event": "ghost-blocked", "namespace": "default", "name": "web-2", "uid": "u2", "verdict": "ghost-replaced",
-         "evidence": {}, "first_seen": "2026-05-28T20:26:42Z"},
+def test_on_new_is_called_once_per_new_record_after_its_commit(db: str) -> None:
+    seen: list[tuple[AuditRecord, list[str]]] = []
+
+    def on_new(record: AuditRecord) -> None:  # what is committed when the hook runs
+        with AuditStore(db) as reader:
+            seen.append((record, [r.uid for r in reader.records()]))
+
+    with AuditStore(db, on_new=on_new) as store:
+        assert store.record_block(uid="u1", namespace="default", name="web-1", verdict="ghost-deleted",
+                                  evidence={"reason": "gone"}, at=T0) is True
+        assert store.record_block(uid="u1", namespace="default", name="web-1", verdict="ghost-deleted",
+                                  evidence={"reason": "gone"}, at=T0 + 1) is False
+        assert store.record_block(uid="u2", namespace="default", name="web-2", verdict="ghost-replaced",
+                                  evidence={}, at=T0 + 2) is True
+    assert seen == [
+        (AuditRecord(uid="u1", namespace="default", name="web-1", verdict="ghost-deleted", evidence={"reason": "gone"},
+                     first_seen=T0, last_seen=T0, times_blocked=1), ["u1"]),
+        (AuditRecord(uid="u2", namespace="default", name="web-2", verdict="ghost-replaced", evidence={},
+                     first_seen=T0 + 2, last_seen=T0 + 2, times_blocked=1), ["u2", "u1"]),
     ]
 
 
-def test_ghost_listener_records_the_quorum_evidence(db: str) -> None:
-    from guard.audit import ghost_listener
-    from guard.verdict import PodRef, QuorumRead, decide
+def test_a_failing_on_new_hook_never_fails_the_write(db: str) -> None:
+    def broken(record: AuditRecord) -> None:
+        raise OSError("stdout is closed")
 
-    with AuditStore(db) as store:
-        listener = ghost_listener(store, clock=lambda: T0)
-        pod = PodRef("default", "web-1", "uid-old")
-        for read in (QuorumRead.not_found(), QuorumRead.found("uid-new", resource_version="77")):
-            listener(pod, decide(pod, read), read)
-        listener(PodRef("default", "no-uid", ""), decide(PodRef("default", "no-uid", ""), QuorumRead.not_found()), QuorumRead.not_found())
-        (record,) = store.records()
-    assert (record.uid, record.verdict, record.times_blocked) == ("uid-old", "ghost-replaced", 2)
-    assert dict(record.evidence) == {
-        "quorum_result": "found",
-        "quorum_status": 200,
-        "quorum_uid": "uid-new",
-        "etcd_resource_version": "77",
-        "reason": "ghost pod: default/web-1 uid uid-old was replaced by uid uid-new (quorum read, etcd); scheduler cache is stale",
-    }
-
-
-def test_record_observations_is_one_probe_round(db: str) -> None:
-    from guard.attribution import ReplicaObservation, stale_replicas
-
-    with AuditStore(db) as store:
-        store.record_block(uid="u", namespace="default", name="web-1", verdict="ghost-deleted", evidence={}, at=T0)
-        assert store.record("missing") is None
-        store.record_observations("u", [
-            ReplicaObservation(R1, False, "120", None, T0 + 1),
-            ReplicaObservation(R2, True, "100", None, T0 + 1),
-            ReplicaObservation(R3, None, None, "HTTP 429: Too Many Requests", T0 + 1),
-        ])
-        store.record_observations("u", [])
-        record = store.record("u")
-        assert record is not None
-        assert stale_replicas(s.observation() for s in record.replicas) == [R2]
-        assert [(s.replica, s.serves, s.error) for s in record.replicas] == [
-            (R1, False, None), (R2, True, None), (R3, None, "HTTP 429: Too Many Requests")]
-        # One bad observation rejects the whole round: nothing of it is written.
-        with pytest.raises(ValueError) as e:
-            store.record_observations("u", [ReplicaObservation(R1, True, "130", None, T0 + 2),
-                                             ReplicaObservation("", True, None, None, T0 + 2)])
-        assert str(e.value) == "replica must be 1 to 512 characters, got 0"
-        assert store.record("u").replicas == record.replicas
-        with pytest.raises(LookupError):
-            store.record_observations("never-blocked", [ReplicaObservation(R1, True, "1", None, T0)])
+    with AuditStore(db, on_new=broken) as store:
+        assert store.record_block(uid="u1", namespace="default", name="web-1", verdict="ghost-deleted", evidence={},
+                                  at=T0) is True
+        assert [r.uid for r in store.records()] == ["u1"]
 
 
 def test_probe_sequences_match_the_model(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -36,7 +36,9 @@ def writes(lab, ns: str, since: float) -> list:
 
 
 def test_two_replicas_converge_on_one_object_and_lose_no_count(shared_lab, lab_namespace):
-    a, b = store_for(shared_lab, 0, min_interval=0.0), store_for(shared_lab, 1, min_interval=0.0)
+    announced = []  # on_new: the replica whose create made the object announces it, once in all
+    a = store_for(shared_lab, 0, min_interval=0.0, on_new=lambda r: announced.append(("a", r)))
+    b = store_for(shared_lab, 1, min_interval=0.0, on_new=lambda r: announced.append(("b", r)))
     try:
         now = time.time()
         for i in range(30):  # both write the same identity at once: creates race, patches conflict
@@ -49,11 +51,15 @@ def test_two_replicas_converge_on_one_object_and_lose_no_count(shared_lab, lab_n
         (record,) = a.records(namespace=lab_namespace)
         assert (record.name, record.uid, record.times_blocked) == ("web-0", "uid-1", 61)
         assert (record.first_seen, record.last_seen) == (pytest.approx(now, abs=1e-5), pytest.approx(now + 100, abs=1e-5))
+        ((_, new),) = announced
+        assert (new.namespace, new.name, new.uid, new.verdict, dict(new.evidence)) == (
+            lab_namespace, "web-0", "uid-1", "ghost-deleted", {"quorum_get": {"http_status": 404}})
         # another identity with the same UID (a forged name) is an object of its own, never merged
         block(a, lab_namespace, "does-not-exist", "uid-1", now)
         assert a.flush(10)
         names = sorted((r.name, r.times_blocked) for r in b.records(namespace=lab_namespace))
         assert names == [("does-not-exist", 1), ("web-0", 61)]
+        assert [(who, r.name) for who, r in announced[1:]] == [("a", "does-not-exist")]
         assert object_name(lab_namespace, "web-0", "uid-1") != object_name(lab_namespace, "does-not-exist", "uid-1")
     finally:
         a.close()

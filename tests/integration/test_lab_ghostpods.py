@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def body(name: str, **status) -> dict:
     obj = {"apiVersion": f"{G}/{V}", "kind": "GhostPod", "metadata": {"name": name},
-           "spec": {"podName": "web-0", "podUID": "u-1", "verdict": "ghost-deleted", "evidence": {"quorum_status": 404}}}
+           "spec": {"podName": "web-0", "podUID": "u-1", "verdict": "ghost-deleted", "evidence": {"quorum_get": {"http_status": 404}}}}
     if status:
         obj["status"] = status
     return obj

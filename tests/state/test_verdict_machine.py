@@ -72,8 +72,7 @@ class VerdictMachine(RuleBasedStateMachine):
         self.recorder = IncidentRecorder(self.checker.settings, EtcdKube(self.etcd), Pool(self.replicas), self.audit,
                                          retract=self.checker.retract,
                                          later=lambda delay, fn, *args: self.confirms.append((fn, args)))
-        self.checker.listeners.append(self.recorder.new_ghost)
-        self.checker.sighting_listeners.append(self.recorder.sighting)
+        self.recorder.attach(self.checker)
         self.calls: list[tuple[Call, object]] = []
         self.answers = 0
 

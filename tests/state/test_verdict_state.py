@@ -284,6 +284,9 @@ def test_a_replica_serving_the_live_pod_is_never_blamed(world, audit):
     fn(*args)  # the confirmation round
     (record,) = audit.records()
     assert (record.uid, record.stale_replicas) == (a, ["10.0.0.1:6443"])
+    # the evidence is what the quorum GET answered: the other UID etcd has under that name
+    assert record.evidence["quorum_get"] == {"outcome": "found", "http_status": 200, "uid": b, "node_name": None,
+                                             "deletion_timestamp": None, "resource_version": str(etcd.revision)}
     assert checker.check(pod("web-0", b)).verdict is Verdict.ALIVE
 
 

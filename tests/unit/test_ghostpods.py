@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from guard.audit import AuditRecord, ReplicaState
 from guard.ghostpods import apply_ops, from_time, object_name, record_status, status_patch, to_record, to_time
+from guard.records import AuditRecord, ReplicaState
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from guard.attribution import ReplicaObservation
-from guard.audit import AuditRecord, ReplicaState
+from guard.records import AuditRecord, HealAttempt, ReplicaState
 from guard.report import (
     format_time,
     new_ghost_line,
@@ -29,7 +29,7 @@ def state(replica: str, serves: bool | None, *, at: float, rv: str | None = "100
 
 WEB = AuditRecord(
     uid="11111111-aaaa", namespace="default", name="web-1", verdict="ghost-deleted",
-    evidence={"quorum_status": 404, "reason": "NotFound"}, first_seen=T0, last_seen=T0 + 65, times_blocked=7,
+    evidence={"quorum_get": {"http_status": 404}, "reason": "NotFound"}, first_seen=T0, last_seen=T0 + 65, times_blocked=7,
     replicas=(
         state(A, False, at=T0 + 1, rv="120"),
         state(B, True, at=T0 + 1, rv="100", serving=T0 + 1),
@@ -38,7 +38,7 @@ WEB = AuditRecord(
 )
 API = AuditRecord(
     uid="22222222-bbbb", namespace="prod", name="api-0", verdict="ghost-replaced",
-    evidence={"quorum_status": 200, "uid": "33333333-cccc"}, first_seen=T0 + 10, last_seen=T0 + 10, times_blocked=1,
+    evidence={"quorum_get": {"http_status": 200, "uid": "33333333-cccc"}}, first_seen=T0 + 10, last_seen=T0 + 10, times_blocked=1,
     replicas=(
         state(B, None, at=T0 + 30, rv=None, error="timeout: after 0.5s", serving=T0 + 12),
         state(C, True, at=T0 + 30, rv="130", serving=T0 + 11),
@@ -46,7 +46,7 @@ API = AuditRecord(
 )
 OLD = AuditRecord(
     uid="44444444-dddd", namespace="prod", name="job-9", verdict="ghost-deleted",
-    evidence={"quorum_status": 404}, first_seen=T0 - 3600, last_seen=T0 - 3000, times_blocked=3,
+    evidence={"quorum_get": {"http_status": 404}}, first_seen=T0 - 3600, last_seen=T0 - 3000, times_blocked=3,
     replicas=(state(A, False, at=T0 - 3000, rv="90", serving=T0 - 3600, healed_at=T0 - 3000),),
 )
 
@@ -106,12 +106,14 @@ def test_parse_since_rejects(text: str, message: str) -> None:
 
 
 def test_new_ghost_line_is_one_json_object() -> None:
-    line = new_ghost_line(uid="u-1", namespace="default", name="web-1", verdict="ghost-deleted",
-                          evidence={"quorum_status": 404}, at=T0)
+    line = new_ghost_line(AuditRecord(uid="u-1", namespace="default", name="web-1", verdict="ghost-deleted",
+                                      evidence={"quorum_get": {"outcome": "not-found", "http_status": 404}},
+                                      first_seen=T0, last_seen=T0 + 9, times_blocked=3))
     assert "\n" not in line
     assert json.loads(line) == {
         "event": "ghost-blocked", "namespace": "default", "name": "web-1", "uid": "u-1",
-        "verdict": "ghost-deleted", "evidence": {"quorum_status": 404}, "first_seen": "2026-05-28T20:26:40Z",
+        "verdict": "ghost-deleted", "evidence": {"quorum_get": {"outcome": "not-found", "http_status": 404}},
+        "first_seen": "2026-05-28T20:26:40Z",
     }
 
 
@@ -152,7 +154,7 @@ def test_audit_json_record_shape() -> None:
         "name": "web-1",
         "uid": "11111111-aaaa",
         "verdict": "ghost-deleted",
-        "evidence": {"quorum_status": 404, "reason": "NotFound"},
+        "evidence": {"quorum_get": {"http_status": 404}, "reason": "NotFound"},
         "first_seen": "2026-05-28T20:26:40Z",
         "last_seen": "2026-05-28T20:27:45Z",
         "times_blocked": 7,
@@ -431,8 +433,6 @@ def test_replica_caches_section_json_is_the_list():
 
 def test_audit_and_report_show_heal_attempts_newest_first() -> None:
     import dataclasses
-
-    from guard.audit import HealAttempt
 
     healed = dataclasses.replace(WEB, heals=(HealAttempt(T0 + 5, "placeholder", "frozen", "replica B frozen"),
                                              HealAttempt(T0 + 65, "placeholder", "healed", "every replica agrees")))
