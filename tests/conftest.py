@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
+from guard.lab.harness import GuardProcess
+
 try:  # the lab fixtures (needs the `lab` extra)
     from fixtures_lab import *  # noqa: F401,F403
 except ImportError as e:  # pragma: no cover - reported, not hidden
     if "fixtures_lab" not in str(e):
         raise
-
-from guardproc import GuardProcess  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures_lab import make_ghost, pod_manifest
 
 from guard.attribution import missed_delete, stale_replicas
 from guard.audit import AuditStore, ghost_listener
 from guard.kube import Kube, Replica, ReplicaClient, load_configuration
+from guard.lab.harness import make_ghost, pod_manifest
 from guard.report import render_diagnosis
 from guard.verdict import PodRef, decide
 

@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from polling import eventually
-
 from guard.certs import generate
+from guard.lab.harness import eventually
 from guard.tls import ReloadingTLS, TLSError
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,9 +14,9 @@ import time
 import orjson
 import pytest
 import requests
-from fixtures_lab import make_ghost, pod_manifest
 
-from guardproc import GuardProcess
+from guard.lab.harness import GuardProcess, make_ghost, pod_manifest
+
 
 FILTER_KEYS = ["Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"]
 NAMES = ["node-a", "node-b", "node-c"]
