@@ -80,7 +80,7 @@ def _case(lab, ns: str, verdict: str) -> tuple[str, str]:
         make_pod(lab, ns, "p")
         return "p", old
     if verdict == "already-bound":
-        return "p", make_pod(lab, ns, "p", node="node-x")
+        return "p", make_pod(lab, ns, "p", node_name="node-x")
     if verdict == "terminating":
         uid = make_pod(lab, ns, "p", finalizers=["example.com/hold"])
         api.delete_namespaced_pod("p", ns, _request_timeout=5)
