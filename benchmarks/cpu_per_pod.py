@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -233,13 +232,8 @@ def main() -> int:
             finally:
                 lab.close()
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    pinning = (f"extender pinned to CPU {sorted(filter_latency.EXTENDER_CPUS)}" if filter_latency.EXTENDER_CPUS
-               else "no CPU pinning")
-    print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.pods} pods, {args.rounds} rounds per cell, "
-          f"means; {pinning}; {args.idle_guards} idle guard(s) beside each guard\n")
+    print(f"{filter_latency.machine()}; {args.pods} pods, {args.rounds} rounds per cell, means; "
+          f"{args.idle_guards} idle guard(s) beside each guard\n")
     print("| replicas | nodes | case | guard CPU ms/pod | idle guard CPU ms/pod | pass-through CPU ms/pod "
           "| difference ms/pod | guard requests/pod | quorum GETs/pod | guard watch events/pod | guard pods/s "
           "| pass-through pods/s | pods/s ratio | guard p50 ms | pass-through p50 ms |")

@@ -49,6 +49,15 @@ def pin_harness() -> None:
         EXTENDER_CPUS = {cpus[-1]}
 
 
+def machine() -> str:
+    """A report's first words: cores, CPU model, Python, date, and where the extender runs."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    pinning = f"extender pinned to CPU {sorted(EXTENDER_CPUS)}" if EXTENDER_CPUS else "no CPU pinning"
+    return (f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {pinning}")
+
+
 def start_passthrough() -> tuple[subprocess.Popen, str]:
     """The minimal pass-through extender (benchmarks/passthrough_extender.py) under gunicorn like the
     guard (gthread, 1 worker, 16 threads), on the extender's CPU; returns it once /healthz answers."""
@@ -159,11 +168,7 @@ def main() -> int:
             guard_hit.stop()
             guard_miss.stop()
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    pinning = f"extender pinned to CPU {sorted(EXTENDER_CPUS)}" if EXTENDER_CPUS else "no CPU pinning"
-    print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.calls} calls per cell; {pinning}\n")
+    print(f"{machine()}; {args.calls} calls per cell\n")
     print("| nodes | case | guard p50 ms | guard p99 ms | guard calls/s | pass-through p50 ms | pass-through p99 ms "
           "| pass-through calls/s | p50 ratio (guard / pass-through) |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")

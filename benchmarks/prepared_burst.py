@@ -27,8 +27,6 @@ Run from the repository root: ``python -m benchmarks.prepared_burst [--pods 500]
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import queue
 import statistics
 import sys
@@ -36,7 +34,6 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import orjson
 import requests
@@ -221,12 +218,7 @@ def main() -> int:
             rows.append((case, pods, shares, g, p))
         lab.close()
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    pinning = (f"extender pinned to CPU {sorted(filter_latency.EXTENDER_CPUS)}" if filter_latency.EXTENDER_CPUS
-               else "no CPU pinning")
-    print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.rounds} rounds per cell, means; {pinning}\n")
+    print(f"{filter_latency.machine()}; {args.rounds} rounds per cell, means\n")
     print("| case | pods | first calls: prepared / shared read in flight / own GET | guard p50 ms | guard p99 ms "
           "| pass-through p50 ms | pass-through p99 ms | quorum GETs per pod | guard pods/s | pass-through pods/s "
           "| pods/s ratio | client busy (guard / pass-through) | pods created/s (guard / pass-through) |")
