@@ -35,7 +35,7 @@ import requests
 import yaml
 
 from guard.certs import generate
-from guard.lab.harness import GuardProcess, make_ghost, tls_files
+from guard.lab.harness import GuardProcess, eventually, make_ghost, tls_files
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
@@ -315,16 +315,15 @@ def recorded_store(_shared_lab_session, tmp_path_factory):
         g.wait()
         uid = make_ghost(lab, ns, "ghost")
         body = {"Pod": {"metadata": {"name": "ghost", "namespace": ns, "uid": uid}}, "NodeNames": NAMES}
-        deadline = time.monotonic() + 10
-        while g.post("/filter", body).json()["FailedAndUnresolvableNodes"] == {}:
-            assert time.monotonic() < deadline, g.logs()
-            time.sleep(0.1)
-        while True:
+        deadline = time.monotonic() + 10  # for both
+        eventually(lambda: g.post("/filter", body).json()["FailedAndUnresolvableNodes"] != {}, 10,
+                   what="the ghost rejected", interval=0.1, process=g)
+
+        def recorded() -> bool:
             r = audit_cli("--db", str(db), "--namespace", ns, "-o", "json")
-            if r.returncode == 0 and orjson.loads(r.stdout):
-                break
-            assert time.monotonic() < deadline, (r, g.logs())
-            time.sleep(0.2)
+            return r.returncode == 0 and bool(orjson.loads(r.stdout))
+
+        eventually(recorded, deadline - time.monotonic(), what="the ghost in the audit", interval=0.2, process=g)
     finally:
         g.stop()
     return db, ns
