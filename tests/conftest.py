@@ -1,7 +1,8 @@
 """Shared test plumbing: real guard processes over real HTTP(S).
 
 Layer fixtures: the lab (real etcd + apiserver replicas) comes from
-``tests/fixtures_lab.py``; this file starts ``ghost-guard serve`` processes.
+``tests/fixtures_lab.py``; this file starts ``ghost-guard serve`` processes
+(``guard.lab.harness.GuardProcess``, shared with the demo and the benchmarks).
 Never mock or patch ``guard.*``: faults come from the lab.
 """
 
