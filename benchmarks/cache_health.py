@@ -1,7 +1,7 @@
 """How fast the guard names a missing pod and a frozen replica with its DEFAULT settings
 (--missing-after 30, --frozen-after 30), and what its checks cost each replica, on the lab.
 
-    PYTHONPATH=$PWD python benchmarks/cache_health.py [--runs N]
+    python -m benchmarks.cache_health [--runs N]        # from the repository root
 
 Each run: a fresh lab (real etcd, 3 replicas) and `ghost-guard serve`. (1) replica 2 loses a pod's
 creation: seconds from the create call until ghost_guard_replica_pods_missing{replica 2} is 1;
@@ -17,27 +17,9 @@ import json
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from guardproc import GuardProcess  # noqa: E402
-
-from guard.lab import Lab  # noqa: E402
-
-
-def pod(name: str) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {"containers": [{"name": "app", "image": "registry.k8s.io/pause:3.9"}]}}
-
-
-def wait(check, timeout: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if check():
-            return time.monotonic() - start
-        time.sleep(0.2)
-    raise TimeoutError
+from guard.lab import Lab
+from guard.lab.harness import GuardProcess, eventually, pod_manifest
 
 
 def one_run() -> dict:
@@ -46,15 +28,15 @@ def one_run() -> dict:
                           "--discovery-interval", "5"])
         try:
             g.wait()
-            wait(lambda: len([v for v in g.get("/readyz", timeout=5).json()["details"]["replicas"].values()
-                              if v["watch"] and v["watch"]["state"] == "synced"]) == 3, 30)
+            eventually(lambda: len([v for v in g.get("/readyz", timeout=5).json()["details"]["replicas"].values()
+                                    if v["watch"] and v["watch"]["state"] == "synced"]) == 3, 30, interval=0.2)
             since = time.time()
             addr = [f"{r.ip}:{r.port}" for r in lab.replicas]
             api = lab.core_v1(0)
             lab.replicas[1].faults.drop_creates(namespace="default", name="lost")
             t0 = time.monotonic()
-            api.create_namespaced_pod("default", pod("lost"), _request_timeout=5)
-            wait(lambda: g.metric("ghost_guard_replica_pods_missing", replica=addr[1]) == 1, 90)
+            api.create_namespaced_pod("default", pod_manifest("lost"), _request_timeout=5)
+            eventually(lambda: g.metric("ghost_guard_replica_pods_missing", replica=addr[1]) == 1, 90, interval=0.2)
             missing = time.monotonic() - t0
 
             lab.replicas[2].faults.freeze_watch()
@@ -64,11 +46,11 @@ def one_run() -> dict:
             def frozen() -> bool:
                 nonlocal i
                 if time.monotonic() - t0 >= 5 * i:
-                    api.create_namespaced_pod("default", pod(f"after-{i}"), _request_timeout=5)
+                    api.create_namespaced_pod("default", pod_manifest(f"after-{i}"), _request_timeout=5)
                     i += 1
                 return g.metric("ghost_guard_replica_frozen", replica=addr[2]) == 1
 
-            wait(frozen, 120)
+            eventually(frozen, 120, interval=0.2)
             named = time.monotonic() - t0
             minutes = (time.time() - since) / 60
             # replica 1 is healthy and never a suspect: only the revision reads reach it

@@ -20,7 +20,7 @@ with creation) and ``backlog`` (the pods land before the client reaches them).
 With ``--profile DIR`` each guard run is sampled by py-spy (``record --gil --nonblocking``,
 raw collapsed stacks to ``DIR``; ``python3 -m pip install py-spy``); the CPU figures of a
 profiled run include py-spy's small cost to the guard, so profile and measure in separate runs.
-``benchmarks/profile_summary.py DIR/*.txt --pods N`` groups the samples.
+``python -m benchmarks.profile_summary DIR/*.txt --pods N`` groups the samples.
 
 ``--idle-guards N`` runs N more guards of the same source tree beside each guard run, against the
 same lab, never called (the Deployment's second replica; the sidecars of the standby schedulers):
@@ -34,7 +34,7 @@ that many apiserver replicas (a fresh lab each).
 (``git archive <commit> | tar -x -C TREE``), so that a change is measured before and after in
 one run, side by side, on a machine whose load changes from minute to minute.
 
-Run: ``python benchmarks/cpu_per_pod.py [--pods 500] [--nodes 100,1000] [--rounds 2] [--replicas 3] [--idle-guards 0]
+Run from the repository root: ``python -m benchmarks.cpu_per_pod [--pods 500] [--nodes 100,1000] [--rounds 2] [--replicas 3] [--idle-guards 0]
 [--baseline TREE] [-- GUARD FLAGS]``.
 """
 
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -55,13 +54,11 @@ from pathlib import Path
 import orjson
 import requests
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from benchmarks import filter_latency, prepared_burst  # noqa: E402
-from benchmarks.filter_latency import free_port, pin_harness, start, stop  # noqa: E402
-from benchmarks.prepared_burst import LabProcess, metric, run_case  # noqa: E402
+from benchmarks import filter_latency, prepared_burst
+from benchmarks.filter_latency import pin_harness, start_passthrough
+from benchmarks.prepared_burst import metric, run_case, start_guard
+from benchmarks.soak_lab import LabProcess
+from guard.lab.harness import stop_group
 
 TICK = os.sysconf("SC_CLK_TCK")
 GUARD_WATCH = "/api/v1/pods"  # the guard's watches of unscheduled pods (all namespaces)
@@ -93,14 +90,10 @@ def tree_cpu(pid: int) -> float:
 
 def lab_log(lab: LabProcess) -> tuple[list[dict], dict[str, dict[str, int]]]:
     """Every replica's request log (concatenated) and watch events, summed by path and type."""
-    import urllib3
-
-    http = urllib3.PoolManager(ca_certs=lab.state["ca"], cert_reqs="CERT_REQUIRED")
     reqs: list[dict] = []
     events: dict[str, dict[str, int]] = {}
-    for url in lab.state["urls"]:
-        doc = orjson.loads(http.request("GET", url + "/lab/requests",
-                                        headers={"Authorization": f"Bearer {lab.state['token']}"}).data)
+    for i in range(len(lab.state["urls"])):
+        doc = lab.requests_log(i)
         reqs.extend(doc["requests"])
         for path, by_type in doc.get("watchEvents", {}).items():
             for typ, n in by_type.items():
@@ -126,49 +119,6 @@ def delete_namespace_pods(lab: LabProcess, namespace: str, pods: int) -> None:
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda i: api.delete_namespaced_pod(f"p-{i:04d}", namespace, grace_period_seconds=0,
                                                            _request_timeout=10), range(pods)))
-
-
-def start_guard(lab: LabProcess, tmp: str, n: int, extra: list[str], tree: str | None = None) -> tuple[subprocess.Popen, str]:
-    """A guard from this checkout, or from another source tree (``--baseline``: same flags, its code)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind", f"127.0.0.1:{port}",
-           "--kubeconfig", lab.kubeconfig(0), "--no-access-log", "--no-events", "--log-level", "warning",
-           "--audit-db", f"{tmp}/{n}.db", *extra]
-    if tree is None:
-        proc = start(cmd, port)
-    else:  # ``python -m`` puts the working directory first on sys.path: run it from the other tree
-        pin = (lambda: os.sched_setaffinity(0, filter_latency.EXTENDER_CPUS)) if filter_latency.EXTENDER_CPUS else None
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": tree}, cwd=tree, preexec_fn=pin)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                stop(proc)
-                raise RuntimeError(f"the guard from {tree} did not start")
-            time.sleep(0.1)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20  # its watches run on every replica
-    while requests.get(url + "/readyz", timeout=2).status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    settled, last = 0, -1.0  # and its startup verification of the pending pods it listed is done
-    while settled < 4 and time.monotonic() < deadline + 60:
-        time.sleep(0.25)
-        now = metric(url, "ghost_guard_preverified_total")
-        settled, last = (settled + 1 if now == last else 0), now
-    return proc, url
-
-
-def start_passthrough() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = start([sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "16", "-w", "1",
-                  "--no-control-socket", "--log-level", "warning", "-b", f"127.0.0.1:{port}",
-                  "benchmarks.passthrough_extender:app"], port)
-    return proc, f"http://127.0.0.1:{port}"
 
 
 def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: str, pods: int, rate: float | None,
@@ -242,7 +192,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         n = 0
         for replicas in [int(x) for x in args.replicas.split(",")]:
-            lab = LabProcess(f"{tmp}/lab-{replicas}", replicas)
+            lab = LabProcess(f"{tmp}/lab-{replicas}", replicas=replicas, timeout=60)
             try:
                 for nodes in [int(x) for x in args.nodes.split(",")]:
                     prepared_burst.NODES = [f"node-{i:04d}" for i in range(nodes)]
@@ -261,8 +211,9 @@ def main() -> int:
                                     else:
                                         for k in range(args.idle_guards):
                                             n += 1
-                                            idle.append(start_guard(lab, tmp, n, args.guard_flags, tree)[0])
-                                        proc, url = start_guard(lab, tmp, n, args.guard_flags, tree)
+                                            idle.append(start_guard(lab, tmp, n, args.guard_flags, tree).proc)
+                                        guard = start_guard(lab, tmp, n, args.guard_flags, tree)
+                                        proc, url = guard.proc, guard.base
                                     namespace = f"c{n}"
                                     try:
                                         profile = f"{args.profile}/{which}-{key}-{nodes}-{rnd}" if args.profile else None
@@ -272,22 +223,17 @@ def main() -> int:
                                         print(f"{replicas} replicas, {nodes} nodes, {label}, {which}: {res}",
                                               file=sys.stderr, flush=True)
                                     finally:
-                                        stop(proc)
+                                        stop_group(proc)
                                 finally:
                                     for p in idle:
-                                        stop(p)
+                                        stop_group(p)
                                 delete_namespace_pods(lab, namespace, args.pods)
                         rows.append((replicas, nodes, label, agg))
             finally:
                 lab.close()
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    pinning = (f"extender pinned to CPU {sorted(filter_latency.EXTENDER_CPUS)}" if filter_latency.EXTENDER_CPUS
-               else "no CPU pinning")
-    print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.pods} pods, {args.rounds} rounds per cell, "
-          f"means; {pinning}; {args.idle_guards} idle guard(s) beside each guard\n")
+    print(f"{filter_latency.machine()}; {args.pods} pods, {args.rounds} rounds per cell, means; "
+          f"{args.idle_guards} idle guard(s) beside each guard\n")
     print("| replicas | nodes | case | guard CPU ms/pod | idle guard CPU ms/pod | pass-through CPU ms/pod "
           "| difference ms/pod | guard requests/pod | quorum GETs/pod | guard watch events/pod | guard pods/s "
           "| pass-through pods/s | pods/s ratio | guard p50 ms | pass-through p50 ms |")

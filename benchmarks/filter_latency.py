@@ -12,7 +12,7 @@ Cases, at 100 and 5,000 node names:
 - ``hit-ghost``: a ghost, rejected from the ghost cache (every node gets a reason);
 - ``miss-alive``: a new pod per call: the quorum GET runs inline (``--no-prepare``).
 
-Run: ``python benchmarks/filter_latency.py [--calls 400]``. Prints a Markdown table.
+Run from the repository root: ``python -m benchmarks.filter_latency [--calls 400]``. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,20 +30,10 @@ from pathlib import Path
 import orjson
 import requests
 
+from guard.lab import Lab
+from guard.lab.harness import GuardProcess, NotReached, eventually, free_port, make_ghost, pod_manifest, stop_group
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from fixtures_lab import make_ghost, pod_manifest  # noqa: E402
-
-from guard.lab import Lab  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # The extender under test (guard or pass-through) runs on its own CPU, as it would in its own pod;
 # the lab (etcd, apiserver replicas) and the client share the other. Same for both extenders.
@@ -61,23 +49,47 @@ def pin_harness() -> None:
         EXTENDER_CPUS = {cpus[-1]}
 
 
-def start(cmd: list[str], port: int, env: dict | None = None) -> subprocess.Popen:
+def machine() -> str:
+    """A report's first words: cores, CPU model, Python, date, and where the extender runs."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    pinning = f"extender pinned to CPU {sorted(EXTENDER_CPUS)}" if EXTENDER_CPUS else "no CPU pinning"
+    return (f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {pinning}")
+
+
+def start_passthrough() -> tuple[subprocess.Popen, str]:
+    """The minimal pass-through extender (benchmarks/passthrough_extender.py) under gunicorn like the
+    guard (gthread, 1 worker, 16 threads), on the extender's CPU; returns it once /healthz answers."""
+    port = free_port()
     pin = (lambda: os.sched_setaffinity(0, EXTENDER_CPUS)) if EXTENDER_CPUS else None
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, **(env or {})}, cwd=REPO, preexec_fn=pin)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except requests.RequestException:
-            time.sleep(0.1)
-    raise RuntimeError(f"{cmd} did not start")
+    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "16", "-w", "1",
+                             "--no-control-socket", "--log-level", "warning", "-b", f"127.0.0.1:{port}",
+                             "benchmarks.passthrough_extender:app"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
+                            preexec_fn=pin)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        eventually(lambda: requests.get(url + "/healthz", timeout=1).status_code == 200, 30,
+                   what="the pass-through extender up", interval=0.1, ignore=(requests.RequestException,))
+    except NotReached:
+        stop_group(proc)
+        raise
+    return proc, url
 
 
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=15)
+def start_guard(args: list[str], *, tree: str | None = None) -> GuardProcess:
+    """``ghost-guard serve`` over HTTP on the extender's CPU, quiet (no access log, no Events, warnings only),
+    from this checkout or from another source tree ``tree`` (its code, same flags); once /healthz answers."""
+    env = {"PYTHONPATH": tree} if tree else None  # ``python -m`` puts the working directory first on sys.path
+    g = GuardProcess(["--no-access-log", "--no-events", "--log-level", "warning", *args], cwd=tree or REPO, env=env,
+                     cpus=EXTENDER_CPUS)
+    try:
+        g.wait("/healthz", timeout=30)
+    except RuntimeError:
+        g.stop()
+        raise
+    return g
 
 
 def body(ns: str, name: str, uid: str, nodes: list[str]) -> bytes:
@@ -120,22 +132,17 @@ def main() -> int:
         fresh = [(f"fresh-{i}", api.create_namespaced_pod(ns, pod_manifest(f"fresh-{i}")).metadata.uid)
                  for i in range(args.calls * 2)]
 
-        pt_port, hit_port, miss_port = free_port(), free_port(), free_port()
-        gunicorn = [sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "16", "-w", "1",
-                    "--no-control-socket", "--log-level", "warning"]
-        passthrough = start(gunicorn + ["-b", f"127.0.0.1:{pt_port}", "benchmarks.passthrough_extender:app"], pt_port)
-        common = ["--kubeconfig", lab.kubeconfig(0), "--no-access-log", "--no-events", "--log-level", "warning"]
-        guard_hit = start([sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind", f"127.0.0.1:{hit_port}",
-                           "--alive-ttl", "0.99", "--audit-db", f"{tmp}/a.db", *common], hit_port)
-        guard_miss = start([sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind",
-                            f"127.0.0.1:{miss_port}", "--no-prepare", "--audit-db", f"{tmp}/b.db", *common], miss_port)
+        passthrough, pt_url = start_passthrough()
+        common = ["--kubeconfig", lab.kubeconfig(0)]
+        guard_hit = start_guard(["--alive-ttl", "0.99", "--audit-db", f"{tmp}/a.db", *common])
+        guard_miss = start_guard(["--no-prepare", "--audit-db", f"{tmp}/b.db", *common])
         try:
             for n in (100, 5000):
                 nodes = [f"node-{i:05d}" for i in range(n)]
                 cases = {
-                    "hit-alive": (f"http://127.0.0.1:{hit_port}/filter", lambda i: body(ns, "live", live_uid, nodes)),
-                    "hit-ghost": (f"http://127.0.0.1:{hit_port}/filter", lambda i: body(ns, "ghost", ghost_uid, nodes)),
-                    "miss-alive": (f"http://127.0.0.1:{miss_port}/filter",
+                    "hit-alive": (guard_hit.url("/filter"), lambda i: body(ns, "live", live_uid, nodes)),
+                    "hit-ghost": (guard_hit.url("/filter"), lambda i: body(ns, "ghost", ghost_uid, nodes)),
+                    "miss-alive": (guard_miss.url("/filter"),
                                    lambda i: body(ns, fresh[i][0], fresh[i][1], nodes)),
                 }
                 offset = 0 if n == 100 else args.calls
@@ -146,7 +153,7 @@ def main() -> int:
                     with requests.Session() as gs, requests.Session() as ps:
                         gs.trust_env = ps.trust_env = False
                         for _ in range(5):  # warm both connections and caches
-                            timed(ps, f"http://127.0.0.1:{pt_port}/filter", pt_payload)
+                            timed(ps, f"{pt_url}/filter", pt_payload)
                         if case != "miss-alive":
                             for _ in range(5):
                                 timed(gs, url, payloads[0])
@@ -154,17 +161,14 @@ def main() -> int:
                             for i in range(start_i, min(start_i + args.block, args.calls)):
                                 g.append(timed(gs, url, payloads[i]))
                             for i in range(start_i, min(start_i + args.block, args.calls)):
-                                p.append(timed(ps, f"http://127.0.0.1:{pt_port}/filter", pt_payload))
+                                p.append(timed(ps, f"{pt_url}/filter", pt_payload))
                     results.append((n, case, summary(g), summary(p)))
         finally:
-            for proc in (passthrough, guard_hit, guard_miss):
-                stop(proc)
+            stop_group(passthrough)
+            guard_hit.stop()
+            guard_miss.stop()
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    pinning = f"extender pinned to CPU {sorted(EXTENDER_CPUS)}" if EXTENDER_CPUS else "no CPU pinning"
-    print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.calls} calls per cell; {pinning}\n")
+    print(f"{machine()}; {args.calls} calls per cell\n")
     print("| nodes | case | guard p50 ms | guard p99 ms | guard calls/s | pass-through p50 ms | pass-through p99 ms "
           "| pass-through calls/s | p50 ratio (guard / pass-through) |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -8,7 +8,7 @@ to the last replica agreeing; what the CLI prints), the time from the first writ
 replica agreed, the writes per heal (from replica 0's request log: POST, PATCH, DELETE on pods) and the
 outcomes. The CLI's process start (importing the kubernetes client) is not included.
 
-Run: ``python benchmarks/heal_time.py [--rounds 20]``.
+Run from the repository root: ``python -m benchmarks.heal_time [--rounds 20]``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> int:
@@ -32,11 +29,10 @@ def main() -> int:
     from guard.heal import Healer
     from guard.kube import Kube, load_configuration
     from guard.lab import Lab
+    from guard.lab.harness import pod_manifest
     from guard.replicas import ReplicaPool
     from guard.settings import Settings
 
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": ""},
-           "spec": {"containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}]}}
     results: dict[str, list] = {"deleted": [], "replaced": []}
     with Lab(replicas=3) as lab:
         api = lab.core_v1(2)
@@ -47,15 +43,14 @@ def main() -> int:
         for i in range(args.rounds):
             for kind in ("deleted", "replaced"):
                 name = f"{kind}-{i}"
-                api.create_namespaced_pod("default", {**pod, "metadata": {"name": name}}, _request_timeout=5)
+                api.create_namespaced_pod("default", pod_manifest(name), _request_timeout=5)
                 assert lab.wait_synced()
                 stale.faults.drop_deletes(namespace="default", name=name, count=1)
                 if kind == "replaced":
                     stale.faults.drop_creates(namespace="default", name=name, count=1)
                 api.delete_namespaced_pod(name, "default", _request_timeout=5)
                 if kind == "replaced":
-                    api.create_namespaced_pod("default", {**pod, "metadata": {"name": name},
-                                                          "spec": {**pod["spec"], "nodeName": "node-a"}}, _request_timeout=5)
+                    api.create_namespaced_pod("default", pod_manifest(name, node_name="node-a"), _request_timeout=5)
                 assert lab.wait_synced()
                 stale.faults.clear()
                 lab.replicas[0].clear_requests()

@@ -21,14 +21,12 @@ between the guard's background GET and the client's call), ``backlog`` (the
 same 500 pods land before the client reaches them, as when the scheduler is
 busy: pre-verification's design case) and ``trickle`` (10 pods/s).
 
-Run: ``python benchmarks/prepared_burst.py [--pods 500] [--trickle-seconds 20] [--rounds 2]``.
+Run from the repository root: ``python -m benchmarks.prepared_burst [--pods 500] [--trickle-seconds 20] [--rounds 2]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import queue
 import statistics
 import sys
@@ -36,19 +34,15 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import orjson
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from benchmarks import filter_latency  # noqa: E402
-from benchmarks.filter_latency import free_port, pin_harness, start, stop  # noqa: E402
-from fixtures_lab import pod_manifest  # noqa: E402
+from benchmarks import filter_latency
+from benchmarks.filter_latency import pin_harness, start_passthrough
+from benchmarks.soak_lab import LabProcess
+from guard.lab.harness import GuardProcess, NotReached, eventually, pod_manifest, stop_group
 
 NODES = [f"node-{i:03d}" for i in range(100)]
 
@@ -93,55 +87,28 @@ def metric(url: str, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
-class LabProcess:
-    """The lab in its own process (benchmarks/soak_lab.py), so the lab's replica threads and the serial
-    client do not share one GIL: in a cluster the apiserver and kube-scheduler are separate processes."""
+def start_guard(lab: LabProcess, tmp: str, n: int, extra: list[str], tree: str | None = None) -> GuardProcess:
+    """A guard reading replica 0 (from this checkout, or ``tree``), once its watches run on every replica
+    and it has verified the pending pods it listed at its start (the earlier cases' pods too), as for
+    a guard that has been running."""
+    g = filter_latency.start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", f"{tmp}/{n}.db", *extra],
+                                   tree=tree)
+    try:
+        g.wait("/readyz", timeout=20)
+        seen: list[float] = []
 
-    def __init__(self, workdir: str, replicas: int = 3) -> None:
-        import json
-        import subprocess
+        def settled() -> bool:  # the startup verification's counter stood still for 4 reads
+            seen.append(metric(g.base, "ghost_guard_preverified_total"))
+            return len(seen) > 4 and len(set(seen[-5:])) == 1
 
-        from kubernetes import config
-
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "soak_lab.py"), workdir,
-                                      "--live", "0", "--ghosts", "0", "--replicas", str(replicas)],
-                                     stdout=subprocess.DEVNULL, cwd=REPO,
-                                     start_new_session=True)
-        state_path = Path(workdir) / "state.json"
-        deadline = time.monotonic() + 60
-        while not state_path.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the lab process did not start")
-            time.sleep(0.1)
-        self.state = json.loads(state_path.read_text())
-        self._clients = [config.new_client_from_config(k) for k in self.state["kubeconfigs"]]
-
-    def core_v1(self, i: int):
-        from kubernetes import client
-
-        return client.CoreV1Api(self._clients[i])
-
-    def kubeconfig(self, i: int) -> str:
-        return self.state["kubeconfigs"][i]
-
-    def quorum_gets(self, namespace: str, since: float) -> int:
-        """Quorum GETs of the namespace's pods, on every replica, from the replicas' request logs."""
-        import urllib3
-
-        http = urllib3.PoolManager(ca_certs=self.state["ca"], cert_reqs="CERT_REQUIRED")
-        total = 0
-        for url in self.state["urls"]:
-            r = http.request("GET", url + "/lab/requests", headers={"Authorization": f"Bearer {self.state['token']}"})
-            total += sum(1 for q in orjson.loads(r.data)["requests"]
-                         if q["quorum"] and q["time"] >= since
-                         and q["path"].startswith(f"/api/v1/namespaces/{namespace}/pods/"))
-        return total
-
-    def close(self) -> None:
-        import signal as _signal
-
-        os.killpg(self.proc.pid, _signal.SIGTERM)
-        self.proc.wait(timeout=30)
+        try:
+            eventually(settled, 60, what="the startup verification done", interval=0.25)
+        except NotReached as e:
+            print(f"going on: {e}", file=sys.stderr)
+    except BaseException:
+        g.stop()
+        raise
+    return g
 
 
 def run_case(lab: LabProcess, namespace: str, extender: str, pods: int, rate: float | None) -> dict:
@@ -215,7 +182,7 @@ def main() -> int:
         pin_harness()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        lab = LabProcess(f"{tmp}/lab")
+        lab = LabProcess(f"{tmp}/lab", timeout=60)
         cases = {"burst": ("burst, created while the client runs", args.pods, None),
                  "backlog": ("burst, backlog (created before the client reaches it)", args.pods, 0.0),
                  "trickle": ("trickle 10/s", int(args.trickle_seconds * 10), 10.0)}
@@ -230,27 +197,11 @@ def main() -> int:
             for _round in range(args.rounds):
                 for which in ("guard", "pass-through"):
                     n += 1
-                    port = free_port()
                     if which == "guard":
-                        proc = start([sys.executable, "-m", "guard", "serve", "--insecure-http", "--bind",
-                                      f"127.0.0.1:{port}", "--kubeconfig", lab.kubeconfig(0), "--no-access-log",
-                                      "--no-events", "--log-level", "warning", "--audit-db", f"{tmp}/{n}.db", *extra], port)
-                        url = f"http://127.0.0.1:{port}"
-                        deadline = time.monotonic() + 20  # wait until its watches run on every replica
-                        while requests.get(url + "/readyz", timeout=2).status_code != 200 and time.monotonic() < deadline:
-                            time.sleep(0.1)
-                        # A fresh guard verifies every pending pod it lists (the earlier cases' pods too):
-                        # start the case once that is done, as for a guard that has been running.
-                        settled, last = 0, -1.0
-                        while settled < 4 and time.monotonic() < deadline + 60:
-                            time.sleep(0.25)
-                            now = metric(url, "ghost_guard_preverified_total")
-                            settled, last = (settled + 1 if now == last else 0), now
+                        guard = start_guard(lab, tmp, n, extra)
+                        proc, url = guard.proc, guard.base
                     else:
-                        proc = start([sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "16", "-w", "1",
-                                      "--no-control-socket", "--log-level", "warning", "-b", f"127.0.0.1:{port}",
-                                      "benchmarks.passthrough_extender:app"], port)
-                        url = f"http://127.0.0.1:{port}"
+                        proc, url = start_passthrough()
                     try:
                         res = run_case(lab, f"b{n}", url, pods, rate)
                         if which == "guard":
@@ -260,19 +211,14 @@ def main() -> int:
                         agg[which].append(res)
                         print(f"{case}, {which}: {res}", file=sys.stderr, flush=True)
                     finally:
-                        stop(proc)
+                        stop_group(proc)
             g = {k: statistics.mean(r[k] for r in agg["guard"]) for k in agg["guard"][0]}
             p = {k: statistics.mean(r[k] for r in agg["pass-through"]) for k in agg["pass-through"][0]}
             shares = [statistics.mean(r[i] for r in prepared_share) for i in range(3)]
             rows.append((case, pods, shares, g, p))
         lab.close()
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    pinning = (f"extender pinned to CPU {sorted(filter_latency.EXTENDER_CPUS)}" if filter_latency.EXTENDER_CPUS
-               else "no CPU pinning")
-    print(f"Machine: {os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.rounds} rounds per cell, means; {pinning}\n")
+    print(f"{filter_latency.machine()}; {args.rounds} rounds per cell, means\n")
     print("| case | pods | first calls: prepared / shared read in flight / own GET | guard p50 ms | guard p99 ms "
           "| pass-through p50 ms | pass-through p99 ms | quorum GETs per pod | guard pods/s | pass-through pods/s "
           "| pods/s ratio | client busy (guard / pass-through) | pods created/s (guard / pass-through) |")

@@ -1,4 +1,4 @@
-"""Where the guard's CPU goes: groups py-spy raw samples (``benchmarks/cpu_per_pod.py --profile DIR``).
+"""Where the guard's CPU goes: groups py-spy raw samples (``python -m benchmarks.cpu_per_pod --profile DIR``).
 
 Two views, in milliseconds of GIL-held time per pod (samples / rate / pods):
 
@@ -7,7 +7,7 @@ Two views, in milliseconds of GIL-held time per pod (samples / rate / pods):
 - **by layer**: the innermost frame's module (the client layer's validation, its request building,
   urllib3, http.client, TLS and sockets, Flask/WSGI, metrics, cache, ...).
 
-Run: ``python benchmarks/profile_summary.py DIR/live-100-0.txt [...] --pods 500 --rate 250``.
+Run: ``python -m benchmarks.profile_summary DIR/live-100-0.txt [...] --pods 500 --rate 250``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ work and the machine's other load stay out of the figure. Blocks of GETs alterna
 - ``guard``: ``Kube.quorum_get`` (the client's urllib3 pool and auth settings, no per-call
   validation or wrapping).
 
-Run: ``python benchmarks/quorum_get_cpu.py [--gets 2000]``.
+Run from the repository root: ``python -m benchmarks.quorum_get_cpu [--gets 2000]``.
 """
 
 from __future__ import annotations
@@ -19,18 +19,12 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import orjson
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from benchmarks.prepared_burst import LabProcess  # noqa: E402
-from fixtures_lab import pod_manifest  # noqa: E402
-
-from guard.kube import Kube, load_configuration  # noqa: E402
+from benchmarks.soak_lab import LabProcess
+from guard.kube import Kube, load_configuration
+from guard.lab.harness import pod_manifest
 
 
 def main() -> int:
@@ -39,7 +33,7 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=100, help="GETs per alternation block")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        lab = LabProcess(f"{tmp}/lab")
+        lab = LabProcess(f"{tmp}/lab", timeout=60)
         try:
             lab.core_v1(0).create_namespaced_pod("default", pod_manifest("p"), _request_timeout=10)
             kube = Kube(load_configuration(lab.kubeconfig(0)), timeout=5.0, pool_size=2)

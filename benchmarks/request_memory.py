@@ -7,7 +7,7 @@ the request ``--repeat`` times; the worker's ``VmHWM`` (peak resident set,
 /proc/PID/status) is read before and after. With ``--concurrent N`` the same
 body is sent by N clients at once (the worker has 16 threads).
 
-Run: ``python benchmarks/request_memory.py [--concurrent 16]``. Prints a Markdown table.
+Run from the repository root: ``python -m benchmarks.request_memory [--concurrent 16]``. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -21,13 +21,8 @@ from pathlib import Path
 
 import orjson
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from guardproc import GuardProcess  # noqa: E402
-
-from guard.settings import Settings  # noqa: E402
+from guard.lab.harness import GuardProcess
+from guard.settings import Settings
 
 CAP = Settings().max_body_bytes
 MAX_NODES = Settings().max_nodes

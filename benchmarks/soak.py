@@ -2,7 +2,7 @@
 
 One command::
 
-    python benchmarks/soak.py --minutes 10
+    python -m benchmarks.soak --minutes 10        # from the repository root
 
 Assumption: one kube-scheduler schedules at most ~100 pods/s (its default
 client QPS is 50; large tuned clusters report ~100-300 pods/s), and calls the
@@ -41,7 +41,6 @@ import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,12 +51,10 @@ from pathlib import Path
 
 import orjson
 
+from benchmarks.soak_lab import LabProcess
+from guard.lab.harness import GuardProcess, child_pids, metric_sum, parse_metrics, stop_group
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-
-from guardproc import GuardProcess, child_pids, metric_sum, parse_metrics  # noqa: E402
-
-from guard.lab.demo import stop_group as lab_stop_group  # noqa: E402
 
 NODE_NAMES = [f"node-{i}" for i in range(50)]
 SCHEDULER_HTTP_TIMEOUT = 5.0  # kube-scheduler's extender httpTimeout: a later reply is a failed request
@@ -75,10 +72,6 @@ def rss_mb(pid: int) -> float:
     except OSError:
         pass
     return float("nan")
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    lab_stop_group(proc, term_timeout=20, kill_timeout=10)
 
 
 class Guard(GuardProcess):
@@ -148,35 +141,6 @@ def request(port: int, method: str, path: str, body: bytes | None = None, conn: 
     finally:
         if own:
             c.close()
-
-
-# --- the lab ---------------------------------------------------------------------------------------------
-
-
-class LabProcess:
-    def __init__(self, workdir: Path, live: int, ghosts: int) -> None:
-        self.dir = workdir / "lab"
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "soak_lab.py"), str(self.dir),
-                                      "--live", str(live), "--ghosts", str(ghosts)],
-                                     stdout=open(workdir / "lab.out", "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=REPO)
-        deadline = time.monotonic() + 300
-        state = self.dir / "state.json"
-        while not state.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"lab did not start:\n{(workdir / 'lab.out').read_text()[-3000:]}")
-            time.sleep(0.2)
-        self.state = json.loads(state.read_text())
-        import urllib3
-
-        self.http = urllib3.PoolManager(ca_certs=self.state["ca"], cert_reqs="CERT_REQUIRED", retries=False)
-
-    def add_fault(self, replica: int, fault: dict) -> None:
-        r = self.http.request("POST", self.state["urls"][replica] + "/lab/faults", body=orjson.dumps(fault),
-                              headers={"Authorization": f"Bearer {self.state['token']}",
-                                       "Content-Type": "application/json"}, timeout=5)
-        if r.status != 201:
-            raise RuntimeError(f"lab fault refused: {r.status} {r.data[:200]!r}")
 
 
 # --- load ---------------------------------------------------------------------------------------------------
@@ -561,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"machine": machine(), "settings": vars(a)}
     print(f"soak: {report['machine']}", flush=True)
     try:
-        lab = LabProcess(workdir, a.live_pods, a.ghost_pods)
+        lab = LabProcess(workdir / "lab", live=a.live_pods, ghosts=a.ghost_pods)
         st = lab.state
         guard = Guard(st["kubeconfigs"][0], workdir, ["--ghost-cache-size", str(a.ghost_cache_size), *a.guard_arg])
         guard.wait_ready()
@@ -592,12 +556,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_bg.set()
         if guard is not None:
-            stop_group(guard.proc)
+            stop_group(guard.proc, term_timeout=20, kill_timeout=10)
             keep = workdir.parent / (workdir.name + "-guard.log")
             shutil.copy(guard.log_path, keep)
             print(f"soak: the guard's log is kept in {keep}", flush=True)
         if lab is not None:
-            stop_group(lab.proc)
+            lab.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -1,7 +1,8 @@
 """Shared test plumbing: real guard processes over real HTTP(S).
 
 Layer fixtures: the lab (real etcd + apiserver replicas) comes from
-``tests/fixtures_lab.py``; this file starts ``ghost-guard serve`` processes.
+``tests/fixtures_lab.py``; this file starts ``ghost-guard serve`` processes
+(``guard.lab.harness.GuardProcess``, shared with the demo and the benchmarks).
 Never mock or patch ``guard.*``: faults come from the lab.
 """
 
@@ -9,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
+from guard.lab.harness import GuardProcess
+
 try:  # the lab fixtures (needs the `lab` extra)
     from fixtures_lab import *  # noqa: F401,F403
 except ImportError as e:  # pragma: no cover - reported, not hidden
     if "fixtures_lab" not in str(e):
         raise
-
-from guardproc import GuardProcess  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

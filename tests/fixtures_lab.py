@@ -103,64 +103,7 @@ def lab_namespace(shared_lab: Lab) -> str:
     return name
 
 
-# --- helpers (import them: ``from fixtures_lab import pod_manifest, make_ghost``) ---------
-
-
-def pod_manifest(name: str, *, labels: dict[str, str] | None = None, node: str | None = None,
-                 finalizers: list[str] | None = None, cpu: str | None = None) -> dict:
-    container: dict = {"name": "app", "image": "registry.k8s.io/pause:3.9"}
-    if cpu:
-        container["resources"] = {"requests": {"cpu": cpu}}
-    pod: dict = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}},
-                 "spec": {"containers": [container]}}
-    if node:
-        pod["spec"]["nodeName"] = node
-    if finalizers:
-        pod["metadata"]["finalizers"] = finalizers
-    return pod
-
-
-def create(api, obj: dict) -> dict:
-    """Create a Node or a Pod (in its ``metadata.namespace``, default ``default``); returns it as JSON."""
-    import json
-
-    if obj["kind"] == "Node":
-        resp = api.create_node(obj, _preload_content=False, _request_timeout=5)
-    else:
-        namespace = obj["metadata"].get("namespace", "default")
-        resp = api.create_namespaced_pod(namespace, obj, _preload_content=False, _request_timeout=5)
-    return json.loads(resp.data)
-
-
-def quorum_pod(api, name: str, namespace: str = "default") -> dict | None:
-    """The pod as etcd has it (GET without resourceVersion), as JSON, or None when it is gone."""
-    import json
-
-    from kubernetes.client.exceptions import ApiException
-
-    try:
-        return json.loads(api.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=5).data)
-    except ApiException as e:
-        if e.status == 404:
-            return None
-        raise
-
-
-def cached_names(lab: Lab, replica: int, namespace: str) -> list[str]:
-    """Pod names replica ``replica``'s watch cache serves (LIST resourceVersion=0)."""
-    items = lab.core_v1(replica).list_namespaced_pod(namespace, resource_version="0", _request_timeout=5).items
-    return sorted(p.metadata.name for p in items)
-
-
-def make_ghost(lab: Lab, namespace: str, name: str, *, stale: int = 1, writer: int = 0) -> str:
-    """Create ``namespace/name``, make replica ``stale`` drop its deletion, delete it. Returns the pod's UID."""
-    api = lab.core_v1(writer)
-    uid = api.create_namespaced_pod(namespace, pod_manifest(name), _request_timeout=5).metadata.uid
-    assert lab.wait_synced()
-    lab.replicas[stale].faults.drop_deletes(namespace=namespace, name=name)
-    api.delete_namespaced_pod(name, namespace, _request_timeout=5)
-    assert lab.wait_synced()
-    return uid
+# --- helpers (import them: ``from fixtures_lab import raw``; pods, ghosts and polling: guard.lab.harness) ---
 
 
 def raw(lab: Lab, replica: int, method: str, path: str, *, body: object = None, token: str | None = "lab",

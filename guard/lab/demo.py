@@ -22,24 +22,17 @@ the live pods bound in both phases).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any
 
-from kubernetes.client.exceptions import ApiException
+from guard.lab.harness import GuardProcess, create, make_ghost, node_manifest, pod_manifest, tls_files
+from guard.lab.scheduler import PodStats, Scheduler, Timings
 
-from guard.lab.scheduler import ExtenderConfig, PodStats, Scheduler, Timings, TLSConfig
-
-__all__ = ["DEMO_TIMINGS", "create_ghost", "node_manifest", "pod_manifest", "run_demo", "start_guard_process",
-           "stop_group"]
+__all__ = ["DEMO_TIMINGS", "run_demo", "start_guard_process"]
 
 # Fast but shaped like the real ones (1 s -> 10 s backoff, 1 s flush), scaled down 10x.
 DEMO_TIMINGS = Timings(
@@ -55,223 +48,32 @@ DEMO_TIMINGS = Timings(
 PHASE_SECONDS = 6.0
 
 
-def node_manifest(name: str, *, cpu: str = "4", memory: str = "8Gi", pods: str = "110",
-                  labels: dict[str, str] | None = None) -> dict[str, Any]:
-    """A Ready node with the given allocatable."""
-    resources = {"cpu": cpu, "memory": memory, "pods": pods}
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
-        "status": {
-            "capacity": dict(resources),
-            "allocatable": dict(resources),
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
-        },
-    }
-
-
-def pod_manifest(name: str, *, namespace: str = "default", cpu: str = "100m", memory: str = "64Mi",
-                 priority: int | None = None, scheduler_name: str = "default-scheduler",
-                 node_selector: dict[str, str] | None = None, node_name: str = "") -> dict[str, Any]:
-    """A one-container pod with requests (``node_name`` set: already bound)."""
-    spec: dict[str, Any] = {
-        "schedulerName": scheduler_name,
-        "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10",
-                        "resources": {"requests": {"cpu": cpu, "memory": memory}}}],
-    }
-    if priority is not None:
-        spec["priority"] = priority
-    if node_selector:
-        spec["nodeSelector"] = dict(node_selector)
-    if node_name:
-        spec["nodeName"] = node_name
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace}, "spec": spec}
-
-
-def _discard(resp: Any) -> None:
-    resp.drain_conn()
-    resp.release_conn()
-
-
-def _wait(cond: Any, timeout: float, what: str, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def _cached(api: Any, namespace: str, name: str) -> list[dict[str, Any]]:
-    """The pod as one replica's watch cache serves it (LIST resourceVersion=0, by name)."""
-    resp = api.list_namespaced_pod(namespace, field_selector=f"metadata.name={name}", resource_version="0",
-                                   _preload_content=False, _request_timeout=5)
-    return json.loads(resp.data).get("items") or []
-
-
-def _quorum_exists(api: Any, namespace: str, name: str) -> bool:
-    try:
-        _discard(api.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=5))
-    except ApiException as e:
-        if e.status == 404:
-            return False
-        raise
-    return True
-
-
-def create_ghost(lab: Any, stale: int, pod: dict[str, Any], *, writer: int = 0, timeout: float = 10.0) -> str:
-    """Make ``pod`` a ghost on replica ``stale``: create it, drop its deletion there, delete it.
-
-    Returns the ghost's UID once the quorum GET answers 404 and the stale
-    replica's cache still serves the pod without ``deletionTimestamp``.
-    """
-    namespace = pod["metadata"].get("namespace", "default")
-    name = pod["metadata"]["name"]
-    api = lab.core_v1(writer)
-    stale_api = lab.core_v1(stale)
-    created = api.create_namespaced_pod(namespace, pod, _preload_content=False, _request_timeout=5)
-    uid = json.loads(created.data)["metadata"]["uid"]
-    _wait(lambda: _cached(stale_api, namespace, name), timeout, f"{namespace}/{name} in replica {stale}'s cache")
-    lab.replicas[stale].faults.drop_deletes(namespace=namespace, name=name)
-    _discard(api.delete_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=5))
-    _wait(lambda: not _quorum_exists(api, namespace, name), timeout, f"{namespace}/{name} gone from etcd")
-    # Every healthy replica lets it go; the stale one keeps it, not even terminating.
-    for i in range(len(lab.replicas)):
-        if i != stale:
-            _wait(lambda i=i: not _cached(lab.core_v1(i), namespace, name), timeout,
-                  f"{namespace}/{name} gone from replica {i}'s cache")
-    items = _cached(stale_api, namespace, name)
-    if not items or items[0]["metadata"].get("deletionTimestamp") or items[0]["metadata"].get("uid") != uid:
-        raise RuntimeError(f"replica {stale} did not keep {namespace}/{name} as a ghost: {items}")
-    return uid
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class GuardChild:
-    """``ghost-guard serve`` over HTTPS + mTLS as a child process in its own session."""
-
-    def __init__(self, kubeconfig: str, certs: Any, workdir: Path, extra_args: list[str] | None = None) -> None:
-        self.port = _free_port()
-        self.url = f"https://127.0.0.1:{self.port}"
-        self.certs = certs
-        self.log_path = workdir / "guard.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.cmd = [
-            sys.executable, "-m", "guard", "serve",
-            "--bind", f"127.0.0.1:{self.port}",
-            "--kubeconfig", kubeconfig,
-            "--tls-cert", str(certs.tls_cert), "--tls-key", str(certs.tls_key),
-            "--client-ca", str(certs.ca_cert),
-            "--no-access-log",
-            "--audit-db", str(workdir / "audit.db"),
-            "--stale-confirm-delay", "0.5",
-            # The demo's scheduler backs off 10x faster than kube-scheduler (0.1 s, not 1 s):
-            # scale the guard's windows that are sized below that backoff the same way.
-            "--prepared-grace", "0.05", "--alive-ttl", "0.05",
-            *(extra_args or []),
-        ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GHOST_GUARD_")}
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        import ssl
-        import urllib.request
-
-        ctx = ssl.create_default_context(cafile=str(self.certs.ca_cert))
-        # /readyz answers the monitoring role's certificate only (guard.identity)
-        ctx.load_cert_chain(str(self.certs.monitoring_cert), str(self.certs.monitoring_key))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ghost-guard serve exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                with urllib.request.urlopen(self.url + "/readyz", timeout=2, context=ctx) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"ghost-guard serve not ready after {timeout}s:\n{self.logs()}")
-
-    def extender(self) -> ExtenderConfig:
-        """The extender entry kube-scheduler would be given for this guard."""
-        return ExtenderConfig(
-            url_prefix=self.url,
-            filter_verb="filter",
-            preempt_verb="preempt",
-            enable_https=True,
-            tls_config=TLSConfig(ca_file=str(self.certs.ca_cert), cert_file=str(self.certs.client_cert),
-                                 key_file=str(self.certs.client_key)),
-            http_timeout=5.0,
-            node_cache_capable=True,
-            ignorable=False,
-        )
-
-    def incident_lines(self) -> list[str]:
-        """The messages the guard logged about stale replicas (logger ``guard.incident``)."""
-        if not self._log.closed:
-            self._log.flush()
-        found = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if '"guard.incident"' in line:
-                try:
-                    found.append(json.loads(line)["msg"])
-                except (ValueError, KeyError):
-                    continue
-        return found
-
-    def logs(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")[-8000:]
-
-    def stop(self) -> None:
-        stop_group(self.proc)
-        self._log.close()
-
-
-def stop_group(proc: subprocess.Popen, term_timeout: float = 10.0, kill_timeout: float = 5.0) -> None:
-    """Stop a child started in its own session: SIGTERM to its process group, SIGKILL if it lingers."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=term_timeout)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=kill_timeout)
-
-
-def start_guard_process(kubeconfig: str, workdir: Path, extra_args: list[str] | None = None) -> GuardChild:
-    """Write certificates into ``workdir`` (guard.certs) and start ``ghost-guard serve``; waits for /readyz."""
+def start_guard_process(kubeconfig: str, workdir: Path, extra_args: list[str] | None = None) -> GuardProcess:
+    """Write certificates into ``workdir`` (guard.certs) and start ``ghost-guard serve`` over HTTPS with
+    mTLS, none of the caller's ``GHOST_GUARD_*``, its logs and audit DB in ``workdir``; waits for /readyz."""
     from guard import certs as guard_certs
 
     bundle = guard_certs.generate(workdir / "certs", ips=["127.0.0.1"])
-    child = GuardChild(kubeconfig, bundle, workdir, extra_args)
+    guard = GuardProcess([
+        "--kubeconfig", kubeconfig,
+        "--no-access-log",
+        "--audit-db", str(workdir / "audit.db"),
+        "--stale-confirm-delay", "0.5",
+        # The demo's scheduler backs off 10x faster than kube-scheduler (0.1 s, not 1 s):
+        # scale the guard's windows that are sized below that backoff the same way.
+        "--prepared-grace", "0.05", "--alive-ttl", "0.05",
+        *(extra_args or []),
+    ], tls=tls_files(bundle), clean_env=True, logdir=workdir)
     try:
-        child.wait_ready()
+        guard.wait("/readyz", timeout=30.0)
     except BaseException:
-        child.stop()
+        guard.stop()
         raise
-    return child
+    return guard
 
 
 def _phase(lab: Any, scheduler: Scheduler, live: str, out: IO[str], seconds: float) -> PodStats:
-    api = lab.core_v1(0)
-    _discard(api.create_namespaced_pod("default", pod_manifest(live), _preload_content=False, _request_timeout=5))
+    create(lab.core_v1(0), pod_manifest(live))
     scheduler.wait_for(lambda s: bool(s.get(f"default/{live}", PodStats()).bound_node), timeout=seconds)
     deadline = time.monotonic() + seconds
     tty = out.isatty()
@@ -299,26 +101,32 @@ def run_demo(out: IO[str] = sys.stdout, *, seconds: float = PHASE_SECONDS) -> in
     from guard.lab import Lab
 
     started = time.monotonic()
-    guards: list[GuardChild] = []
+    guards: list[GuardProcess] = []
 
     def say(text: str) -> None:
         out.write(text + "\n")
         out.flush()
 
+    def failed(e: Exception) -> int:
+        say(f"\ndemo failed: {type(e).__name__}: {e}")
+        return 2
+
     try:
         with tempfile.TemporaryDirectory(prefix="ghost-guard-demo-") as tmp, Lab(replicas=3) as lab:
             try:
                 broke = _scenario(lab, Path(tmp), say, out, seconds, guards)
-                if not broke and guards:
+            except Exception as e:  # noqa: BLE001 - the demo reports, never tracebacks at the user
+                code = failed(e)
+                if guards:  # read while the work directory (and the log in it) still exists
                     say("guard log (tail):\n" + guards[0].logs()[-2000:])
+                return code
             finally:
                 for guard in guards:
                     guard.stop()
-    except Exception as e:  # noqa: BLE001 - the demo reports, never tracebacks at the user
-        say(f"\ndemo failed: {type(e).__name__}: {e}")
-        if guards and "ghost-guard serve" not in str(e):
-            say("guard log (tail):\n" + guards[0].logs()[-2000:])
-        return 2
+            if not broke and guards:
+                say("guard log (tail):\n" + guards[0].logs()[-2000:])
+    except Exception as e:  # noqa: BLE001 - the lab could not start or stop
+        return failed(e)
     elapsed = time.monotonic() - started
     if broke:
         say(f"\nThe guard broke the loop: the ghost is rejected on every node, live pods still schedule ({elapsed:.0f} s).")
@@ -328,13 +136,13 @@ def run_demo(out: IO[str] = sys.stdout, *, seconds: float = PHASE_SECONDS) -> in
 
 
 def _scenario(lab: Any, workdir: Path, say: Callable[[str], None], out: IO[str], seconds: float,
-              guards: list[GuardChild]) -> bool:
+              guards: list[GuardProcess]) -> bool:
     say("ghost-guard demo: a Pod deleted in etcd, still served by one apiserver replica's watch cache")
     say(f"  lab: etcd + 3 apiserver replicas: {', '.join(r.url for r in lab.replicas)}")
     api = lab.core_v1(0)
     for name in ("node-a", "node-b"):
-        _discard(api.create_node(node_manifest(name), _preload_content=False, _request_timeout=5))
-    uid = create_ghost(lab, 1, pod_manifest("web-1"))
+        create(api, node_manifest(name))
+    uid = make_ghost(lab, "default", "web-1", stale=1)
     say(f"  default/web-1 (uid {uid}) deleted; replica 2 ({lab.replicas[1].url}) dropped the deletion:")
     say("    quorum GET -> 404 NotFound;  replica 2's cache (resourceVersion=0) -> still Pending")
 
@@ -346,12 +154,12 @@ def _scenario(lab: Any, workdir: Path, say: Callable[[str], None], out: IO[str],
     say("\n[2/2] ghost-guard serve (HTTPS, mTLS) registered as extender: filter + preempt verbs")
     guard = start_guard_process(lab.kubeconfig(0), workdir)
     guards.append(guard)
-    say(f"      guard ready at {guard.url}; scheduler restarted on replica 2 (the ghost is listed again)")
+    say(f"      guard ready at {guard.base}; scheduler restarted on replica 2 (the ghost is listed again)")
     with Scheduler(lab.kubeconfig(1), extenders=[guard.extender()], timings=DEMO_TIMINGS) as scheduler:
         live_after = _phase(lab, scheduler, "web-3", out, seconds)
         after = scheduler.stats().get("default/web-1", PodStats())
 
-    incident = guard.incident_lines()
+    incident = [r.get("msg", "") for r in guard.log_records("guard.incident")]
     if incident:
         say("      guard: " + incident[0])
     rows = [

@@ -1,8 +1,8 @@
 """End-to-end fixtures: the real guard (``ghost-guard serve`` over HTTPS + mTLS) next to a lab.
 
-``start_guard`` (tests/conftest.py) starts the process, waits for ``/readyz``
-and prints its log when a test fails; ``lab`` (tests/fixtures_lab.py) is a
-fresh 3-replica lab.
+``start_guard`` (tests/conftest.py) starts the process (guard.lab.harness.GuardProcess),
+waits for ``/readyz`` and prints its log when a test fails; ``lab`` (tests/fixtures_lab.py)
+is a fresh 3-replica lab.
 """
 
 from __future__ import annotations
@@ -12,26 +12,18 @@ from dataclasses import dataclass
 import pytest
 
 from guard import certs as guard_certs
-from guard.lab.scheduler import ExtenderConfig, TLSConfig
+from guard.lab.harness import GuardProcess, tls_files
+from guard.lab.scheduler import ExtenderConfig
 
 
 @dataclass
 class Guard:
-    process: object  # tests/conftest.py GuardProcess
+    process: GuardProcess
     certs: guard_certs.CertBundle
 
     def extender(self, *, node_cache_capable: bool = True, preempt: bool = True) -> ExtenderConfig:
         """The KubeSchedulerConfiguration extender entry for this guard (HTTPS, CA and client certificate)."""
-        return ExtenderConfig(
-            url_prefix=self.process.base,
-            filter_verb="filter",
-            preempt_verb="preempt" if preempt else "",
-            enable_https=True,
-            tls_config=TLSConfig(ca_file=str(self.certs.ca_cert), cert_file=str(self.certs.client_cert),
-                                 key_file=str(self.certs.client_key)),
-            http_timeout=5.0,
-            node_cache_capable=node_cache_capable,
-        )
+        return self.process.extender(node_cache_capable=node_cache_capable, preempt=preempt)
 
 
 @pytest.fixture
@@ -39,18 +31,13 @@ def https_guard(lab, start_guard, tmp_path):
     """Factory: ``https_guard()`` starts ``ghost-guard serve`` over HTTPS with mTLS, reading the
     cluster through replica 0, and returns a :class:`Guard` once ``/readyz`` answers 200."""
     bundle = guard_certs.generate(tmp_path / "certs")
-    tls = {"cert": str(bundle.tls_cert), "key": str(bundle.tls_key), "client_ca": str(bundle.ca_cert),
-           "ca": str(bundle.ca_cert), "client_cert": str(bundle.client_cert), "client_key": str(bundle.client_key)}
 
     def start() -> Guard:
         process = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(tmp_path / "audit.db"),
                                "--stale-confirm-delay", "0.2",
                                # The tests run kube-scheduler 20x faster (initial backoff 0.05 s, not 1 s):
                                # scale the guard's windows that are sized below that backoff the same way.
-                               "--prepared-grace", "0.025", "--alive-ttl", "0.025"], tls=tls, wait=None)
-        # requests lets $REQUESTS_CA_BUNDLE override a Session's own CA (psf/requests#3829): use ours.
-        process.session.trust_env = False
-        process.wait("/readyz")
+                               "--prepared-grace", "0.025", "--alive-ttl", "0.025"], tls=tls_files(bundle))
         return Guard(process=process, certs=bundle)
 
     return start

@@ -13,10 +13,9 @@ import io
 import re
 
 import pytest
-from fixtures_lab import create, quorum_pod
-from polling import eventually
 
-from guard.lab.demo import create_ghost, node_manifest, pod_manifest, run_demo
+from guard.lab.demo import run_demo
+from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest, quorum_pod
 from guard.lab.scheduler import PodStats, Timings
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +44,7 @@ def test_ghost_causes_at_most_one_failed_bind_with_the_guard(lab, https_guard, s
     for name in ("node-a", "node-b", "node-c"):
         create(api, node_manifest(name))
     guard = https_guard() if guard_first else None  # it sees web-1 created and deleted
-    create_ghost(lab, 1, pod_manifest("web-1"))
+    make_ghost(lab, "default", "web-1", stale=1)
     guard = guard or https_guard()
 
     sched = scheduler_on(lab.kubeconfig(1), extenders=[guard.extender(node_cache_capable=node_cache_capable)])
@@ -94,7 +93,7 @@ def test_ghost_evicts_a_real_pod_without_the_guard_and_nobody_with_it(lab, https
     create(api, node_manifest("node-a", cpu="2"))
     create(api, pod_manifest("batch-1", cpu="1500m", priority=0, node_name="node-a"))
     guard = https_guard() if guard_first else None  # it sees web-1 created and deleted
-    create_ghost(lab, 1, pod_manifest("web-1", cpu="1", priority=1000))
+    make_ghost(lab, "default", "web-1", stale=1, cpu="1", priority=1000)
 
     # Without the guard: DefaultPreemption evicts the real pod for the ghost.
     plain = scheduler_on(lab.kubeconfig(1))

@@ -30,10 +30,8 @@ from pathlib import Path
 
 import orjson
 import pytest
-from fixtures_lab import create, quorum_pod
-from polling import eventually
 
-from guard.lab.demo import node_manifest, pod_manifest
+from guard.lab.harness import create, eventually, node_manifest, pod_manifest, quorum_pod
 from guard.lab.scheduler import ExtenderConfig, PodStats, Timings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

@@ -14,10 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from fixtures_lab import create, make_ghost, pod_manifest, quorum_pod
-from polling import eventually
 
-from guard.lab.demo import node_manifest
+from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest, quorum_pod
 from guard.lab.scheduler import ExtenderConfig, Timings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -40,7 +38,7 @@ def cached(lab, replica: int, name: str) -> list[str]:
 def test_serve_heal_breaks_the_loop_and_heals_the_cache_with_no_operator_step(lab, start_guard, lab_scheduler, tmp_path):
     api = lab.core_v1(2)
     create(api, node_manifest("node-a"))
-    bystander = create(api, pod_manifest("bystander", node="node-a"))
+    bystander = create(api, pod_manifest("bystander", node_name="node-a"))
     ghost = make_ghost(lab, "default", "web-0", stale=1)
     lab.replicas[1].faults.clear()  # one lost delete; the watch flows on
     stale = f"{lab.replicas[1].ip}:{lab.replicas[1].port}"

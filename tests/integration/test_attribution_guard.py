@@ -14,8 +14,8 @@ import time
 
 import orjson
 import pytest
-from fixtures_lab import make_ghost, pod_manifest
-from polling import eventually
+
+from guard.lab.harness import eventually, make_ghost, pod_manifest
 
 pytestmark = pytest.mark.timeout(180)
 

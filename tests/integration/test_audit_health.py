@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from fixtures_lab import pod_manifest
-from polling import eventually
+
+from guard.lab.harness import eventually, pod_manifest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,11 +64,6 @@ def rejected(reply: dict) -> bool:
     return reply["NodeNames"] == [] and sorted(reply["FailedAndUnresolvableNodes"]) == NAMES
 
 
-def full_log(g) -> str:
-    g.log.flush()
-    return Path(g.log.name).read_text(errors="replace")
-
-
 def audit_detail(g) -> dict:
     resp = g.session.get(g.url("/readyz"), timeout=5)
     assert resp.status_code == 200, resp.text  # never a reason to leave the Service
@@ -111,12 +106,12 @@ def test_audit_disk_full_during_a_run(shared_lab, lab_namespace, start_guard, di
     assert "full" in detail["error"], detail
     assert detail["failures"] >= 1
     assert g.metric("ghost_guard_audit_write_errors_total") >= 1
-    assert full_log(g).count("cannot be written") == 1, g.logs()  # once per change, not per write
+    assert g.logs(tail=None).count("cannot be written") == 1, g.logs()  # once per change, not per write
 
     filler.unlink()
     eventually(lambda: audit_detail(g)["writable"] is True, 10, what="the freed disk noticed", process=g)
     assert g.metric("ghost_guard_audit_store_healthy") == 1
-    assert full_log(g).count("is writable again") == 1
+    assert g.logs(tail=None).count("is writable again") == 1
     verdicts.check()
 
 
@@ -155,7 +150,7 @@ def test_audit_disk_turns_read_only_during_a_run(shared_lab, lab_namespace, star
             verdicts.check()
         detail = eventually(lambda: (d := audit_detail(g))["writable"] is False and d, 10, what="/readyz detail")
         assert detail["error"], detail
-        assert full_log(g).count("cannot be written") == 1, g.logs()
+        assert g.logs(tail=None).count("cannot be written") == 1, g.logs()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -181,6 +176,6 @@ def test_audit_disk_read_only(shared_lab, lab_namespace, start_guard, disk, tmp_
         assert g.metric("ghost_guard_audit_store_healthy") == 1
         verdicts.check()
         assert os.path.exists(view / "audit.db")
-        assert full_log(g).count("cannot be written") == 1 and full_log(g).count("is writable again") == 1, g.logs()
+        assert g.logs(tail=None).count("cannot be written") == 1 and g.logs(tail=None).count("is writable again") == 1, g.logs()
     finally:
         subprocess.run(["umount", "-l", str(view)], check=False)

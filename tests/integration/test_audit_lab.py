@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fixtures_lab import make_ghost, pod_manifest
 
 from guard.auditstore import AuditBackend
 from guard.check import Checker
 from guard.incident import IncidentRecorder, open_audit_store
 from guard.kube import Kube, load_configuration
+from guard.lab.harness import make_ghost, pod_manifest
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
 from guard.verdict import PodRef

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from polling import eventually
-
 from guard.audit import AuditStore
+from guard.lab.harness import eventually
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import threading
 
-from fixtures_lab import make_ghost
-
 from guard.audit import AuditStore
 from guard.autoheal import AutoHealer
 from guard.kube import Kube, load_configuration
+from guard.lab.harness import make_ghost
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
 from guard.verdict import PodRef

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from fixtures_lab import cached_names, pod_manifest
-from polling import eventually
+
+from guard.lab.harness import cached_names, eventually, pod_manifest
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -6,10 +6,10 @@ so no watch timing is involved."""
 from __future__ import annotations
 
 import pytest
-from fixtures_lab import pod_manifest
 
 from guard.cache_health import CacheHealthMonitor
 from guard.kube import Kube, load_configuration
+from guard.lab.harness import pod_manifest
 from guard.prepare import _pod_of
 from guard.replicas import ReplicaPool
 from guard.settings import Settings

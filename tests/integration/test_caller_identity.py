@@ -16,6 +16,7 @@ import pytest
 import requests
 
 from guard.certs import generate
+from guard.lab.harness import GuardProcess, tls_files
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,14 +41,6 @@ def pki(tmp_path_factory):
     return generate(tmp_path_factory.mktemp("pki"), ips=["127.0.0.1"])
 
 
-def tls_files(pki, client_ca: bool = True) -> dict:
-    tls = {"cert": str(pki.tls_cert), "key": str(pki.tls_key), "ca": str(pki.ca_cert),
-           "client_cert": str(pki.client_cert), "client_key": str(pki.client_key)}
-    if client_ca:
-        tls["client_ca"] = str(pki.ca_cert)
-    return tls
-
-
 def call(guard, path: str, role: str | None, pki, *, chunked: bool = False) -> requests.Response:
     with requests.Session() as s:
         s.trust_env = False
@@ -63,8 +56,6 @@ def call(guard, path: str, role: str | None, pki, *, chunked: bool = False) -> r
 
 @pytest.fixture(scope="module")
 def mtls_guard(pki, dead_kubeconfig, tmp_path_factory):
-    from guardproc import GuardProcess
-
     with GuardProcess(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--no-prepare",
                        "--audit-db", str(tmp_path_factory.mktemp("db") / "audit.db")], tls=tls_files(pki)) as g:
         g.wait("/healthz")

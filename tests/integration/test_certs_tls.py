@@ -18,15 +18,13 @@ import shutil
 import socket
 import ssl
 import threading
-import time
 from pathlib import Path
 
 import pytest
 from cryptography import x509
 
-from polling import eventually
-
 from guard.certs import generate
+from guard.lab.harness import eventually
 from guard.tls import ReloadingTLS, TLSError
 
 pytestmark = pytest.mark.timeout(120)
@@ -220,14 +218,13 @@ class Load:
         self._thread.join(30)
 
     def wait_for(self, wanted: int, deadline: float = 20.0) -> None:
-        end = time.monotonic() + deadline
-        while time.monotonic() < end and (not self.serials or self.serials[-1] != wanted):
-            time.sleep(0.02)
+        eventually(lambda: self.serials and self.serials[-1] == wanted, deadline,
+                   what=f"certificate serial {wanted} served", interval=0.02)
 
     def wait_requests(self, n: int, deadline: float = 20.0) -> None:
-        end, start = time.monotonic() + deadline, self.ok + len(self.failures)
-        while time.monotonic() < end and self.ok + len(self.failures) < start + n:
-            time.sleep(0.01)
+        start = self.ok + len(self.failures)
+        eventually(lambda: self.ok + len(self.failures) >= start + n, deadline, what=f"{n} more requests answered",
+                   interval=0.01)
 
 
 def secret_volume(root: Path, version: str, source: Path) -> Path:

@@ -14,9 +14,9 @@ import time
 import orjson
 import pytest
 import requests
-from fixtures_lab import make_ghost, pod_manifest
 
-from guardproc import GuardProcess
+from guard.lab.harness import GuardProcess, make_ghost, pod_manifest
+
 
 FILTER_KEYS = ["Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"]
 NAMES = ["node-a", "node-b", "node-c"]
@@ -80,7 +80,7 @@ def _case(lab, ns: str, verdict: str) -> tuple[str, str]:
         make_pod(lab, ns, "p")
         return "p", old
     if verdict == "already-bound":
-        return "p", make_pod(lab, ns, "p", node="node-x")
+        return "p", make_pod(lab, ns, "p", node_name="node-x")
     if verdict == "terminating":
         uid = make_pod(lab, ns, "p", finalizers=["example.com/hold"])
         api.delete_namespaced_pod("p", ns, _request_timeout=5)

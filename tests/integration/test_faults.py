@@ -31,11 +31,10 @@ from pathlib import Path
 import orjson
 import pytest
 import requests
-from fixtures_lab import make_ghost, mend, pod_manifest
+from fixtures_lab import mend
 
-from guardproc import GuardProcess
-from polling import eventually
 from guard.lab import Lab
+from guard.lab.harness import GuardProcess, eventually, make_ghost, pod_manifest
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,10 +9,9 @@ import time
 
 import pytest
 
-from polling import eventually
-
 from guard.ghostpods import KubeAuditStore, object_name
 from guard.kube import GhostPods, Kube, load_configuration
+from guard.lab.harness import eventually
 
 pytestmark = pytest.mark.timeout(180)
 GP_PATH = "/apis/kube-ghost-guard.io/v1alpha1/namespaces/{ns}/ghostpods"

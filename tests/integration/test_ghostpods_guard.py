@@ -14,10 +14,8 @@ import time
 import pytest
 from kubernetes import client
 
-from fixtures_lab import make_ghost
-from polling import eventually
-
 from guard.audit import AuditStore
+from guard.lab.harness import eventually, make_ghost
 
 pytestmark = pytest.mark.timeout(180)
 

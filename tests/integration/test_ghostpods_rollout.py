@@ -16,7 +16,7 @@ import pytest
 import requests
 from kubernetes import client
 
-from polling import eventually
+from guard.lab.harness import eventually
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,10 +15,7 @@ import time
 
 import pytest
 
-from fixtures_lab import create, make_ghost, pod_manifest, quorum_pod
-from polling import eventually
-
-from guard.lab.demo import node_manifest
+from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest, quorum_pod
 from guard.lab.scheduler import Timings
 
 FAST = Timings(pod_initial_backoff=0.05, pod_max_backoff=0.2, backoff_flush_period=0.05, request_timeout=5.0,
@@ -74,7 +71,7 @@ def world(lab, lab_scheduler):
     """A node and a bystander pod bound to it; ``world.schedule()`` starts the scheduler simulator on replica 1."""
     api = lab.core_v1(2)
     create(api, node_manifest("node-a"))
-    bystander = create(api, pod_manifest("bystander", node="node-a"))
+    bystander = create(api, pod_manifest("bystander", node_name="node-a"))
     assert lab.wait_synced()
 
     class World:
@@ -124,7 +121,7 @@ def test_a_replaced_ghost_is_healed_by_one_annotation_on_the_live_pod(lab, world
     lab.replicas[1].faults.drop_deletes(namespace=NS, name="web-0", count=1)
     lab.replicas[1].faults.drop_creates(namespace=NS, name="web-0", count=1)
     api.delete_namespaced_pod("web-0", NS, _request_timeout=5)
-    live = create(api, pod_manifest("web-0", node="node-a"))
+    live = create(api, pod_manifest("web-0", node_name="node-a"))
     assert lab.wait_synced()
     lab.replicas[1].faults.clear()
     assert cache_uids(lab, 1, "web-0") == [ghost]

@@ -23,7 +23,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from guardproc import GuardProcess
+from guard.lab.harness import GuardProcess
 
 pytestmark = pytest.mark.timeout(240)
 

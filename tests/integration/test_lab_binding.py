@@ -13,7 +13,9 @@ import json
 import pytest
 from kubernetes.client import ApiException
 
-from fixtures_lab import make_ghost, pod_manifest, raw
+from fixtures_lab import raw
+
+from guard.lab.harness import make_ghost, pod_manifest
 
 
 def binding(name: str, node: str, uid: str | None = None) -> dict:

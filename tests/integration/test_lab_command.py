@@ -12,9 +12,8 @@ import time
 import pytest
 from kubernetes import client, config
 
-from polling import eventually
-
 from guard.lab.commands import DropSpec, parse_drop_deletes
+from guard.lab.harness import eventually
 
 SCRIPT = "import sys; from guard.lab.commands import run_lab; sys.exit(run_lab({args}))"
 

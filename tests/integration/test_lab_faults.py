@@ -6,7 +6,9 @@ import pytest
 import urllib3
 from kubernetes.client import ApiException
 
-from fixtures_lab import cached_names, make_ghost, pod_manifest, raw
+from fixtures_lab import raw
+
+from guard.lab.harness import cached_names, make_ghost, pod_manifest
 
 
 def test_status_429_for_a_counted_number_of_matching_requests(shared_lab, lab_namespace):

@@ -12,7 +12,9 @@ import subprocess
 
 import pytest
 
-from fixtures_lab import quorum_pod, raw
+from fixtures_lab import raw
+
+from guard.lab.harness import quorum_pod
 
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 pytestmark = pytest.mark.skipif(not shutil.which(KUBECTL), reason="kubectl is not installed")

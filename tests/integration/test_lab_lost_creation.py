@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from kubernetes import watch
 
-from fixtures_lab import cached_names, pod_manifest, raw
+from fixtures_lab import raw
+
+from guard.lab.harness import cached_names, pod_manifest
 
 
 def events(lab, replica: int, ns: str, **kw) -> list[tuple[str, str]]:

@@ -13,7 +13,9 @@ import time
 import pytest
 from kubernetes.client import ApiException
 
-from fixtures_lab import cached_names, make_ghost, pod_manifest, raw
+from fixtures_lab import raw
+
+from guard.lab.harness import cached_names, make_ghost, pod_manifest
 
 
 def test_quorum_get_404s_while_the_stale_cache_still_serves_the_ghost(lab):
@@ -74,7 +76,7 @@ def test_field_and_label_selectors(shared_lab, lab_namespace):
     ns = lab_namespace
     api = shared_lab.core_v1(0)
     api.create_node({"metadata": {"name": f"{ns}-node"}}, _request_timeout=5)
-    api.create_namespaced_pod(ns, pod_manifest("bound", labels={"app": "web", "tier": "front"}, node=f"{ns}-node"), _request_timeout=5)
+    api.create_namespaced_pod(ns, pod_manifest("bound", labels={"app": "web", "tier": "front"}, node_name=f"{ns}-node"), _request_timeout=5)
     api.create_namespaced_pod(ns, pod_manifest("pending", labels={"app": "web"}), _request_timeout=5)
     api.create_namespaced_pod(ns, pod_manifest("other", labels={"app": "db"}), _request_timeout=5)
 

@@ -14,10 +14,8 @@ import time
 
 from kubernetes import watch
 
-from fixtures_lab import create, make_ghost, pod_manifest
-from polling import eventually
+from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest
 
-from guard.lab.demo import node_manifest
 
 GATE = {"name": "kube-ghost-guard.io/placeholder"}
 
@@ -70,7 +68,7 @@ def test_the_filter_decides_the_event_type_not_etcd(lab):
     """A bound ghost replaced by a pending pod: ADDED for the unscheduled selector, DELETED (the old,
     bound copy) for the assigned selector; etcd itself reports a create."""
     api = lab.core_v1(0)
-    bound = create(api, pod_manifest("db-0", node="node-a"))["metadata"]["uid"]
+    bound = create(api, pod_manifest("db-0", node_name="node-a"))["metadata"]["uid"]
     assert lab.wait_synced()
     lab.replicas[1].faults.drop_deletes(namespace="default", name="db-0", count=1)
     api.delete_namespaced_pod("db-0", "default", _request_timeout=5)

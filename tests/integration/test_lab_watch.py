@@ -9,8 +9,7 @@ import pytest
 from kubernetes import watch
 from kubernetes.client import ApiException
 
-from fixtures_lab import pod_manifest
-from polling import eventually
+from guard.lab.harness import eventually, pod_manifest
 
 
 def events(lab, replica: int, ns: str, **kw) -> list[tuple[str, str, str | None]]:

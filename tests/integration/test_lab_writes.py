@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from kubernetes.client import ApiException
 
-from fixtures_lab import pod_manifest, raw
+from fixtures_lab import raw
+
+from guard.lab.harness import pod_manifest
 
 
 def test_create_fills_metadata_and_defaults(shared_lab, lab_namespace):
@@ -173,7 +175,7 @@ def test_wrongly_typed_fields_are_400(shared_lab, lab_namespace, method, suffix,
     ({"limits": {"cpu": "1", "memory": "1Gi"}}, "Guaranteed"),
 ], ids=["no-resources", "requests-only", "requests-equal-limits", "limits-only"])
 def test_create_replaces_the_status_and_sets_qos(shared_lab, lab_namespace, resources, qos):
-    pod = pod_manifest("p")
+    pod = pod_manifest("p", cpu=None, memory=None)
     if resources:
         pod["spec"]["containers"][0]["resources"] = resources
     pod["status"] = {"phase": "Running", "nominatedNodeName": "n"}

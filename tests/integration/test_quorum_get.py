@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import copy
 import http.server
-import socket
 import threading
 from collections.abc import Iterator
 
 import pytest
 
-from fixtures_lab import make_ghost, pod_manifest
 from guard.kube import Kube, load_configuration
+from guard.lab.harness import free_port, make_ghost, pod_manifest
 from guard.lab.pki import CA
 from guard.verdict import QuorumRead, ReadStatus
 
@@ -29,12 +28,6 @@ def kube_for(cfg, timeout: float = 2.0) -> Kube:
 @pytest.fixture
 def configuration(shared_lab):
     return load_configuration(shared_lab.kubeconfig(0))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -14,23 +14,16 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import orjson
 import pytest
-from fixtures_lab import pod_manifest
-from guardproc import free_port
-from polling import eventually
+
+from guard.lab.harness import eventually, free_port, pod_manifest
 
 pytestmark = pytest.mark.timeout(120)
 
 FALLBACK = "no apiserver replica can be watched"
 RECOVERED = "watched again; stopped pre-verifying through the kubeconfig's server"
-
-
-def full_log(g) -> str:
-    g.log.flush()
-    return Path(g.log.name).read_text(errors="replace")
 
 
 def details(g) -> dict:
@@ -47,7 +40,7 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
     g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(tmp_path / "a.db"), "--no-events",
                      "--apiserver-replicas", f"https://{closed},{stopped.url}",
                      "--prepare-idle-after", "0"])  # verify ahead before any scheduler call
-    eventually(lambda: FALLBACK in full_log(g), 20, what="the fallback announced", process=g)
+    eventually(lambda: FALLBACK in g.logs(tail=None), 20, what="the fallback announced", process=g)
     eventually(lambda: ((f := details(g)["preverification"]["fallback"]) or {}).get("state") == "synced", 20,
                what="the fallback watch synced", process=g)
     assert g.metric("ghost_guard_watch_fallback") == 1
@@ -73,13 +66,13 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
 
     # The stopped replica comes back: its watch syncs, the fallback ends, said once.
     stopped.start()
-    eventually(lambda: RECOVERED in full_log(g), 30, what="the recovery announced", process=g)
+    eventually(lambda: RECOVERED in g.logs(tail=None), 30, what="the recovery announced", process=g)
     assert g.metric("ghost_guard_replica_watch_up", replica=stopped_address) == 1
     assert g.metric("ghost_guard_replica_watch_up", replica=closed) == 0
     assert g.metric("ghost_guard_watch_fallback") == 0
     eventually(lambda: details(g)["preverification"]["fallback"] is None, 5, what="/readyz without the fallback")
     assert details(g)["replicas"][stopped_address]["watch"]["state"] == "synced"
-    log = full_log(g)
+    log = g.logs(tail=None)
     assert log.count(FALLBACK) == 1 and log.count(RECOVERED) == 1, log[-3000:]
 
     # A ghost: every replica's cache is probed; the closed one's failure is counted and shown.

@@ -17,8 +17,7 @@ import orjson
 import pytest
 import yaml
 
-from guardproc import GuardProcess
-
+from guard.lab.harness import GuardProcess
 from guard.settings import Settings
 
 pytestmark = pytest.mark.timeout(180)

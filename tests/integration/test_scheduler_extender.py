@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from guard import certs as guard_certs
-from guard.lab.demo import node_manifest, pod_manifest
+from guard.lab.harness import node_manifest, pod_manifest
 from guard.lab.scheduler import ExtenderConfig, PodStats, Scheduler, Timings, TLSConfig
 
 FAST = Timings(pod_initial_backoff=0.05, pod_max_backoff=0.2, backoff_flush_period=0.02,

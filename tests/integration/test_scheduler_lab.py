@@ -8,10 +8,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-from fixtures_lab import create, quorum_pod
-from polling import eventually
 
-from guard.lab.demo import create_ghost, node_manifest, pod_manifest
+from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest, quorum_pod
 from guard.lab.scheduler import PodStats, Timings
 
 FAST = Timings(
@@ -46,7 +44,7 @@ def test_ghost_loops_on_bind_404_while_live_pods_schedule(lab, scheduler_on):
     api = lab.core_v1(0)
     for name in ("node-a", "node-b"):
         create(api, node_manifest(name))
-    uid = create_ghost(lab, 1, pod_manifest("web-1"))
+    uid = make_ghost(lab, "default", "web-1", stale=1)
 
     sched = scheduler_on(lab.kubeconfig(1))
     live = create(api, pod_manifest("web-2"))
@@ -79,7 +77,7 @@ def test_ghost_loops_on_bind_404_while_live_pods_schedule(lab, scheduler_on):
 def test_scheduler_on_a_healthy_replica_never_sees_the_ghost(lab, scheduler_on):
     api = lab.core_v1(0)
     create(api, node_manifest("node-a"))
-    create_ghost(lab, 1, pod_manifest("web-1"))
+    make_ghost(lab, "default", "web-1", stale=1)
 
     sched = scheduler_on(lab.kubeconfig(2))
     create(api, pod_manifest("web-2"))
@@ -126,7 +124,7 @@ def test_ghost_that_only_fits_by_eviction_evicts_a_real_lower_priority_pod(lab, 
     api = lab.core_v1(0)
     create(api, node_manifest("node-a", cpu="2"))
     victim = create(api, pod_manifest("batch-1", cpu="1500m", priority=0, node_name="node-a"))
-    create_ghost(lab, 1, pod_manifest("web-1", cpu="1", priority=1000))
+    make_ghost(lab, "default", "web-1", stale=1, cpu="1", priority=1000)
 
     sched = scheduler_on(lab.kubeconfig(1))
     assert sched.wait_for(lambda s: stat(s, "default/web-1").evictions == ["default/batch-1"], WAIT)
@@ -168,7 +166,7 @@ def test_live_high_priority_pod_preempts_and_binds(lab, scheduler_on):
 def test_ghost_leaves_the_informer_only_when_it_relists(lab, scheduler_on):
     api = lab.core_v1(0)
     create(api, node_manifest("node-a"))
-    create_ghost(lab, 1, pod_manifest("web-1"))
+    make_ghost(lab, "default", "web-1", stale=1)
     sched = scheduler_on(lab.kubeconfig(1))
     assert sched.wait_for(lambda s: stat(s, "default/web-1").bind_failures.get(404, 0) >= 2, WAIT)
     assert sched.informer_stats()["pods"]["lists"] == 1

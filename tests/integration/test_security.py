@@ -33,11 +33,11 @@ import orjson
 import pytest
 import requests
 import yaml
-from fixtures_lab import make_ghost
 
-from guardproc import REPO, GuardProcess
 from guard.certs import generate
+from guard.lab.harness import GuardProcess, eventually, make_ghost, tls_files
 
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
 
 NAMES = ["node-a", "node-b"]
@@ -55,8 +55,7 @@ def pki(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mtls_guard(pki, dead_kubeconfig, tmp_path_factory):
     ours = pki["ours"]
-    tls = {"cert": str(ours.tls_cert), "key": str(ours.tls_key), "client_ca": str(ours.ca_cert),
-           "ca": str(ours.ca_cert), "client_cert": str(ours.client_cert), "client_key": str(ours.client_key)}
+    tls = tls_files(ours)
     db = tmp_path_factory.mktemp("mtls") / "audit.db"
     with GuardProcess(["--kubeconfig", dead_kubeconfig, "--audit-db", str(db), "--get-timeout", "0.2"], tls=tls) as g:
         g.wait("/healthz")
@@ -181,8 +180,7 @@ def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace
     cfg["users"][0]["user"]["token"] = wrong_token
     wrong.write_text(orjson.dumps(cfg).decode())
     ca_data = cfg["clusters"][0]["cluster"]["certificate-authority-data"]
-    tls = {"cert": str(ours.tls_cert), "key": str(ours.tls_key), "client_ca": str(ours.ca_cert), "ca": str(ours.ca_cert),
-           "client_cert": str(ours.client_cert), "client_key": str(ours.client_key)}
+    tls = tls_files(ours)
     guards = []
     bodies: list[str] = []
     try:
@@ -317,16 +315,15 @@ def recorded_store(_shared_lab_session, tmp_path_factory):
         g.wait()
         uid = make_ghost(lab, ns, "ghost")
         body = {"Pod": {"metadata": {"name": "ghost", "namespace": ns, "uid": uid}}, "NodeNames": NAMES}
-        deadline = time.monotonic() + 10
-        while g.post("/filter", body).json()["FailedAndUnresolvableNodes"] == {}:
-            assert time.monotonic() < deadline, g.logs()
-            time.sleep(0.1)
-        while True:
+        deadline = time.monotonic() + 10  # for both
+        eventually(lambda: g.post("/filter", body).json()["FailedAndUnresolvableNodes"] != {}, 10,
+                   what="the ghost rejected", interval=0.1, process=g)
+
+        def recorded() -> bool:
             r = audit_cli("--db", str(db), "--namespace", ns, "-o", "json")
-            if r.returncode == 0 and orjson.loads(r.stdout):
-                break
-            assert time.monotonic() < deadline, (r, g.logs())
-            time.sleep(0.2)
+            return r.returncode == 0 and bool(orjson.loads(r.stdout))
+
+        eventually(recorded, deadline - time.monotonic(), what="the ghost in the audit", interval=0.2, process=g)
     finally:
         g.stop()
     return db, ns

@@ -24,10 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 import pytest
 import requests
-from fixtures_lab import pod_manifest
-from polling import eventually
 
 from guard.certs import generate
+from guard.lab.harness import eventually, pod_manifest, tls_files
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,12 +51,6 @@ def pki(tmp_path_factory):
 def live_pod(shared_lab, lab_namespace) -> dict:
     created = shared_lab.core_v1(0).create_namespaced_pod(lab_namespace, pod_manifest("web-0"), _request_timeout=5)
     return {"metadata": {"name": "web-0", "namespace": lab_namespace, "uid": created.metadata.uid}}
-
-
-def tls_for(pki) -> dict:
-    return {"cert": str(pki.tls_cert), "key": str(pki.tls_key), "client_ca": str(pki.ca_cert), "ca": str(pki.ca_cert),
-            "client_cert": str(pki.client_cert), "client_key": str(pki.client_key),
-            "monitoring_cert": str(pki.monitoring_cert), "monitoring_key": str(pki.monitoring_key)}
 
 
 def client_ctx(pki, role: str = "client", **versions) -> ssl.SSLContext:
@@ -221,7 +214,7 @@ def all_threads_answer(guard, pod: dict) -> None:
 
 @pytest.mark.parametrize("scheme", ["http", "https+mtls"])
 def test_100_hostile_connections_never_hold_a_thread(scheme, shared_lab, live_pod, start_guard, pki, tmp_path):
-    tls = tls_for(pki) if scheme != "http" else None
+    tls = tls_files(pki) if scheme != "http" else None
     guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--no-prepare", "--no-access-log",
                          "--audit-db", str(tmp_path / "audit.db")], tls=tls)
     before = guard.metrics()
@@ -368,7 +361,7 @@ def tls12_suites() -> list[str]:
 
 
 def test_tls_offers_only_ecdhe_with_aead(start_guard, pki, dead_kubeconfig, tmp_path):
-    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--audit-db", str(tmp_path / "audit.db")], tls=tls_for(pki),
+    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--audit-db", str(tmp_path / "audit.db")], tls=tls_files(pki),
                         wait="/healthz")
     accepted, refused = [], []
     for suite in tls12_suites():
@@ -393,7 +386,7 @@ def test_tls_offers_only_ecdhe_with_aead(start_guard, pki, dead_kubeconfig, tmp_
 
 def test_tls_min_version_13_refuses_tls12(start_guard, pki, dead_kubeconfig, tmp_path):
     guard = start_guard(["--kubeconfig", dead_kubeconfig, "--tls-min-version", "1.3",
-                         "--audit-db", str(tmp_path / "audit.db")], tls=tls_for(pki), wait="/healthz")
+                         "--audit-db", str(tmp_path / "audit.db")], tls=tls_files(pki), wait="/healthz")
     assert handshake(guard.port, client_ctx(pki, "monitoring", maximum_version=ssl.TLSVersion.TLSv1_2)) is None
     assert handshake(guard.port, client_ctx(pki, "monitoring"))[0] == "TLSv1.3"
 
@@ -496,7 +489,7 @@ def test_expect_continue_and_chunked_trailers(start_guard, dead_kubeconfig, tmp_
 
 def test_over_the_limit_on_https_the_503_comes_after_a_bounded_handshake(start_guard, pki, dead_kubeconfig, tmp_path):
     guard = start_guard(["--kubeconfig", dead_kubeconfig, "--max-connections-per-client", "2",
-                         "--audit-db", str(tmp_path / "audit.db")], tls=tls_for(pki), wait="/healthz")
+                         "--audit-db", str(tmp_path / "audit.db")], tls=tls_files(pki), wait="/healthz")
     ctx = client_ctx(pki, "monitoring")
     held = [ctx.wrap_socket(dial(guard.port, "127.0.0.2"), server_hostname="localhost") for _ in range(2)]
     try:

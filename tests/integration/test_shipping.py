@@ -26,8 +26,7 @@ import pytest
 import yaml
 from cryptography import x509
 
-from guardproc import GuardProcess, free_port
-from polling import eventually
+from guard.lab.harness import GuardProcess, eventually, free_port
 
 pytestmark = pytest.mark.timeout(180)
 

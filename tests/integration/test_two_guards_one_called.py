@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from fixtures_lab import pod_manifest
-from polling import eventually
+
+from guard.lab.harness import eventually, pod_manifest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,8 +10,7 @@ from prometheus_client import REGISTRY
 from scripted import Etcd, ScriptedGets, pod, settings
 
 from guard.check import FOLLOWUP_BACKLOG, Checker
-
-from polling import eventually
+from guard.lab.harness import eventually
 
 
 def counter(name: str) -> float:

@@ -52,6 +52,31 @@ def test_every_contract_is_kept():
         assert f"{contract['name']} KEPT" in out, f"contract not reported kept: {contract['name']!r}\n{out}"
 
 
+def module_names() -> list[str]:
+    """Every module of the guard package, dotted (``guard.lab.harness``), packages by their ``__init__``."""
+    names = []
+    for path in sorted((REPO / "guard").rglob("*.py")):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names.append(".".join(parts))
+    return names
+
+
+def test_every_module_is_registered_as_pure_or_io():
+    """A new module is named in the first contract: a source there (pure) or, itself or its package,
+    a forbidden module there (I/O), so the pure modules cannot start importing it unnoticed."""
+    pure = next(c for c in CONFIG["contracts"] if c["name"].startswith("Pure modules"))
+    io = [m for m in pure["forbidden_modules"] if m.startswith("guard.")]
+
+    def registered(name: str) -> bool:
+        return name in pure["source_modules"] or any(name == m or name.startswith(m + ".") for m in io)
+
+    assert registered("guard.lab.harness") and "guard.lab.harness" not in pure["source_modules"]
+    unregistered = [n for n in module_names() if n not in ("guard", "guard.__main__") and not registered(n)]
+    assert unregistered == [], f"add them to pyproject.toml's first import contract: {unregistered}"
+
+
 def test_a_broken_contract_fails_the_check(tmp_path):
     broken = {"name": "The server never reads its settings (false on purpose)", "type": "forbidden",
               "source_modules": ["guard.server"], "forbidden_modules": ["guard.settings"]}
