@@ -98,7 +98,7 @@ def start_guard(lab: LabProcess, tmp: str, n: int, extra: list[str], tree: str |
         seen: list[float] = []
 
         def settled() -> bool:  # the startup verification's counter stood still for 4 reads
-            seen.append(metric(g.base, "ghost_guard_preverified_total"))
+            seen.append(metric(g.base, "ghost_guard_prepare_verified_total"))
             return len(seen) > 4 and len(set(seen[-5:])) == 1
 
         try:

@@ -20,13 +20,13 @@ import sys
 ACTIVITIES = [
     ("quorum GET (Kube.quorum_get)", ("Kube.quorum_get ",)),
     ("watch streams: read, split, decode (ReplicaClient.watch_pending)", ("ReplicaClient.watch_pending ",)),
-    ("watch events: apply to the views (Preverifier.apply_event)", ("Preverifier.apply_event ",)),
-    ("watch re-list (pending_pods)", ("ReplicaClient.pending_pods ", "Preverifier._watch_loop ")),
+    ("watch events: apply to the views (Preparer.apply_event)", ("Preparer.apply_event ",)),
+    ("watch re-list (pending_pods)", ("ReplicaClient.pending_pods ", "Preparer._watch_loop ")),
     ("/filter: decode, check, encode (FastLane, answer)", ("FastLane.__call__ ", "answer (guard/http/filter.py")),
     ("Flask app (other routes: /metrics, /readyz)", ("Flask.wsgi_app ",)),
     ("background verification, apart from the GET (verify_next, Checker.verify)",
-     ("Preverifier.verify_next ", "Checker.verify ")),
-    ("sweep, discovery, connection sampling", ("Preverifier._sweep_loop ",)),
+     ("Preparer.verify_next ", "Checker.verify ")),
+    ("sweep, discovery, connection sampling", ("Preparer._sweep_loop ",)),
     ("serving loop (GuardWorker, gunicorn)", ("guard/worker.py", "gunicorn/")),
 ]
 

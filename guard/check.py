@@ -147,7 +147,7 @@ class Checker:
         if prepare and self.cache.was_asked(pod):
             return None
         decision, _ = self._verify(pod, known_at, self._timer() + self.settings.get_timeout)
-        metrics.labelled(metrics.PREVERIFIED, decision.verdict.value).inc()
+        metrics.labelled(metrics.PREPARE_VERIFIED, decision.verdict.value).inc()
         if prepare and decision.verdict is Verdict.ALIVE and pod.uid:
             self.cache.prepare(pod, decision)
         return decision

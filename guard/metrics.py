@@ -28,18 +28,18 @@ VERDICTS_INLINE = Counter("ghost_guard_verdicts_inline", "Scheduler calls that f
 VERDICTS_SHARED = Counter("ghost_guard_verdicts_shared_read", "Scheduler calls that found no prepared verdict but "
                           "shared a quorum read already in flight or just made (by the background verification or "
                           "another call): they waited for it instead of a GET of their own.")
-PREVERIFIED = Counter("ghost_guard_preverified", "Pods verified in the background (watch of unscheduled pods), "
+PREPARE_VERIFIED = Counter("ghost_guard_prepare_verified", "Pods verified ahead, in the background (new pods the watch or a listing showed), "
                       "by verdict.", ["verdict"])
-PREVERIFY_DROPPED = Counter("ghost_guard_preverify_dropped", "New pods not queued for background verification "
+PREPARE_DROPPED = Counter("ghost_guard_prepare_dropped", "New pods not queued for background verification "
                             "because the queue was full (their first scheduling call verifies inline).")
-PREVERIFY_ACTIVE = Gauge("ghost_guard_preverify_active", "1 while this guard verifies new pods ahead (a scheduler "
+PREPARE_ACTIVE = Gauge("ghost_guard_prepare_active", "1 while this guard verifies new pods ahead (a scheduler "
                          "call arrived within --prepare-idle-after, or it is 0), 0 while idle: no watch, its listings "
                          "of every replica run, it makes no quorum GETs for new pods (sampled every second).", multiprocess_mode="livemax")
-PREVERIFY_TAKEOVERS = Counter("ghost_guard_preverify_takeovers", "First scheduler calls after an idle spell (or "
+PREPARE_TAKEOVERS = Counter("ghost_guard_prepare_takeovers", "First scheduler calls after an idle spell (or "
                               "since start): each queued the pending pods the listings held for background verification.")
-PREVERIFY_DEFERRED = Counter("ghost_guard_preverify_deferred", "New pods seen while idle, not verified ahead (kept "
+PREPARE_DEFERRED = Counter("ghost_guard_prepare_deferred", "New pods seen while idle, not verified ahead (kept "
                              "for the next takeover; a call for one before then verifies it inline).")
-PREVERIFY_BACKLOG = Gauge("ghost_guard_preverify_backlog", "Pending pods seen while idle, waiting for a takeover "
+PREPARE_BACKLOG = Gauge("ghost_guard_prepare_backlog", "Pending pods seen while idle, waiting for a takeover "
                           "(sampled every second).", multiprocess_mode="livesum")
 WATCH_RESTARTS = Counter("ghost_guard_watch_restarts", "Restarts of the unscheduled-pod watch on a replica, by reason "
                          "(expired = 410 re-list, error).", ["reason"])

@@ -145,7 +145,7 @@ def _created(obj: dict) -> str:
     return str((obj.get("metadata") or {}).get("creationTimestamp") or "")
 
 
-class Preverifier:
+class Preparer:
     def __init__(self, settings: Settings, pool: ReplicaPool, checker: Checker,
                  sweep_hooks: list[Callable[[], None]] | None = None,
                  timer: Callable[[], float] | None = None) -> None:
@@ -182,7 +182,7 @@ class Preverifier:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        metrics.PREVERIFY_ACTIVE.set(1 if self.active() else 0)
+        metrics.PREPARE_ACTIVE.set(1 if self.active() else 0)
         self._lister = ThreadPoolExecutor(max_workers=LISTERS, thread_name_prefix="ghost-list")
         for i in range(self.settings.verify_concurrency):
             self._spawn(self._verify_loop, f"ghost-verify-{i}")
@@ -322,8 +322,8 @@ class Preverifier:
         replica whose cache answers, else through the kubeconfig's server), list the other replicas
         when due."""
         active = self.active()
-        metrics.PREVERIFY_ACTIVE.set(1 if active else 0)
-        metrics.PREVERIFY_BACKLOG.set(len(self._backlog))
+        metrics.PREPARE_ACTIVE.set(1 if active else 0)
+        metrics.PREPARE_BACKLOG.set(len(self._backlog))
         self.pool.clients()
         with self._lock:
             views = dict(sorted(self._views.items()))
@@ -436,10 +436,10 @@ class Preverifier:
             if not self.active():
                 if pod not in self._backlog:
                     if len(self._backlog) >= MAX_QUEUE:  # its first call verifies inline
-                        metrics.PREVERIFY_DROPPED.inc()
+                        metrics.PREPARE_DROPPED.inc()
                     else:
                         self._backlog[pod] = known_at
-                        metrics.PREVERIFY_DEFERRED.inc()
+                        metrics.PREPARE_DEFERRED.inc()
                 return known_at
             self._backlog.pop(pod, None)
             self._queued[pod] = True
@@ -468,7 +468,7 @@ class Preverifier:
             with self._queue_cond:
                 self._takeover = True
                 self._queue_cond.notify()
-            metrics.PREVERIFY_ACTIVE.set(1)
+            metrics.PREPARE_ACTIVE.set(1)
 
     def _take_backlog(self) -> int:
         """Queue the pods seen while idle, oldest first (kube-scheduler's queue order for equal
@@ -479,7 +479,7 @@ class Preverifier:
             for pod, _ in backlog:
                 self._queued[pod] = True
             self.takeovers += 1
-        metrics.PREVERIFY_TAKEOVERS.inc()
+        metrics.PREPARE_TAKEOVERS.inc()
         for pod, known_at in backlog:
             self._enqueue(pod, swept=False, known_at=known_at)
         log.info("scheduler calls arrived after an idle spell: verifying ahead again, %d pending pod(s) the "
@@ -498,7 +498,7 @@ class Preverifier:
             known_at = self.checker.cache.tick()
         with self._queue_cond:
             if len(self._queue) >= MAX_QUEUE:  # the scheduler's call still verifies inline
-                metrics.PREVERIFY_DROPPED.inc()
+                metrics.PREPARE_DROPPED.inc()
                 return
             self._queue.append((pod, swept, known_at))
             self._queue_cond.notify()

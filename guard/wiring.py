@@ -17,7 +17,7 @@ from guard.cache_health import CacheHealthMonitor
 from guard.check import Checker
 from guard.incident import IncidentRecorder, open_audit_store
 from guard.kube import Kube, load_configuration
-from guard.prepare import Preverifier
+from guard.prepare import Preparer
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
 
@@ -33,7 +33,7 @@ class Guard:
     kube: Kube
     checker: Checker
     incidents: IncidentRecorder
-    preverifier: Preverifier | None
+    preparer: Preparer | None
     # Extra readiness checks (None when fine, else a reason): only what stops verdicts, e.g. the
     # served certificate. The apiserver is checked by readiness() itself.
     readiness_checks: list[Callable[[], str | None]] = field(default_factory=list)
@@ -83,32 +83,32 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
     if healer is not None:
         healer.done = incidents.after_heal
     incidents.attach(checker)
-    preverifier = None
+    preparer = None
     if settings.prepare:
-        preverifier = Preverifier(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
-        preverifier.start()
+        preparer = Preparer(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
+        preparer.start()
     # Replica caches that miss pods or froze: metrics, Events, a /readyz detail (guard/cache_health.py).
-    cache_health = CacheHealthMonitor(settings, kube, pool, preverifier.pending_views if preverifier else None)
+    cache_health = CacheHealthMonitor(settings, kube, pool, preparer.pending_views if preparer else None)
     cache_health.start()
-    return Guard(settings, kube, checker, incidents, preverifier, readiness_checks=list(readiness_checks),
+    return Guard(settings, kube, checker, incidents, preparer, readiness_checks=list(readiness_checks),
                  details={
                      "audit_store": incidents.check_audit,
-                     "replicas": lambda: replica_details(incidents, preverifier),
+                     "replicas": lambda: replica_details(incidents, preparer),
                      "replica_caches": cache_health.status,
-                     "preverification": lambda: preverification_details(preverifier)})
+                     "prepare": lambda: prepare_details(preparer)})
 
 
-def replica_details(incidents: IncidentRecorder, preverifier: Preverifier | None) -> dict[str, dict[str, object]]:
+def replica_details(incidents: IncidentRecorder, preparer: Preparer | None) -> dict[str, dict[str, object]]:
     """Per apiserver replica, its unscheduled-pod watch (None with --no-prepare) and its newest cache
     probe (None before any ghost was probed). Information, never a reason for 503."""
-    watches = preverifier.watch_status()["replicas"] if preverifier else {}
+    watches = preparer.watch_status()["replicas"] if preparer else {}
     probes = incidents.probe_status()
     return {address: {"watch": watches.get(address), "last_probe": probes.get(address)}
             for address in sorted(set(watches) | set(probes))}
 
 
-def preverification_details(preverifier: Preverifier | None) -> dict[str, object]:
+def prepare_details(preparer: Preparer | None) -> dict[str, object]:
     """Whether pods are verified ahead, the watch fallback in use, and the idle state (--prepare-idle-after)."""
-    if preverifier is None:
+    if preparer is None:
         return {"enabled": False, "fallback": None}
-    return {"enabled": True, "fallback": preverifier.watch_status()["fallback"], **preverifier.idle_status()}
+    return {"enabled": True, "fallback": preparer.watch_status()["fallback"], **preparer.idle_status()}

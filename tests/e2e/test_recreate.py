@@ -333,7 +333,7 @@ def test_200_recreates_under_the_same_names_block_no_live_pod_and_blame_no_repli
           f"prepared {metric('ghost_guard_verdicts_prepared_total'):.0f}, "
           f"inline {metric('ghost_guard_verdicts_inline_total'):.0f}, "
           f"shared {metric('ghost_guard_verdicts_shared_read_total'):.0f}, "
-          f"preverified {metric('ghost_guard_preverified_total'):.0f}; audit records {len(records)}, "
+          f"prepared ahead {metric('ghost_guard_prepare_verified_total'):.0f}; audit records {len(records)}, "
           f"GhostPodBlocked Events {len(events)}; {len(late_calls)} late calls, recreated "
           f"{max(late_calls, default=0) * 1000:.0f} ms after at most; report's healed replicas "
           f"{[h['replica'] for h in rep['healed_replicas']]}; racing names: "
@@ -389,7 +389,7 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
     g, db, sched = guarded([])
     api = lab.core_v1(2)
     uid_a = create(api, pod_manifest("web-0"))["metadata"]["uid"]
-    eventually(lambda: g.metric("ghost_guard_preverified_total", verdict="alive") >= 1, 10,
+    eventually(lambda: g.metric("ghost_guard_prepare_verified_total", verdict="alive") >= 1, 10,
                what="A verified in the background", process=g)
     assert filter_passes(g, "web-0", uid_a)  # A's first attempt, from its prepared verdict
     time.sleep(0.6)  # past --prepared-grace: a later attempt of A is read again, inline
@@ -406,16 +406,16 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
     with Frozen(lab) if first == "call" else contextlib.nullcontext():
         if cached == "old-generation":
             delete_pod(api, "web-0", uid_a)
-        preverified = g.metric("ghost_guard_preverified_total")
+        verified_ahead = g.metric("ghost_guard_prepare_verified_total")
         uid_b = create(api, pod_manifest("web-0"))["metadata"]["uid"]
         if first == "background":
-            eventually(lambda: g.metric("ghost_guard_preverified_total") > preverified, 5,
+            eventually(lambda: g.metric("ghost_guard_prepare_verified_total") > verified_ahead, 5,
                        what="B verified in the background", interval=0.005, process=g)
         window = time.monotonic() - read_at
         assert filter_passes(g, "web-0", uid_b)
     assert window < 0.5, f"B came {window:.3f}s after the cached read: outside the 0.5 s window"
     if first == "background":
-        assert g.metric("ghost_guard_preverified_total", verdict="alive") == 2  # A, then B
+        assert g.metric("ghost_guard_prepare_verified_total", verdict="alive") == 2  # A, then B
 
     # A later attempt for B (past the grace, every background verification done) still passes:
     # no ghost verdict was cached for B.
@@ -432,8 +432,8 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
         c["verdict"] == "alive" for c in calls if c["uid"] == uid_b), calls
     ghosts_a = [c for c in calls if c["uid"] == uid_a and c["verdict"] in BLOCKING]
     assert len(ghosts_a) == (1 if cached == "404" else 0)
-    assert g.metric("ghost_guard_preverified_total", verdict="ghost-deleted") == 0
-    assert g.metric("ghost_guard_preverified_total", verdict="ghost-replaced") == 0
+    assert g.metric("ghost_guard_prepare_verified_total", verdict="ghost-deleted") == 0
+    assert g.metric("ghost_guard_prepare_verified_total", verdict="ghost-replaced") == 0
     assert all(e.involved_object.uid != uid_b for e in guard_events(lab))
     assert [e for e in guard_events(lab) if e.reason == "StaleWatchCache"] == []
     assert [r["uid"] for r in audit_records(db)] == ([uid_a] if cached == "404" else [])

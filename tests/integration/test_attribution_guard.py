@@ -58,7 +58,7 @@ def test_sweeper_finds_and_attributes_a_ghost_then_sees_the_replica_heal(lab, st
     wait_for(lambda: g.metric("ghost_guard_stale_replica", replica=stale) == 1, what="the stale gauge")
     for other in lab.replicas[0], lab.replicas[2]:
         assert g.metric("ghost_guard_stale_replica", replica=f"{other.ip}:{other.port}") == 0
-    assert g.metric("ghost_guard_preverified_total", verdict="ghost-deleted") == 1
+    assert g.metric("ghost_guard_prepare_verified_total", verdict="ghost-deleted") == 1
 
     events = wait_for(lambda: {e.reason: e for e in lab.core_v1(0).list_namespaced_event("default").items
                                if e.involved_object.uid == uid and e.reason in ("GhostPodBlocked", "StaleWatchCache")}
@@ -91,7 +91,7 @@ def test_a_pod_deleted_after_its_verdict_was_prepared_is_not_passed(lab, start_g
     wait_for(lambda: "apiserver replicas" in g.logs(), what="replica discovery")
     api = lab.core_v1(0)
     uid = api.create_namespaced_pod("default", pod_manifest("late"), _request_timeout=5).metadata.uid
-    wait_for(lambda: g.metric("ghost_guard_preverified_total", verdict="alive") >= 1, what="the prepared verdict")
+    wait_for(lambda: g.metric("ghost_guard_prepare_verified_total", verdict="alive") >= 1, what="the prepared verdict")
     # The guard's watches of replicas 1 and 3 hold it as an unscheduled pod (their /readyz detail counts them).
     others = [r.url.removeprefix("https://") for i, r in enumerate(lab.replicas) if i != 1]
 
@@ -117,7 +117,7 @@ def test_a_prepared_verdict_answers_the_first_call_without_a_get(lab, start_guar
     g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(tmp_path / "a.db"), *FAST])
     wait_for(lambda: "apiserver replicas" in g.logs(), what="replica discovery")
     uid = lab.core_v1(0).create_namespaced_pod("default", pod_manifest("ready"), _request_timeout=5).metadata.uid
-    wait_for(lambda: g.metric("ghost_guard_preverified_total", verdict="alive") >= 1, what="the prepared verdict")
+    wait_for(lambda: g.metric("ghost_guard_prepare_verified_total", verdict="alive") >= 1, what="the prepared verdict")
     path = "/api/v1/namespaces/default/pods/ready"
     gets = sum(len(r.requests(method="GET", path=path, quorum=True)) for r in lab.replicas)
     assert gets == 1  # the background verification, once, whatever the three watches delivered
@@ -144,7 +144,7 @@ def test_pods_deleted_normally_are_no_incident(lab, start_guard, tmp_path):
         api.create_namespaced_pod("default", pod_manifest(f"brief-{i}"), _request_timeout=5)
         api.delete_namespaced_pod(f"brief-{i}", "default", grace_period_seconds=0, _request_timeout=5)
     assert lab.wait_synced()
-    wait_for(lambda: g.metric("ghost_guard_preverified_total") >= 20, what="the background verifications")
+    wait_for(lambda: g.metric("ghost_guard_prepare_verified_total") >= 20, what="the background verifications")
     time.sleep(1.5)  # three sweeps
     assert audit_records(db) == []
     assert g.metric("ghost_guard_ghosts_blocked_total") == 0

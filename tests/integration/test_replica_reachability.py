@@ -41,7 +41,7 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
                      "--apiserver-replicas", f"https://{closed},{stopped.url}",
                      "--prepare-idle-after", "0"])  # verify ahead before any scheduler call
     eventually(lambda: FALLBACK in g.logs(tail=None), 20, what="the fallback announced", process=g)
-    eventually(lambda: ((f := details(g)["preverification"]["fallback"]) or {}).get("state") == "synced", 20,
+    eventually(lambda: ((f := details(g)["prepare"]["fallback"]) or {}).get("state") == "synced", 20,
                what="the fallback watch synced", process=g)
     assert g.metric("ghost_guard_watch_fallback") == 1
     assert g.metric("ghost_guard_replica_watch_up", replica=closed) == 0
@@ -70,7 +70,7 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
     assert g.metric("ghost_guard_replica_watch_up", replica=stopped_address) == 1
     assert g.metric("ghost_guard_replica_watch_up", replica=closed) == 0
     assert g.metric("ghost_guard_watch_fallback") == 0
-    eventually(lambda: details(g)["preverification"]["fallback"] is None, 5, what="/readyz without the fallback")
+    eventually(lambda: details(g)["prepare"]["fallback"] is None, 5, what="/readyz without the fallback")
     assert details(g)["replicas"][stopped_address]["watch"]["state"] == "synced"
     log = g.logs(tail=None)
     assert log.count(FALLBACK) == 1 and log.count(RECOVERED) == 1, log[-3000:]

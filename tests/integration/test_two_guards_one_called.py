@@ -3,7 +3,7 @@ reaches one guard): the cluster pays one quorum GET per pod, not one per guard.
 
 Neither guard watches while idle: both list every replica's cache every few seconds. The one
 nobody calls (idle, --prepare-idle-after) makes no quorum GET for the new pods and says so in
-/readyz and ``ghost_guard_preverify_active``. The called one's first call is a takeover: answered
+/readyz and ``ghost_guard_prepare_active``. The called one's first call is a takeover: answered
 inline, the backlog of pods pending before it is verified in the background, so the scheduler's
 later calls find their verdicts prepared, and it watches one replica (of three) from then on.
 """
@@ -25,10 +25,10 @@ def filter_body(name: str, uid: str) -> bytes:
                          "Nodes": None, "NodeNames": ["n1"]})
 
 
-def preverification(g) -> dict:
+def prepare_detail(g) -> dict:
     resp = g.session.get(g.url("/readyz"), timeout=5)
     assert resp.status_code == 200, resp.text
-    return resp.json()["details"]["preverification"]
+    return resp.json()["details"]["prepare"]
 
 
 def modes(g) -> dict[str, tuple[str, str]]:
@@ -48,10 +48,10 @@ def test_only_the_called_guard_verifies_and_the_backlog_is_ready_after_the_takeo
             for i in range(PODS)}
     assert lab.wait_synced()
     for g in (called, idle):  # both watches hold the backlog; neither verifies it
-        eventually(lambda g=g: preverification(g)["backlog"] == PODS, 10, what="the backlog watched", process=g)
-        assert preverification(g)["active"] is False
-        assert g.metric("ghost_guard_preverify_active") == 0
-        assert g.metric("ghost_guard_preverify_deferred_total") == PODS
+        eventually(lambda g=g: prepare_detail(g)["backlog"] == PODS, 10, what="the backlog watched", process=g)
+        assert prepare_detail(g)["active"] is False
+        assert g.metric("ghost_guard_prepare_active") == 0
+        assert g.metric("ghost_guard_prepare_deferred_total") == PODS
 
     def quorum_gets() -> int:
         return sum(len([q for q in r.requests(method="GET", quorum=True)
@@ -62,17 +62,17 @@ def test_only_the_called_guard_verifies_and_the_backlog_is_ready_after_the_takeo
     # The takeover: p-0 is answered inline; the rest of the backlog is verified in the background.
     assert called.post("/filter", filter_body("p-0", uids["p-0"])).json()["NodeNames"] == ["n1"]
     assert called.metric("ghost_guard_verdicts_inline_total") == 1
-    eventually(lambda: called.metric("ghost_guard_preverified_total", verdict="alive") == PODS - 1, 10,
+    eventually(lambda: called.metric("ghost_guard_prepare_verified_total", verdict="alive") == PODS - 1, 10,
                what="the backlog verified in the background", process=called)
-    assert called.metric("ghost_guard_preverify_takeovers_total") == 1
+    assert called.metric("ghost_guard_prepare_takeovers_total") == 1
     # (/readyz details are reused for 2 s)
-    eventually(lambda: (d := preverification(called))["active"] is True and d["backlog"] == 0, 5,
+    eventually(lambda: (d := prepare_detail(called))["active"] is True and d["backlog"] == 0, 5,
                what="/readyz: verifying ahead", process=called)
     for i in range(1, PODS):
         assert called.post("/filter", filter_body(f"p-{i}", uids[f"p-{i}"])).json()["NodeNames"] == ["n1"]
     assert called.metric("ghost_guard_verdicts_prepared_total") == PODS - 1
     assert called.metric("ghost_guard_verdicts_inline_total") == 1
-    eventually(lambda: called.metric("ghost_guard_preverify_active") == 1, 5, what="the gauge sampled",
+    eventually(lambda: called.metric("ghost_guard_prepare_active") == 1, 5, what="the gauge sampled",
                process=called)
 
     # The called guard watches one replica and lists the other two; the idle one still watches none.
@@ -83,5 +83,5 @@ def test_only_the_called_guard_verifies_and_the_backlog_is_ready_after_the_takeo
     # The cluster paid one quorum GET per pod; the idle guard none.
     assert quorum_gets() == PODS
     assert idle.metric("ghost_guard_quorum_get_duration_seconds_count") == 0
-    assert idle.metric("ghost_guard_preverified_total") == 0
-    assert preverification(idle)["active"] is False
+    assert idle.metric("ghost_guard_prepare_verified_total") == 0
+    assert prepare_detail(idle)["active"] is False

@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
 from guard.check import Checker
-from guard.prepare import Preverifier, ReplicaView
+from guard.prepare import Preparer, ReplicaView
 from guard.verdict import Verdict
 
 IDLE_AFTER = 60.0
@@ -25,18 +25,18 @@ def world():
     clock = FakeClock()
     checker = Checker(settings(prepare_idle_after=IDLE_AFTER), gets, timer=clock, background=False)
     replicas = [ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)]
-    pv = Preverifier(checker.settings, Pool(replicas), checker)
+    pv = Preparer(checker.settings, Pool(replicas), checker)
     views = [ReplicaView(r) for r in replicas]
     return etcd, gets, clock, checker, pv, replicas, views
 
 
-def deliver_all(pv: Preverifier, replicas: list[ReplicaModel], views: list[ReplicaView]) -> None:
+def deliver_all(pv: Preparer, replicas: list[ReplicaModel], views: list[ReplicaView]) -> None:
     for replica, view in zip(replicas, views):
         while (event := replica.deliver()) is not None:
             pv.apply_event(view, event)
 
 
-def drain(pv: Preverifier) -> int:
+def drain(pv: Preparer) -> int:
     n = 0
     while pv.verify_next():
         n += 1
@@ -63,7 +63,7 @@ def test_the_takeover_call_is_answered_inline_and_queues_the_backlog_oldest_firs
     etcd, gets, clock, checker, pv, replicas, views = world
     uids = [etcd.create(f"web-{i}") for i in range(4)]
     deliver_all(pv, replicas, views)
-    takeovers = REGISTRY.get_sample_value("ghost_guard_preverify_takeovers_total") or 0.0
+    takeovers = REGISTRY.get_sample_value("ghost_guard_prepare_takeovers_total") or 0.0
     first = checker.check(pod("web-0", uids[0]))  # the first call: no prepared verdict, a GET of its own
     assert first.verdict is Verdict.ALIVE
     assert gets.count == 1
@@ -79,7 +79,7 @@ def test_the_takeover_call_is_answered_inline_and_queues_the_backlog_oldest_firs
     assert drain(pv) == 4  # the takeover queued the backlog: web-0 was asked already, no second GET
     assert order == ["web-0", "web-1", "web-2", "web-3"]
     assert gets.count == 4
-    assert REGISTRY.get_sample_value("ghost_guard_preverify_takeovers_total") == takeovers + 1
+    assert REGISTRY.get_sample_value("ghost_guard_prepare_takeovers_total") == takeovers + 1
     assert pv.idle_status()["backlog"] == 0
     for i in (1, 2, 3):  # the rest of the backlog finds its verdicts ready
         assert checker.check(pod(f"web-{i}", uids[i])).verdict is Verdict.ALIVE
@@ -153,7 +153,7 @@ def test_idle_after_zero_always_verifies_ahead():
     gets = ScriptedGets(etcd)
     checker = Checker(settings(prepare_idle_after=0), gets, timer=FakeClock(), background=False)
     replica = ReplicaModel("10.0.0.1:6443", etcd)
-    pv = Preverifier(checker.settings, Pool([replica]), checker)
+    pv = Preparer(checker.settings, Pool([replica]), checker)
     view = ReplicaView(replica)
     etcd.create("web-0")
     pv.apply_event(view, replica.deliver())

@@ -6,7 +6,7 @@ from __future__ import annotations
 from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
 from guard.check import Checker
-from guard.prepare import Preverifier, ReplicaView
+from guard.prepare import Preparer, ReplicaView
 from guard.verdict import Verdict
 
 
@@ -15,7 +15,7 @@ def test_a_live_pod_costs_one_quorum_get_whatever_the_number_of_watches():
     gets = ScriptedGets(etcd)
     checker = Checker(settings(), gets, timer=FakeClock(), background=False)
     r1, r2 = ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)
-    pv = Preverifier(checker.settings, Pool([r1, r2]), checker)
+    pv = Preparer(checker.settings, Pool([r1, r2]), checker)
     pv.called()  # this guard is the one the scheduler asks: it verifies ahead
     v1, v2 = ReplicaView(r1), ReplicaView(r2)
     a = etcd.create("web-0")

@@ -13,7 +13,7 @@ import pytest
 from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
 from guard.check import Checker
-from guard.prepare import LIST_OBJECTS_PER_SECOND, Preverifier, ReplicaView
+from guard.prepare import LIST_OBJECTS_PER_SECOND, Preparer, ReplicaView
 from guard.verdict import Verdict
 
 
@@ -24,7 +24,7 @@ def world():
     clock = FakeClock()
     checker = Checker(settings(prepare_idle_after=0, sweep_interval=30.0), gets, timer=clock, background=False)
     replicas = [ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)]
-    pv = Preverifier(checker.settings, Pool(replicas), checker)
+    pv = Preparer(checker.settings, Pool(replicas), checker)
     pv.replicas_changed(replicas, [])  # the views, without the threads start() would run
     views = [pv.view(r.replica.address) for r in replicas]
     return etcd, gets, checker, pv, replicas, views
@@ -35,7 +35,7 @@ def catch_up(replica: ReplicaModel) -> None:
         pass
 
 
-def drain(pv: Preverifier) -> list[str]:
+def drain(pv: Preparer) -> list[str]:
     order: list[str] = []
     real = pv.checker.verify
 
@@ -134,12 +134,12 @@ def test_the_listing_interval_is_a_few_seconds_idle_or_not_and_grows_with_the_ba
     checker = Checker(settings(prepare_idle_after=60.0, sweep_interval=30.0), ScriptedGets(etcd), timer=clock,
                       background=False)
     replica = ReplicaModel("10.0.0.1:6443", etcd)
-    pv = Preverifier(checker.settings, Pool([replica]), checker)
+    pv = Preparer(checker.settings, Pool([replica]), checker)
     view = ReplicaView(replica)
     assert pv.list_interval(view) == 3.0  # idle: the scheduler may read a replica that lost creations
     pv.called()
     assert pv.list_interval(view) == 3.0
     view.pods = {str(i): pod(f"p-{i}", str(i)) for i in range(20 * LIST_OBJECTS_PER_SECOND)}
     assert pv.list_interval(view) == 20.0  # a backlog of 10,000 pods: every 20 s
-    short = Preverifier(settings(sweep_interval=2.0), Pool([replica]), checker)
+    short = Preparer(settings(sweep_interval=2.0), Pool([replica]), checker)
     assert short.list_interval(ReplicaView(replica)) == 1.0  # two sweeps in a row see fresh listings

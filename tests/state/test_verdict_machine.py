@@ -32,7 +32,7 @@ from scripted import Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, Script
 from guard.audit import AuditStore
 from guard.check import Checker
 from guard.incident import IncidentRecorder
-from guard.prepare import Preverifier
+from guard.prepare import Preparer
 
 NAMES = ("web-0", "web-1")
 STEPS = {"run": 0}  # rule steps taken by every example, in this process
@@ -62,7 +62,7 @@ class VerdictMachine(RuleBasedStateMachine):
         self.clock = FakeClock()
         self.checker = Checker(settings(), self.gets, timer=self.clock, background=False)
         self.replicas = [Blame(f"10.0.0.{i}:6443", self.etcd) for i in (1, 2)]
-        self.pv = Preverifier(self.checker.settings, Pool(self.replicas), self.checker)
+        self.pv = Preparer(self.checker.settings, Pool(self.replicas), self.checker)
         self.pv.called()  # starts active; idle_spell makes it idle, the next scheduler call takes over
         self.pv.replicas_changed(self.replicas, [])  # the views (start() would also run the threads)
         self.views = [self.pv.view(r.replica.address) for r in self.replicas]

@@ -16,7 +16,7 @@ from scripted import NS, Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, Sc
 from guard.audit import AuditStore
 from guard.check import Checker
 from guard.incident import IncidentRecorder
-from guard.prepare import Preverifier, ReplicaView
+from guard.prepare import Preparer, ReplicaView
 from guard.verdict import Decision, Verdict
 
 
@@ -29,11 +29,11 @@ def world():
     return etcd, gets, clock, checker
 
 
-def watch(checker: Checker, etcd: Etcd) -> tuple[Preverifier, ReplicaView, ReplicaModel]:
-    """A Preverifier with one replica's view, fed by hand (apply_event), its queue run by hand. A
+def watch(checker: Checker, etcd: Etcd) -> tuple[Preparer, ReplicaView, ReplicaModel]:
+    """A Preparer with one replica's view, fed by hand (apply_event), its queue run by hand. A
     scheduler call has just arrived (``called``): it verifies ahead (--prepare-idle-after)."""
     replica = ReplicaModel("10.0.0.1:6443", etcd)
-    pv = Preverifier(checker.settings, Pool([replica]), checker)
+    pv = Preparer(checker.settings, Pool([replica]), checker)
     pv.called()
     return pv, ReplicaView(replica), replica
 
