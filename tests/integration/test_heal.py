@@ -1,5 +1,7 @@
 """``ghost-guard heal`` against the lab (issue 13, part 1): real etcd, three replicas with their own watch
-caches, the scheduler simulator looping on replica 1, and the CLI as a subprocess.
+caches, the scheduler simulator looping on replica 1, and the CLI run in-process (click's CliRunner: the
+same command, arguments, output and exit status, without a new interpreter importing ``kubernetes`` for
+each run); the Ctrl-C test runs ``python -m guard heal`` as a real process, signal and all.
 
 The CLI reads and writes through replica 0 (its kubeconfig); replica 0's request log counts its
 writes. Each test checks what the replicas serve, what etcd holds and that nothing is left behind.
@@ -11,13 +13,16 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+from click.testing import CliRunner, Result
 
 from fixtures_lab import create, make_ghost, pod_manifest, quorum_pod
 from polling import eventually
 
+from guard.cli import main
 from guard.lab.demo import node_manifest
 from guard.lab.scheduler import Timings
 
@@ -27,14 +32,22 @@ NS = "default"
 PODS = f"/api/v1/namespaces/{NS}/pods"
 
 
-def heal(lab, *args: str, timeout: float = 60) -> tuple[int, dict, str]:
-    r = subprocess.run([sys.executable, "-m", "guard", "heal", *args, "--kubeconfig", lab.kubeconfig(0), "-o", "json"],
-                       capture_output=True, text=True, timeout=timeout)
+def run_cli(*args: str) -> Result:
+    """``ghost-guard *args`` in this process. An exception other than the command's own exit is raised
+    here: CliRunner would turn it into exit status 1, which some tests expect for other reasons."""
+    r = CliRunner().invoke(main, list(args), prog_name="ghost-guard")
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return r
+
+
+def heal(lab, *args: str) -> tuple[int, dict, str]:
+    r = run_cli("heal", *args, "--kubeconfig", lab.kubeconfig(0), "-o", "json")
     try:
         doc = json.loads(r.stdout)
     except ValueError:
         doc = {}
-    return r.returncode, doc, r.stderr
+    return r.exit_code, doc, r.stderr
 
 
 def cache_uids(lab, replica: int, name: str) -> list[str]:
@@ -204,15 +217,18 @@ def test_a_pod_created_under_the_name_meanwhile_is_replanned_and_never_touched(l
     for r in lab.replicas:
         r.clear_requests()
     lab.replicas[0].faults.add("latency", method="POST", path=PODS, seconds=2.0, count=1)
-    proc = subprocess.Popen([sys.executable, "-m", "guard", "heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0),
-                             "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done: list[tuple[int, dict, str]] = []
+    heal_thread = threading.Thread(target=lambda: done.append(heal(lab, f"{NS}/web-0")), daemon=True)
+    heal_thread.start()
     # the heal's quorum GET is answered, its POST now waits 2 s in replica 0: a real pod takes the name first
     eventually(lambda: lab.replicas[0].requests(method="GET", path=f"{PODS}/web-0", quorum=True), 20,
                what="the heal's quorum GET")
     live = create(lab.core_v1(2), pod_manifest("web-0"))
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    (res,) = json.loads(out)["results"]
+    heal_thread.join(60)
+    assert done, "the heal did not finish in 60 s"
+    ((rc, doc, err),) = done
+    assert rc == 0, err
+    (res,) = doc["results"]
     assert (res["action"], res["outcome"], res["writes"]) == ("none", "alive", 0)
     assert [(m, s) for m, _, s in writes(lab)] == [("POST", 409)]  # AlreadyExists, then nothing
     assert quorum_pod(lab.core_v1(2), "web-0") == live
@@ -243,7 +259,6 @@ def test_dry_run_writes_nothing_and_all_finds_the_ghosts(lab):
     pytest.param(["default/web-0", "--timeout", "0"], "must be positive", id="timeout"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message, dead_kubeconfig):
-    r = subprocess.run([sys.executable, "-m", "guard", "heal", *args, "--kubeconfig", dead_kubeconfig],
-                       capture_output=True, text=True, timeout=30)
-    assert r.returncode == 2
+    r = run_cli("heal", *args, "--kubeconfig", dead_kubeconfig)
+    assert r.exit_code == 2
     assert message in r.stderr and "Traceback" not in r.stderr
