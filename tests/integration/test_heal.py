@@ -17,12 +17,11 @@ import threading
 import time
 
 import pytest
-from click.testing import CliRunner, Result
 
+from clirun import ghost_guard
 from fixtures_lab import create, make_ghost, pod_manifest, quorum_pod
 from polling import eventually
 
-from guard.cli import main
 from guard.lab.demo import node_manifest
 from guard.lab.scheduler import Timings
 
@@ -32,22 +31,13 @@ NS = "default"
 PODS = f"/api/v1/namespaces/{NS}/pods"
 
 
-def run_cli(*args: str) -> Result:
-    """``ghost-guard *args`` in this process. An exception other than the command's own exit is raised
-    here: CliRunner would turn it into exit status 1, which some tests expect for other reasons."""
-    r = CliRunner().invoke(main, list(args), prog_name="ghost-guard")
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        raise r.exception
-    return r
-
-
 def heal(lab, *args: str) -> tuple[int, dict, str]:
-    r = run_cli("heal", *args, "--kubeconfig", lab.kubeconfig(0), "-o", "json")
+    r = ghost_guard("heal", *args, "--kubeconfig", lab.kubeconfig(0), "-o", "json")
     try:
         doc = json.loads(r.stdout)
     except ValueError:
         doc = {}
-    return r.exit_code, doc, r.stderr
+    return r.returncode, doc, r.stderr
 
 
 def cache_uids(lab, replica: int, name: str) -> list[str]:
@@ -259,6 +249,6 @@ def test_dry_run_writes_nothing_and_all_finds_the_ghosts(lab):
     pytest.param(["default/web-0", "--timeout", "0"], "must be positive", id="timeout"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message, dead_kubeconfig):
-    r = run_cli("heal", *args, "--kubeconfig", dead_kubeconfig)
-    assert r.exit_code == 2
+    r = ghost_guard("heal", *args, "--kubeconfig", dead_kubeconfig)
+    assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
