@@ -376,6 +376,44 @@ class Frozen:
             r.faults.unfreeze_watch()
 
 
+WINDOW = 0.5  # --alive-ttl: how long the guard reuses a quorum read of a name
+ATTEMPTS = 3
+
+
+def recreate_in_the_window(lab, g, api, name: str, cached: str, first: str) -> tuple[str, str, float]:
+    """One delete-and-recreate of ``name`` (A, then B) against a read of the name cached just before.
+    Returns (uid A, uid B, seconds from the cached read to B's check)."""
+    alive = g.metric("ghost_guard_prepare_verified_total", verdict="alive")
+    uid_a = create(api, pod_manifest(name))["metadata"]["uid"]
+    eventually(lambda: g.metric("ghost_guard_prepare_verified_total", verdict="alive") > alive, 10,
+               what="A verified in the background", process=g)
+    assert filter_passes(g, name, uid_a)  # A's first attempt, from its prepared verdict
+    time.sleep(0.6)  # past --prepared-grace: a later attempt of A is read again, inline
+    inline = g.metric("ghost_guard_verdicts_inline_total")
+    if cached == "404":
+        delete_pod(api, name, uid_a)
+        assert lab.wait_synced()
+        time.sleep(0.05)  # every cache, and the guard's watches, have the DELETE: nothing drops the 404 read
+        assert not filter_passes(g, name, uid_a)  # the late call: A is gone, rightly rejected
+    else:
+        assert filter_passes(g, name, uid_a)  # a read of A's generation, cached by name
+    assert g.metric("ghost_guard_verdicts_inline_total") == inline + 1  # a GET of its own, cached
+    read_at = time.monotonic()
+    with Frozen(lab) if first == "call" else contextlib.nullcontext():
+        if cached == "old-generation":
+            delete_pod(api, name, uid_a)
+        verified_ahead = g.metric("ghost_guard_prepare_verified_total")
+        uid_b = create(api, pod_manifest(name))["metadata"]["uid"]
+        if first == "background":
+            eventually(lambda: g.metric("ghost_guard_prepare_verified_total") > verified_ahead, 5,
+                       what="B verified in the background", interval=0.005, process=g)
+        window = time.monotonic() - read_at
+        assert filter_passes(g, name, uid_b)  # B passes, whether or not the cached read was still there
+    if first == "background":
+        assert g.metric("ghost_guard_prepare_verified_total", verdict="alive") == alive + 2  # A, then B
+    return uid_a, uid_b, window
+
+
 @pytest.mark.parametrize("first", ["call", "background"])
 @pytest.mark.parametrize("cached", ["404", "old-generation"])
 def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab, guarded, cached, first):
@@ -385,58 +423,51 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
     (``call``: every watch held back meanwhile, so only the guard's read rules stand between the
     cached read and B) or the background verification of B (``background``) comes first. B
     passes, is never condemned, the scheduler binds it, and nothing names a replica or B. (No node
-    exists until then, so the scheduler holds both pods pending and never asks by itself.)"""
+    exists until then, so the scheduler holds both pods pending and never asks by itself.)
+
+    "Inside the window" is wall-clock time on the test's side, which a busy machine can stretch
+    past 0.5 s: such an attempt still checks that B passes, and the recreate is tried again under
+    the next name (web-1, web-2) until one lands inside the window; the test fails if none does.
+    The same interleavings on a fake clock, where the window never runs out, are
+    tests/state/test_verdict_state.py::test_a_recreate_inside_the_burst_window_never_condemns_the_new_pod
+    and ::test_background_verification_of_the_recreated_pod_rereads_past_the_cached_404."""
     g, db, sched = guarded([])
     api = lab.core_v1(2)
-    uid_a = create(api, pod_manifest("web-0"))["metadata"]["uid"]
-    eventually(lambda: g.metric("ghost_guard_prepare_verified_total", verdict="alive") >= 1, 10,
-               what="A verified in the background", process=g)
-    assert filter_passes(g, "web-0", uid_a)  # A's first attempt, from its prepared verdict
-    time.sleep(0.6)  # past --prepared-grace: a later attempt of A is read again, inline
-    inline = g.metric("ghost_guard_verdicts_inline_total")
-    if cached == "404":
-        delete_pod(api, "web-0", uid_a)
-        assert lab.wait_synced()
-        time.sleep(0.05)  # every cache, and the guard's watches, have the DELETE: nothing drops the 404 read
-        assert not filter_passes(g, "web-0", uid_a)  # the late call: A is gone, rightly rejected
-    else:
-        assert filter_passes(g, "web-0", uid_a)  # a read of A's generation, cached by name
-    assert g.metric("ghost_guard_verdicts_inline_total") == inline + 1  # a GET of its own, cached
-    read_at = time.monotonic()
-    with Frozen(lab) if first == "call" else contextlib.nullcontext():
-        if cached == "old-generation":
-            delete_pod(api, "web-0", uid_a)
-        verified_ahead = g.metric("ghost_guard_prepare_verified_total")
-        uid_b = create(api, pod_manifest("web-0"))["metadata"]["uid"]
-        if first == "background":
-            eventually(lambda: g.metric("ghost_guard_prepare_verified_total") > verified_ahead, 5,
-                       what="B verified in the background", interval=0.005, process=g)
-        window = time.monotonic() - read_at
-        assert filter_passes(g, "web-0", uid_b)
-    assert window < 0.5, f"B came {window:.3f}s after the cached read: outside the 0.5 s window"
-    if first == "background":
-        assert g.metric("ghost_guard_prepare_verified_total", verdict="alive") == 2  # A, then B
+    pods: list[tuple[str, str, str]] = []  # (name, uid A, uid B), one per attempt
+    windows: list[float] = []
+    for attempt in range(ATTEMPTS):
+        name = f"web-{attempt}"
+        uid_a, uid_b, window = recreate_in_the_window(lab, g, api, name, cached, first)
+        pods.append((name, uid_a, uid_b))
+        windows.append(window)
+        if window < WINDOW:
+            break
+        print(f"\n{name}: B came {window:.3f}s after the cached read, outside the {WINDOW} s window: again")
+    assert windows[-1] < WINDOW, f"B came {windows} s after the cached read: never inside the {WINDOW} s window"
 
-    # A later attempt for B (past the grace, every background verification done) still passes:
+    # A later attempt for each B (past the grace, every background verification done) still passes:
     # no ghost verdict was cached for B.
     time.sleep(0.7)
-    assert filter_passes(g, "web-0", uid_b)
+    for name, _, uid_b in pods:
+        assert filter_passes(g, name, uid_b)
     create(api, node_manifest("node-a"))  # the scheduler can place B now
-    pod = wait_bound(lab, sched, "web-0", uid_b)
-    web0 = stat(sched.stats(), f"{NS}/web-0")
-    assert web0.bind_failures == {} and web0.bound_node == pod["spec"]["nodeName"]
+    for name, _, uid_b in pods:
+        pod = wait_bound(lab, sched, name, uid_b)
+        stats = stat(sched.stats(), f"{NS}/{name}")
+        assert stats.bind_failures == {} and stats.bound_node == pod["spec"]["nodeName"]
 
     time.sleep(1.0)  # any follow-up (audit, etcd, probes, confirmation after 0.5 s) is done
     calls = access_log(g)
-    assert [c["verdict"] for c in calls if c["uid"] == uid_b] and all(
-        c["verdict"] == "alive" for c in calls if c["uid"] == uid_b), calls
-    ghosts_a = [c for c in calls if c["uid"] == uid_a and c["verdict"] in BLOCKING]
-    assert len(ghosts_a) == (1 if cached == "404" else 0)
+    for _, uid_a, uid_b in pods:
+        assert [c["verdict"] for c in calls if c["uid"] == uid_b] and all(
+            c["verdict"] == "alive" for c in calls if c["uid"] == uid_b), calls
+        ghosts_a = [c for c in calls if c["uid"] == uid_a and c["verdict"] in BLOCKING]
+        assert len(ghosts_a) == (1 if cached == "404" else 0)
+        assert all(e.involved_object.uid != uid_b for e in guard_events(lab))
     assert g.metric("ghost_guard_prepare_verified_total", verdict="ghost-deleted") == 0
     assert g.metric("ghost_guard_prepare_verified_total", verdict="ghost-replaced") == 0
-    assert all(e.involved_object.uid != uid_b for e in guard_events(lab))
     assert [e for e in guard_events(lab) if e.reason == "StaleWatchCache"] == []
-    assert [r["uid"] for r in audit_records(db)] == ([uid_a] if cached == "404" else [])
+    assert sorted(r["uid"] for r in audit_records(db)) == (sorted(a for _, a, _ in pods) if cached == "404" else [])
     healthy_report(report(db))
     no_replica_blamed(g)
 

@@ -36,14 +36,26 @@ def missing_events(lab, uid: str) -> list:
             if e.involved_object.uid == uid and e.reason == "PodMissingFromReplica"]
 
 
-def caches(g) -> dict:
-    time.sleep(2.1)  # /readyz reuses its answer for 2 s
-    return g.get("/readyz", timeout=5).json()["details"]["replica_caches"]
+def caches(g, shows) -> dict:
+    """/readyz's replica_caches detail once ``shows(detail)`` holds (/readyz reuses its answer for 2 s)."""
+    def detail():
+        d = g.get("/readyz", timeout=5).json()["details"]["replica_caches"]
+        return d if shows(d) else None
+
+    return eventually(detail, 10, what="the replica_caches detail in /readyz", process=g)
+
+
+def revision_rounds(lab, since: float) -> int:
+    """The guard's revision rounds since ``since``, as replica 0 saw them (one consistent read each)."""
+    return len([x for x in lab.replicas[0].requests(method="GET", path=REVISION_PROBE, since=since)
+                if x.query.get("fieldSelector") == "metadata.name=ghost-guard-revision-probe"
+                and "resourceVersion" not in x.query])
 
 
 def test_a_pod_whose_creation_a_replica_lost_is_reported_missing_there_until_it_is_written_again(
         lab, start_guard, tmp_path):
-    g = start(lab, start_guard, tmp_path, "--missing-after", "2")
+    # --frozen-after 3: a revision round every tick (1 s), which the test counts as ticks below
+    g = start(lab, start_guard, tmp_path, "--missing-after", "2", "--frozen-after", "3")
     lost = replica(lab, 1)
     lab.replicas[1].faults.drop_creates(namespace="default", name="lost")
     api = lab.core_v1(0)
@@ -63,11 +75,13 @@ def test_a_pod_whose_creation_a_replica_lost_is_reported_missing_there_until_it_
 
     (event,) = eventually(lambda: missing_events(lab, uid), 10, what="the PodMissingFromReplica Event")
     assert event.type == "Warning" and lost in event.message and "ghost-guard heal default/lost" in event.message
-    detail = caches(g)
+    detail = caches(g, lambda d: d[lost]["pods_missing"])
     assert (detail[lost]["pods_missing"], detail[lost]["missing"], detail[lost]["frozen"]) == (
         1, [f"default/lost ({uid})"], False)
     assert all(detail[replica(lab, i)]["pods_missing"] == 0 for i in (0, 2))
-    time.sleep(3)  # more ticks: still one detection, one Event (deduplicated), count 1
+    # three more ticks (counted by their revision reads): still one detection, one Event (deduplicated), count 1
+    since = time.time()
+    eventually(lambda: revision_rounds(lab, since) >= 3, 20, what="three more ticks", process=g)
     assert g.metric("ghost_guard_replica_pods_missing_detections_total", replica=lost) == 1
     (event,) = missing_events(lab, uid)
     assert event.count == 1
@@ -82,7 +96,7 @@ def test_a_pod_whose_creation_a_replica_lost_is_reported_missing_there_until_it_
 
 
 def test_a_frozen_replica_is_named_and_a_thawed_one_cleared(lab, start_guard, tmp_path):
-    g = start(lab, start_guard, tmp_path, "--frozen-after", "6")  # revisions read every 2 s
+    g = start(lab, start_guard, tmp_path, "--frozen-after", "3")  # revisions read every tick (1 s)
     frozen = replica(lab, 2)
     lab.replicas[2].faults.freeze_watch()
     froze = time.monotonic()
@@ -92,15 +106,15 @@ def test_a_frozen_replica_is_named_and_a_thawed_one_cleared(lab, start_guard, tm
     eventually(lambda: g.metric("ghost_guard_replica_frozen", replica=frozen) == 1, 30,
                what="the frozen gauge", process=g)
     took = time.monotonic() - froze
-    print(f"\nfrozen replica named {took:.2f}s after its watch froze (--frozen-after 6)")
-    assert took >= 6.0
+    print(f"\nfrozen replica named {took:.2f}s after its watch froze (--frozen-after 3)")
+    assert took >= 3.0
     for other in (0, 1):
         assert g.metric("ghost_guard_replica_frozen", replica=replica(lab, other)) == 0
         assert g.metric("ghost_guard_replica_seconds_behind", replica=replica(lab, other)) == 0
-    assert g.metric("ghost_guard_replica_seconds_behind", replica=frozen) >= 6
+    assert g.metric("ghost_guard_replica_seconds_behind", replica=frozen) >= 3
     # Its pods are behind, not missing: a frozen cache has not reached their revision.
     assert g.metric("ghost_guard_replica_pods_missing_detections_total") == 0
-    detail = caches(g)
+    detail = caches(g, lambda d: d[frozen]["frozen"])
     assert detail[frozen]["frozen"] is True and detail[frozen]["cache_revision"] < lab.revision()
     assert "watch is frozen" in g.logs()
 
@@ -157,9 +171,13 @@ def test_the_checks_cost_two_small_lists_per_replica_per_revision_interval(lab, 
 
 
 def test_report_live_names_the_missing_pod_and_the_frozen_replica(lab, tmp_path):
+    """``report --live`` looks for 5 s each run: the table run is the real ``python -m guard`` process, run
+    while the JSON run goes in-process (tests/clirun.py) on the same lab state; the last run in-process."""
     import json
     import subprocess
     import sys
+
+    from clirun import ghost_guard
 
     lab.replicas[1].faults.drop_creates(namespace="default", name="lost")
     api = lab.core_v1(0)
@@ -167,9 +185,16 @@ def test_report_live_names_the_missing_pod_and_the_frozen_replica(lab, tmp_path)
     assert lab.wait_synced()
     lab.replicas[2].faults.freeze_watch()
     api.create_namespaced_pod("default", pod_manifest("later"), _request_timeout=5)  # etcd moves on
-    cmd = [sys.executable, "-m", "guard", "report", "--live", "--kubeconfig", lab.kubeconfig(0),
-           "--db", str(tmp_path / "none.db")]
-    r = subprocess.run([*cmd, "-o", "json"], capture_output=True, text=True, timeout=120)
+    args = ["report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", str(tmp_path / "none.db")]
+    table = subprocess.Popen([sys.executable, "-m", "guard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        r = ghost_guard(*args, "-o", "json")
+        out, err = table.communicate(timeout=120)
+    finally:
+        if table.poll() is None:
+            table.kill()
+            table.wait()
     assert r.returncode == 1, r.stdout + r.stderr
     caches = {c["replica"]: c for c in json.loads(r.stdout)["replica_caches"]}
     ok, lost, frozen = (replica(lab, i) for i in range(3))
@@ -179,15 +204,14 @@ def test_report_live_names_the_missing_pod_and_the_frozen_replica(lab, tmp_path)
     assert (caches[frozen]["frozen"], caches[frozen]["missing"]) == (True, [])
     assert caches[frozen]["cache_revision"] < caches[frozen]["etcd_revision"]
 
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert r.stdout.startswith(f"No audit store at {tmp_path / 'none.db'}: ghosts not reported.\n")
-    assert "  1. `ghost-guard heal default/lost`" in r.stdout
-    assert f"  2. restart kube-apiserver {frozen}: its watch is frozen" in r.stdout
+    assert table.returncode == 1, out + err
+    assert out.startswith(f"No audit store at {tmp_path / 'none.db'}: ghosts not reported.\n")
+    assert "  1. `ghost-guard heal default/lost`" in out
+    assert f"  2. restart kube-apiserver {frozen}: its watch is frozen" in out
 
     lab.replicas[2].faults.unfreeze_watch()
     api.patch_namespaced_pod("lost", "default", {"metadata": {"annotations": {"touched": "1"}}}, _request_timeout=5)
     assert lab.wait_synced()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    r = ghost_guard(*args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1] == "Every replica's cache keeps up with etcd and misses no pending pod."

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 from kubernetes import client
 
+from clirun import ghost_guard
 from guard.audit import AuditStore
 from guard.lab.harness import eventually, make_ghost
 
@@ -25,7 +25,8 @@ FAST = ["--sweep-interval", "0.5", "--stale-confirm-delay", "0.5", "--reprobe-in
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True, timeout=60)
+    """``ghost-guard *args`` in-process (tests/clirun.py)."""
+    return ghost_guard(*args)
 
 
 def ghostpods(lab, namespace: str) -> list[dict]:

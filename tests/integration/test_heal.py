@@ -1,5 +1,7 @@
 """``ghost-guard heal`` against the lab (issue 13, part 1): real etcd, three replicas with their own watch
-caches, the scheduler simulator looping on replica 1, and the CLI as a subprocess.
+caches, the scheduler simulator looping on replica 1, and the CLI run in-process (click's CliRunner: the
+same command, arguments, output and exit status, without a new interpreter importing ``kubernetes`` for
+each run); the Ctrl-C test runs ``python -m guard heal`` as a real process, signal and all.
 
 The CLI reads and writes through replica 0 (its kubeconfig); replica 0's request log counts its
 writes. Each test checks what the replicas serve, what etcd holds and that nothing is left behind.
@@ -11,9 +13,12 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+
+from clirun import ghost_guard
 
 from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest, quorum_pod
 from guard.lab.scheduler import Timings
@@ -24,9 +29,8 @@ NS = "default"
 PODS = f"/api/v1/namespaces/{NS}/pods"
 
 
-def heal(lab, *args: str, timeout: float = 60) -> tuple[int, dict, str]:
-    r = subprocess.run([sys.executable, "-m", "guard", "heal", *args, "--kubeconfig", lab.kubeconfig(0), "-o", "json"],
-                       capture_output=True, text=True, timeout=timeout)
+def heal(lab, *args: str) -> tuple[int, dict, str]:
+    r = ghost_guard("heal", *args, "--kubeconfig", lab.kubeconfig(0), "-o", "json")
     try:
         doc = json.loads(r.stdout)
     except ValueError:
@@ -201,15 +205,18 @@ def test_a_pod_created_under_the_name_meanwhile_is_replanned_and_never_touched(l
     for r in lab.replicas:
         r.clear_requests()
     lab.replicas[0].faults.add("latency", method="POST", path=PODS, seconds=2.0, count=1)
-    proc = subprocess.Popen([sys.executable, "-m", "guard", "heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0),
-                             "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done: list[tuple[int, dict, str]] = []
+    heal_thread = threading.Thread(target=lambda: done.append(heal(lab, f"{NS}/web-0")), daemon=True)
+    heal_thread.start()
     # the heal's quorum GET is answered, its POST now waits 2 s in replica 0: a real pod takes the name first
     eventually(lambda: lab.replicas[0].requests(method="GET", path=f"{PODS}/web-0", quorum=True), 20,
                what="the heal's quorum GET")
     live = create(lab.core_v1(2), pod_manifest("web-0"))
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    (res,) = json.loads(out)["results"]
+    heal_thread.join(60)
+    assert done, "the heal did not finish in 60 s"
+    ((rc, doc, err),) = done
+    assert rc == 0, err
+    (res,) = doc["results"]
     assert (res["action"], res["outcome"], res["writes"]) == ("none", "alive", 0)
     assert [(m, s) for m, _, s in writes(lab)] == [("POST", 409)]  # AlreadyExists, then nothing
     assert quorum_pod(lab.core_v1(2), "web-0") == live
@@ -240,7 +247,6 @@ def test_dry_run_writes_nothing_and_all_finds_the_ghosts(lab):
     pytest.param(["default/web-0", "--timeout", "0"], "must be positive", id="timeout"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message, dead_kubeconfig):
-    r = subprocess.run([sys.executable, "-m", "guard", "heal", *args, "--kubeconfig", dead_kubeconfig],
-                       capture_output=True, text=True, timeout=30)
+    r = ghost_guard("heal", *args, "--kubeconfig", dead_kubeconfig)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr

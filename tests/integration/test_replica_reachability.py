@@ -11,13 +11,11 @@ ends, and that is said once too.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import orjson
 import pytest
-
+from clirun import ghost_guard
 from guard.lab.harness import eventually, free_port, pod_manifest
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,8 +86,7 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
 
     # `ghost-guard report` shows each replica's newest probe, from the audit store.
     def reported() -> dict:
-        out = subprocess.run([sys.executable, "-m", "guard", "report", "--db", str(tmp_path / "a.db"), "-o", "json"],
-                             capture_output=True, text=True, timeout=60)
+        out = ghost_guard("report", "--db", str(tmp_path / "a.db"), "-o", "json")  # in-process (tests/clirun.py)
         return {p["replica"]: p for p in orjson.loads(out.stdout)["replica_probes"]} if out.returncode == 0 else {}
 
     report = eventually(lambda: (r := reported()) and closed in r and stopped_address in r and r, 10,

@@ -25,7 +25,6 @@ import sqlite3
 import ssl
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import orjson
 import pytest
 import requests
 import yaml
+from clirun import ghost_guard
 
 from guard.certs import generate
 from guard.lab.harness import GuardProcess, eventually, make_ghost, tls_files
@@ -191,8 +191,9 @@ def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace
             g.wait("/healthz")
         good, bad = guards
         uid = make_ghost(lab, lab_namespace, "g")
-        for fault in ({"action": "status", "status": 500}, {"action": "status", "status": 429}, {"action": "hang"}):
-            lab.replicas[0].faults.add(method="GET", path=rf"/api/v1/namespaces/{lab_namespace}/pods/.*", **fault)
+        pods = f"/api/v1/namespaces/{lab_namespace}/pods"
+
+        def calls() -> None:
             for g in guards:
                 for name, u in (("g", uid), ("never", "u-1")):
                     r = g.post("/filter", {"Pod": {"metadata": {"name": name, "namespace": lab_namespace, "uid": u}},
@@ -202,12 +203,25 @@ def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace
                 bodies.append(g.get("/readyz", timeout=5).text)
                 bodies.append(g.post("/filter", b"{not json").text)
                 bodies.append(g.post("/validate/binding", {"kind": "x"}).text)
+
+        for fault in ({"action": "status", "status": 500}, {"action": "status", "status": 429}, {"action": "hang"}):
+            since = time.time()
+            lab.replicas[0].faults.add(method="GET", path=rf"{pods}/.*", **fault)
+
+            def answered_by_the_fault() -> bool:
+                # the guard's read of each pod met this fault (a read of the previous round may still be
+                # reused for --alive-ttl: call again until fresh reads went out)
+                calls()
+                return {r.path for r in lab.replicas[0].requests(method="GET", since=since)
+                        if r.source == "fault"} >= {f"{pods}/g", f"{pods}/never"}
+
+            eventually(answered_by_the_fault, 20, what=f"reads answered by the fault {fault}", interval=0.0)
             lab.replicas[0].faults.clear()
-            time.sleep(0.6)
         bodies.append(bad.get("/readyz", timeout=5).text)
         assert "401" in bodies[-1], bodies[-1]  # the wrong token really failed
         assert good.metric("ghost_guard_fail_open_total", reason="apiserver") >= 3
-        time.sleep(0.5)
+        for g in guards:
+            g.stop()  # everything the guards will ever log is written once they have exited
         texts = [Path(g.log.name).read_text(errors="replace") + g.stdout() for g in guards] + bodies
         everything = "\n".join(texts)
         assert '"level":"debug"' in everything  # debug logging was really on
@@ -224,10 +238,8 @@ def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace
 
 
 def audit_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("GHOST_GUARD_")}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "guard", "audit", *args], capture_output=True, text=True, timeout=60,
-                          env=full_env)
+    """``ghost-guard audit`` in-process (tests/clirun.py), without the caller's GHOST_GUARD_* variables."""
+    return ghost_guard("audit", *args, env=env, clean_env=True)
 
 
 def snapshot(path: Path) -> tuple:

@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from guard.certs import generate
-from guard.lab.harness import eventually, pod_manifest, tls_files
+from guard.lab.harness import eventually, metric_sum, parse_metrics, pod_manifest, tls_files
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -279,13 +279,50 @@ def read_reply(s: socket.socket) -> bytes:
     return data
 
 
+def request_on(s: socket.socket, request: bytes) -> bytes:
+    """``request`` (with ``Connection: close``) on an open connection; the reply, read until the guard closes it.
+
+    The guard stops counting a connection towards the limits before it half-closes it (guard.worker
+    ``_linger``): once this returns, the connection counts no more. No pause needed."""
+    s.sendall(request)
+    return read_reply(s)
+
+
+def served_and_closed(port: int, source: str, request: bytes) -> bytes:
+    """``request_on`` a fresh connection from ``source``."""
+    with dial(port, source) as s:
+        return request_on(s, request)
+
+
+METRICS = b"GET /metrics HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n"
+
+
+def metric_in(reply: bytes, name: str, **labels: str) -> float:
+    """A metric from a /metrics reply read with ``request_on``."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"chunked" not in head.lower(), head
+    return metric_sum(parse_metrics(body.decode()), name, **labels)
+
+
+def ready_without_keepalive(guard) -> None:
+    """Wait for /healthz on connections the guard has closed (and stopped counting) before this returns: no
+    kept-alive connection of the test's own is left to count towards a limit."""
+    eventually(lambda: served_and_closed(guard.port, "127.0.0.1", b"GET /healthz HTTP/1.1\r\nHost: g\r\n"
+                                         b"Connection: close\r\n\r\n").startswith(b"HTTP/1.1 200 "),
+               20, what="/healthz", ignore=(OSError,), process=guard)
+
+
 def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_path, shared_lab, live_pod):
     guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--no-prepare", "--max-connections", "20",
-                         "--max-connections-per-client", "8", "--audit-db", str(tmp_path / "audit.db")])
+                         "--max-connections-per-client", "8", "--audit-db", str(tmp_path / "audit.db")], wait=None)
+    ready_without_keepalive(guard)
+    # One event loop accepts the connections in the order they were made (the kernel's accept queue):
+    # a connection dialled after others is admitted or refused after them, so no pause is needed between.
     held = [dial(guard.port, "127.0.0.6") for _ in range(8)]
     try:
         # The 8 are accepted (the open-connections gauge is sampled every second).
-        eventually(lambda: guard.metric("ghost_guard_connections_open") >= 8, 10, what="8 connections open")
+        eventually(lambda: metric_in(served_and_closed(guard.port, "127.0.0.10", METRICS),
+                                     "ghost_guard_connections_open") >= 8, 10, what="8 connections open")
         with dial(guard.port, "127.0.0.6") as s:
             start = time.monotonic()
             reply = read_reply(s)
@@ -296,11 +333,11 @@ def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_pa
         assert orjson.loads(body) == {"error": "too many connections from 127.0.0.6 (limit 8, "
                                                "--max-connections-per-client)"}
         # Another client is served meanwhile (on a connection closed after it: it would count towards the 20).
-        assert guard.post("/filter", orjson.dumps({"Pod": live_pod, "NodeNames": NAMES}),
-                          headers={"Content-Type": "application/json", "Connection": "close"}).status_code == 200
-        time.sleep(0.2)
+        body = orjson.dumps({"Pod": live_pod, "NodeNames": NAMES})
+        reply = served_and_closed(guard.port, "127.0.0.10", b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: "
+                                  b"application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert reply.startswith(b"HTTP/1.1 200 "), reply
         held += [dial(guard.port, src) for src in ("127.0.0.7",) * 8 + ("127.0.0.8",) * 4]  # 20 open in all
-        time.sleep(0.2)
         with dial(guard.port, "127.0.0.9") as s:
             reply = read_reply(s)
         assert reply.startswith(b"HTTP/1.1 503 "), reply
@@ -309,13 +346,17 @@ def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_pa
             h.setblocking(False)
             with pytest.raises(BlockingIOError):
                 h.recv(100)
+            h.setblocking(True)
+        # read on an admitted connection (a new one would be refused): one refusal of each kind
+        metrics = request_on(held.pop(), METRICS)
+        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="over-client-limit") == 1
+        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="over-total-limit") == 1
     finally:
         for s in held:
             s.close()
-    time.sleep(0.3)
-    assert guard.post("/filter", orjson.dumps({"Pod": live_pod, "NodeNames": NAMES})).status_code == 200
-    assert guard.metric("ghost_guard_connections_rejected_total", reason="over-client-limit") == 1
-    assert guard.metric("ghost_guard_connections_rejected_total", reason="over-total-limit") == 1
+    # Once the guard has seen them closed, new clients are served again.
+    eventually(lambda: guard.post("/filter", orjson.dumps({"Pod": live_pod, "NodeNames": NAMES})).status_code == 200,
+               10, what="a call served after the held connections closed", process=guard)
 
 
 # --- TLS: what is negotiated -----------------------------------------------------------------------
@@ -450,8 +491,9 @@ def test_large_requests_share_a_memory_budget(start_guard, dead_kubeconfig, tmp_
     head = (b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
             b"Content-Length: 900000\r\n\r\n")
     with dial(guard.port, "127.0.0.2") as holder:
-        holder.sendall(head + b"{")  # 900 KB reserved while its body is awaited
-        time.sleep(0.2)
+        # 900 KB reserved while its body is awaited; the guard reserves before it answers 100 Continue
+        holder.sendall(head.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n"))
+        assert holder.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
         with dial(guard.port, "127.0.0.3") as s:
             s.sendall(head)
             reply = read_reply(s)
@@ -459,7 +501,9 @@ def test_large_requests_share_a_memory_budget(start_guard, dead_kubeconfig, tmp_
         assert b"too many large requests in flight (--max-buffered-bytes 1500000); retry" in reply
         small = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}}, "NodeNames": NAMES})
         assert guard.post("/filter", small).status_code == 200  # small requests are never held back
-    time.sleep(0.3)  # the holder is gone: its reservation is released
+        # The holder's body arrives and is answered: the guard releases the reservation once the reply is
+        # out, before it closes the connection (guard.worker ``_write``), so it is released when this returns.
+        assert request_on(holder, b"{" + b" " * (900000 - 2) + b"}").startswith(b"HTTP/1.1 ")
     body = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}},
                          "NodeNames": [f"node-{i:06d}" for i in range(60000)]})
     assert 65536 < len(body) < 1000000
@@ -509,27 +553,38 @@ def test_over_the_limit_on_https_the_503_comes_after_a_bounded_handshake(start_g
 
 def test_at_the_total_limit_an_idle_kept_alive_connection_makes_room(start_guard, dead_kubeconfig, tmp_path):
     guard = start_guard(["--kubeconfig", dead_kubeconfig, "--max-connections", "4", "--max-connections-per-client", "4",
-                         "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")
-    guard.get("/healthz", headers={"Connection": "close"}, timeout=5)  # the wait's kept-alive connection ends
-    time.sleep(0.2)
+                         "--audit-db", str(tmp_path / "audit.db")], wait=None)
+    ready_without_keepalive(guard)  # no connection of ours left open
+    # Connections are admitted in the order they were made (one event loop, the kernel's accept queue).
     idle = dial(guard.port, "127.0.0.2")
     idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: g\r\n\r\n")
     assert idle.recv(65536).startswith(b"HTTP/1.1 200 ")  # now kept alive, idle
     silent = [dial(guard.port, "127.0.0.3") for _ in range(3)]  # 4 open: the limit
+    refused = 0
+
+    def admitted() -> bool:
+        """A new client at the limit is admitted: the idle one is closed for it. The kept-alive connection
+        counts as idle once the guard's loop has taken back its reply (a pool thread sends the reply itself,
+        so the client can see it a moment before): until then the new client gets a 503, counted here."""
+        nonlocal refused
+        with dial(guard.port, "127.0.0.4") as s:
+            reply = request_on(s, b"GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
+        if reply.startswith(b"HTTP/1.1 503 ") and b"too many connections (limit 4, --max-connections)" in reply:
+            refused += 1
+            return False
+        assert reply.startswith(b"HTTP/1.1 200 "), reply
+        return True
+
     try:
-        time.sleep(0.2)
-        with dial(guard.port, "127.0.0.4") as s:  # admitted: the idle one is closed for it
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
-            assert read_reply(s).startswith(b"HTTP/1.1 200 ")
+        eventually(admitted, 10, what="a new client admitted in place of the idle one", process=guard)
         assert idle.recv(1) == b""
         silent.append(dial(guard.port, "127.0.0.4"))  # 4 open again, none idle
-        time.sleep(0.2)
         with dial(guard.port, "127.0.0.5") as s:
             assert read_reply(s).startswith(b"HTTP/1.1 503 ")
+        metrics = request_on(silent.pop(), METRICS)  # on an admitted connection: a new one would be refused
+        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="idle-evicted") == 1
+        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="over-total-limit") == refused + 1
     finally:
         idle.close()
         for s in silent:
             s.close()
-    time.sleep(0.2)
-    assert guard.metric("ghost_guard_connections_rejected_total", reason="idle-evicted") == 1
-    assert guard.metric("ghost_guard_connections_rejected_total", reason="over-total-limit") == 1

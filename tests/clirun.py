@@ -1,0 +1,33 @@
+"""``ghost-guard`` commands run in the test process: ``from clirun import ghost_guard``.
+
+click's CliRunner invokes the same command object the console script does (arguments,
+environment variables, output streams, exit status), without starting an interpreter that
+imports ``kubernetes`` again for every run (seconds each on a busy machine). Keep one real
+process per command where the process itself is the subject (a signal, the console script).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from click.testing import CliRunner
+
+from guard.cli import main
+
+
+def ghost_guard(*args: str, env: dict[str, str] | None = None, clean_env: bool = False) -> subprocess.CompletedProcess:
+    """``ghost-guard *args`` in-process, answered as ``subprocess.run(..., text=True)`` would answer
+    (``returncode``, ``stdout``, ``stderr``), so a test reads it as it read the process.
+
+    ``clean_env`` hides the caller's ``GHOST_GUARD_*`` variables (``env`` is applied after). An exception
+    other than the command's own exit is raised here: CliRunner would report it as exit status 1, which
+    some tests expect for other reasons."""
+    overrides: dict[str, str | None] = {}
+    if clean_env:
+        overrides.update({k: None for k in os.environ if k.startswith("GHOST_GUARD_")})
+    overrides.update(env or {})
+    r = CliRunner(env=overrides).invoke(main, list(args), prog_name="ghost-guard")
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return subprocess.CompletedProcess(["ghost-guard", *args], r.exit_code, r.stdout, r.stderr)
