@@ -70,22 +70,15 @@ def parse_since(text: str, *, now: float) -> float:
     return max(0.0, when.timestamp())
 
 
+#: The fields of a record that the new-ghost line carries, in its order (those of ``record_to_dict``).
+NEW_GHOST_FIELDS = ("namespace", "name", "uid", "verdict", "evidence", "first_seen")
+
+
 def new_ghost_line(record: AuditRecord) -> str:
     """The one JSON line written to stdout for each *new* ghost, for log shippers (``guard.incident``)."""
-    return json.dumps(
-        {
-            "event": "ghost-blocked",
-            "namespace": record.namespace,
-            "name": record.name,
-            "uid": record.uid,
-            "verdict": record.verdict,
-            "evidence": dict(record.evidence),
-            "first_seen": format_time(record.first_seen),
-        },
-        sort_keys=False,
-        separators=(",", ":"),
-        allow_nan=False,
-    )
+    full = record_to_dict(record)
+    return json.dumps({"event": "ghost-blocked", **{k: full[k] for k in NEW_GHOST_FIELDS}},
+                      sort_keys=False, separators=(",", ":"), allow_nan=False)
 
 
 def _cell(value: object) -> str:

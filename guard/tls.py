@@ -128,17 +128,27 @@ class ReloadingTLS:
             return  # another handshake is checking; serve the current context meanwhile
         try:
             self._next_check = now + self.check_interval
-            stamp = _stamp(self._paths)
-            if stamp == self._stamp or stamp == self._attempted:
-                return
-            self._attempted = stamp
-            try:
-                ctx, not_after = self._build()
-            except (OSError, ssl.SSLError, ValueError) as e:
-                self._failure = f"cannot load renewed TLS files ({e}); still serving the certificate loaded before"
+            for _ in range(3):
+                stamp = _stamp(self._paths)
+                if stamp == self._stamp or stamp == self._attempted:
+                    return
+                self._attempted = stamp
+                try:
+                    ctx, not_after = self._build()
+                except (OSError, ssl.SSLError, ValueError) as e:
+                    error: Exception | None = e
+                else:
+                    error = None
+                # The files stood still while they were read: this context is what the stamp says.
+                # A stamp taken mid-swap (one path stat'ed before a ``..data`` swap, the others
+                # after) would otherwise load the new pair now and again at the next check.
+                if _stamp(self._paths) == stamp:
+                    break
+            if error is not None:
+                self._failure = f"cannot load renewed TLS files ({error}); still serving the certificate loaded before"
                 if self._failing_since is None:
                     self._failing_since = now
-                log.warning("tls reload failed, keeping the previous certificate: %s", e)
+                log.warning("tls reload failed, keeping the previous certificate: %s", error)
                 return
             self._ctx, self._not_after, self._stamp = ctx, not_after, stamp
             self._failure, self._failing_since = None, None

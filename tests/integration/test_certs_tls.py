@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+from guard import tls as tls_module
 from guard.certs import generate
 from guard.lab.harness import eventually
 from guard.tls import ReloadingTLS, TLSError
@@ -284,6 +285,31 @@ def test_symlink_renewal_under_load_zero_failures(tmp_path, certs, serve, per_co
     assert keep.getresponse().read() == b"ok"
     assert x509.load_der_x509_certificate(keep.sock.getpeercert(binary_form=True)).serial_number == serial(certs / "tls.crt")
     keep.close()
+
+
+def test_a_stamp_taken_mid_swap_loads_the_renewed_pair_once(tmp_path, certs, monkeypatch):
+    """The files' stamp is three stats: one taken before a ``..data`` swap and two after (scripted
+    here) must not make the guard load the new pair now and again at the next check."""
+    (tmp_path / "vol").mkdir()
+    vol = secret_volume(tmp_path / "vol", "v1", certs)
+    tls = ReloadingTLS(vol / "tls.crt", vol / "tls.key", check_interval=0)
+    v2 = renewed(tmp_path, certs, "v2")
+    secret_volume(vol, "v2", v2)
+    real = tls_module._stamp
+    stamps: list[tuple] = []
+
+    def first_mid_swap(paths):
+        stamp = real(paths)
+        stamps.append(stamp)
+        return (("before the swap",), *stamp[1:]) if len(stamps) == 1 else stamp
+
+    monkeypatch.setattr(tls_module, "_stamp", first_mid_swap)
+    tls.context()
+    assert tls.reloads == 1
+    tls.context()
+    tls.context()
+    assert tls.reloads == 1, "the renewed pair was loaded twice"
+    assert tls.check() is None
 
 
 def test_in_place_renewal_and_broken_pair_keep_serving(tmp_path, certs, serve):
