@@ -116,7 +116,9 @@ def main() -> None:
 @setting("--verify-qps", type=float,
          help="Background quorum GETs per second at most (one per new pod; bounds re-list storms).")
 @setting("--sweep-interval", type=float,
-         help="Seconds between sweeps comparing the replicas' views (finds ghosts no scheduler asked about).")
+         help="Seconds between sweeps comparing the replicas' views (finds ghosts no scheduler asked about; "
+              "checked once a second, so at most one sweep a second). Each replica's cache is listed every "
+              "min(3, this/2) seconds, less often for a large backlog (N pods: N/500 s).")
 @setting("--prepare-idle-after", type=float,
          help="Verify new pods ahead only while scheduler calls (/filter, /preempt, /validate/binding) arrived within "
               "this many seconds: a guard replica nobody calls has no watch (it still lists every replica's cache) "

@@ -59,7 +59,7 @@ from typing import Any, Final
 from guard import metrics
 from guard.kube import GHOSTPOD_GROUP, GHOSTPOD_VERSION, GhostPodError, GhostPods
 from guard.records import (
-    MAX_NAME, MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt, NewRecordHook,
+    MAX_HEALS_PER_GHOST, MAX_NAME, MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt, NewRecordHook,
     ReplicaState, check_text, check_time, evidence_json,
 )
 
@@ -71,7 +71,7 @@ MIN_WRITE_INTERVAL: Final = 10.0  # seconds between two writes of one identity b
 MAX_CONFLICT_RETRIES: Final = 8
 MAX_BACKOFF: Final = 30.0
 MAX_OPS_PER_RECORD: Final = 256
-MAX_HEALS: Final = 20  # status.heals: the newest attempts
+MAX_HEALS: Final = MAX_HEALS_PER_GHOST  # status.heals: the newest attempts (the CRD's maxItems), as in SQLite
 MAX_REPLICAS: Final = 64  # status.replicas (the CRD's maxItems)
 PRUNE_INTERVAL: Final = 600.0
 CLOSE_DEADLINE: Final = 8.0  # within gunicorn's graceful_timeout (10 s, guard/server.py)
