@@ -209,7 +209,10 @@ class Preparer:
         self._threads.append(t)
         return t
 
-    def replicas_changed(self, added: list[ReplicaClient], removed: list[ReplicaClient]) -> None:
+    def replicas_changed(self, added: list[ReplicaClient], removed: list[ReplicaClient]) -> list[ReplicaView]:
+        """The pool's listener (and ``start``): drop the views of removed replicas, make one for each
+        added replica. Returns the views made, in the order of ``added``."""
+        made = []
         with self._lock:
             for c in removed:
                 view = self._views.pop(c.replica.address, None)
@@ -220,14 +223,11 @@ class Preparer:
             for c in added:
                 if c.replica.address not in self._views:
                     self._views[c.replica.address] = ReplicaView(c)
+                    made.append(self._views[c.replica.address])
         self._wake.set()
+        return made
 
     # -- the views: one watch, every other replica listed --------------------------------------
-
-    def view(self, address: str) -> ReplicaView | None:
-        """The view of the replica at ``address`` (IP:PORT), if it is one of the current replicas."""
-        with self._lock:
-            return self._views.get(address)
 
     def list_interval(self, view: ReplicaView) -> float:
         """Seconds between listings of a replica the guard does not watch: a few seconds (at most half

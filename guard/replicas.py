@@ -18,7 +18,7 @@ from guard.kube import Kube, ReplicaClient, discover_replicas
 from guard.settings import Replica, Settings, parse_replicas
 
 #: Called with (added, removed) after each refresh that changed the set of replicas.
-ReplicaListener = Callable[[list[ReplicaClient], list[ReplicaClient]], None]
+ReplicaListener = Callable[[list[ReplicaClient], list[ReplicaClient]], object]  # its return value is ignored
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,7 @@ def world():
     checker = Checker(settings(prepare_idle_after=0, sweep_interval=30.0), gets, timer=clock, background=False)
     replicas = [ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)]
     pv = Preparer(checker.settings, Pool(replicas), checker)
-    pv.replicas_changed(replicas, [])  # the views, without the threads start() would run
-    views = [pv.view(r.replica.address) for r in replicas]
+    views = pv.replicas_changed(replicas, [])  # the views, without the threads start() would run
     return etcd, gets, checker, pv, replicas, views
 
 

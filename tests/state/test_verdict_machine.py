@@ -64,8 +64,7 @@ class VerdictMachine(RuleBasedStateMachine):
         self.replicas = [Blame(f"10.0.0.{i}:6443", self.etcd) for i in (1, 2)]
         self.pv = Preparer(self.checker.settings, Pool(self.replicas), self.checker)
         self.pv.called()  # starts active; idle_spell makes it idle, the next scheduler call takes over
-        self.pv.replicas_changed(self.replicas, [])  # the views (start() would also run the threads)
-        self.views = [self.pv.view(r.replica.address) for r in self.replicas]
+        self.views = self.pv.replicas_changed(self.replicas, [])  # the views (start() also runs the threads)
         self.tmp = tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
         self.audit = AuditStore(Path(self.tmp.name) / "audit.db")
         self.confirms: list[tuple] = []
