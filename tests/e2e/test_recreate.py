@@ -26,7 +26,6 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import orjson
 import pytest
@@ -74,14 +73,8 @@ def report(db: str) -> dict:
 
 def access_log(g) -> list[dict]:
     """The guard's access-log lines for /filter, /preempt and /validate/binding (the whole file)."""
-    out = []
-    for line in Path(g.log.name).read_text(errors="replace").splitlines():
-        if not line.startswith("{"):
-            continue
-        entry = json.loads(line)
-        if entry.get("path") in ("/filter", "/preempt", "/validate/binding") and "uid" in entry:
-            out.append(entry)
-    return out
+    return [entry for entry in g.log_records()
+            if entry.get("path") in ("/filter", "/preempt", "/validate/binding") and "uid" in entry]
 
 
 def guard_events(lab, namespace: str = NS) -> list:

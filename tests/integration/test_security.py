@@ -124,11 +124,7 @@ def test_tls12_and_13_with_our_client_cert_are_served(mtls_guard, pki, version):
 
 
 def access_lines(g: GuardProcess) -> list[dict]:
-    out = []
-    for line in Path(g.log.name).read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"logger":"guard.access"' in line:
-            out.append(orjson.loads(line))
-    return out
+    return g.log_records("guard.access")
 
 
 @pytest.mark.parametrize("who", ["no-certificate", "certificate-from-another-ca", "ca-certificate-as-client"])
@@ -222,7 +218,7 @@ def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace
         assert good.metric("ghost_guard_fail_open_total", reason="apiserver") >= 3
         for g in guards:
             g.stop()  # everything the guards will ever log is written once they have exited
-        texts = [Path(g.log.name).read_text(errors="replace") + g.stdout() for g in guards] + bodies
+        texts = [g.logs(tail=None) + g.stdout() for g in guards] + bodies
         everything = "\n".join(texts)
         assert '"level":"debug"' in everything  # debug logging was really on
         for secret in (lab.token, wrong_token, ca_data[:40], Path(ours.tls_key).read_text().splitlines()[1][:40],
