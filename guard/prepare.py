@@ -272,16 +272,20 @@ class Preparer:
                 self.checker.cache.invalidate_name(pod.namespace, pod.name, before=known_at)
 
     def _watch_loop(self, view: ReplicaView) -> None:
-        """The guard's one watch of unscheduled pods, on ``view``'s replica, until told to stop."""
+        """The guard's one watch of unscheduled pods, on ``view``'s replica, until told to stop.
+
+        The stop event is this run's own: if the watch comes back to the same replica later, the new
+        run gets a new event (``_place_watch``) and this one still ends at its next event."""
+        stop = view.stop
         backoff = 0.5
         relist = True
-        while not (self._stop.is_set() or view.stop.is_set()):
+        while not (self._stop.is_set() or stop.is_set()):
             try:
                 if relist:
                     self.list_view(view)
                     relist = False
                 for event in view.client.watch_pending(view.resource_version, timeout_seconds=240):
-                    if self._stop.is_set() or view.stop.is_set():
+                    if self._stop.is_set() or stop.is_set():
                         return
                     self.apply_event(view, event)
                 backoff = 0.5
@@ -296,7 +300,7 @@ class Preparer:
                 log.info("watch of unscheduled pods on %s failed (%s: %s); retrying in %.1fs",
                          view.client.replica, type(e).__name__, str(e)[:200], backoff)
                 self._wake.set()  # another replica may be watched instead
-                view.stop.wait(backoff)
+                stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
 
     def _manage_loop(self) -> None:
@@ -330,7 +334,7 @@ class Preparer:
             watched = self._watched
         if active:
             self._place_watch(views, watched)
-        elif watched is not None or self._fallback is not None:
+        else:
             self._stop_watch()
         self._fallback_check(active)
         now = time.monotonic()
@@ -472,7 +476,7 @@ class Preparer:
 
     def _take_backlog(self) -> int:
         """Queue the pods seen while idle, oldest first (kube-scheduler's queue order for equal
-        priorities). Pods that are gone were dropped from the backlog by the watch."""
+        priorities). Pods that are gone were dropped from the backlog by the listings."""
         with self._lock:
             backlog = sorted(self._backlog.items(), key=lambda item: item[1])
             self._backlog.clear()
@@ -483,7 +487,7 @@ class Preparer:
         for pod, known_at in backlog:
             self._enqueue(pod, swept=False, known_at=known_at)
         log.info("scheduler calls arrived after an idle spell: verifying ahead again, %d pending pod(s) the "
-                 "watch holds queued for background verification", len(backlog))
+                 "listings hold queued for background verification", len(backlog))
         return len(backlog)
 
     def idle_status(self) -> dict:

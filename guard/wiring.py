@@ -99,7 +99,8 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
 
 
 def replica_details(incidents: IncidentRecorder, preparer: Preparer | None) -> dict[str, dict[str, object]]:
-    """Per apiserver replica, its unscheduled-pod watch (None with --no-prepare) and its newest cache
+    """Per apiserver replica, the guard's view of its unscheduled pods (watched or listed; None with
+    --no-prepare) and its newest cache
     probe (None before any ghost was probed). Information, never a reason for 503."""
     watches = preparer.watch_status()["replicas"] if preparer else {}
     probes = incidents.probe_status()

@@ -4,15 +4,19 @@ Every replica but the watched one is *listed* (its cache's unscheduled pods, ``r
 every few seconds instead of watched. A listing replaces the view: new pods are seen (queued for
 verification while active, oldest first), pods that left it are gone (their prepared verdicts
 dropped), and a replica listed before the guard knew a pod never counts as disagreeing about it.
-Scripted etcd and replica caches, events delivered by hand, no threads, no sleeps.
+Scripted etcd and replica caches, events delivered by hand, no sleeps (one test runs the watch's
+thread, and waits on what it did).
 """
 
 from __future__ import annotations
+
+import queue
 
 import pytest
 from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
 from guard.check import Checker
+from guard.lab.harness import eventually
 from guard.prepare import LIST_OBJECTS_PER_SECOND, Preparer, ReplicaView
 from guard.verdict import Verdict
 
@@ -142,3 +146,54 @@ def test_the_listing_interval_is_a_few_seconds_idle_or_not_and_grows_with_the_ba
     assert pv.list_interval(view) == 20.0  # a backlog of 10,000 pods: every 20 s
     short = Preparer(settings(sweep_interval=2.0), Pool([replica]), checker)
     assert short.list_interval(ReplicaView(replica)) == 1.0  # two sweeps in a row see fresh listings
+
+
+class StreamingReplica(ReplicaModel):
+    """A replica whose watch streams block until the test hands them an event (one queue per stream)."""
+
+    def __init__(self, address: str, etcd: Etcd) -> None:
+        super().__init__(address, etcd)
+        self.streams: list[queue.Queue] = []
+        self.open = 0
+
+    def watch_pending(self, resource_version: str, *, timeout_seconds: int = 300):
+        q: queue.Queue = queue.Queue()
+        self.streams.append(q)
+        self.open += 1
+        try:
+            while (event := q.get(timeout=30)) is not None:
+                yield event
+        finally:
+            self.open -= 1
+
+
+def test_a_watch_that_comes_back_to_its_replica_ends_the_old_stream():
+    """Idle, then called again: the watch returns to the same replica with a new stream, and the
+    stream from before (stopped while it waited for an event) ends at its next event instead of
+    running on beside the new one."""
+    etcd = Etcd()
+    clock = FakeClock()
+    checker = Checker(settings(prepare_idle_after=60.0), ScriptedGets(etcd), timer=clock, background=False)
+    replica = StreamingReplica("10.0.0.1:6443", etcd)
+    pv = Preparer(checker.settings, Pool([replica]), checker)
+    pv.replicas_changed([replica], [])
+    try:
+        pv.called()
+        pv.manage()  # active: the watch starts on the one replica
+        eventually(lambda: replica.open == 1, 10, what="the first stream open")
+        clock.advance(61)
+        pv.manage()  # idle: the watch is told to stop; its stream waits for an event
+        pv.called()
+        pv.manage()  # active again: a new watch, a new stream, on the same replica
+        eventually(lambda: len(replica.streams) == 2 and replica.open == 2, 10, what="the second stream open")
+        etcd.create("web")
+        event = replica.deliver()
+        replica.streams[0].put(event)  # the old stream's next event
+        eventually(lambda: replica.open == 1, 10, what="the old stream ended")
+        replica.streams[1].put(event)
+        eventually(lambda: any(p.name == "web" for v in pv.pending_views().values() for p in v[1].values()), 10,
+                   what="the new stream's event applied")
+    finally:
+        pv.close()
+        for q in replica.streams:
+            q.put(None)
