@@ -6,8 +6,11 @@ work and the machine's other load stay out of the figure. Blocks of GETs alterna
 
 - ``client``: ``CoreV1Api.read_namespaced_pod(_preload_content=False)`` plus ``orjson.loads``
   (what ``Kube.quorum_get`` did before issue 15);
-- ``guard``: ``Kube.quorum_get`` (the client's urllib3 pool and auth settings, no per-call
-  validation or wrapping).
+- ``urllib3``: the same GET through the client's urllib3 pool with its auth settings, no per-call
+  validation or wrapping (what ``Kube.quorum_get`` did from issue 15's first cut until its own
+  transport, and what it still does through a proxy);
+- ``guard``: ``Kube.quorum_get`` (guard/httpget.py: kept-alive connections opened by urllib3 with
+  the client's TLS settings, the reply parsed by httptools).
 
 Run from the repository root: ``python -m benchmarks.quorum_get_cpu [--gets 2000]``.
 """
@@ -21,6 +24,7 @@ import tempfile
 import time
 
 import orjson
+import urllib3
 
 from benchmarks.soak_lab import LabProcess
 from guard.kube import Kube, load_configuration
@@ -42,10 +46,16 @@ def main() -> int:
                 resp = kube.core.read_namespaced_pod("p", "default", _preload_content=False, _request_timeout=5.0)
                 orjson.loads(resp.data)
 
+            def urllib3_get() -> None:
+                resp = kube._pool.request("GET", kube._auth.host + kube._pod_path("default", "p"),
+                                          headers=kube._headers(), timeout=urllib3.Timeout(total=5.0), retries=False,
+                                          redirect=False, preload_content=True)
+                assert orjson.loads(resp.data)["metadata"]["uid"]
+
             def guard_get() -> None:
                 assert kube.quorum_get("default", "p").uid
 
-            variants = {"client": client_get, "guard": guard_get}
+            variants = {"client": client_get, "urllib3": urllib3_get, "guard": guard_get}
             cpu: dict[str, list[float]] = {k: [] for k in variants}
             wall: dict[str, list[float]] = {k: [] for k in variants}
             for fn in variants.values():  # warm both up: connections, imports

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import ssl
+import threading
 from collections.abc import Iterator
 from urllib.parse import quote
 from typing import Any
@@ -20,9 +22,11 @@ import orjson
 import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from kubernetes.client.rest import should_bypass_proxies, tcp_keepalive_socket_options
 from kubernetes.config.config_exception import ConfigException
 
 from guard.attribution import ReplicaObservation, http_error, transport_error
+from guard.httpget import Connections, GetError
 from guard.settings import Replica
 from guard.verdict import QuorumRead, shows_pending
 
@@ -75,6 +79,26 @@ class KubeWriteError(Exception):
         self.message = message
 
 
+def connection_settings(configuration: Any) -> dict[str, Any] | None:
+    """The keyword arguments of urllib3's connection, as the kubernetes client builds its pool
+    (``kubernetes.client.rest.RESTClientObject``), or None when a proxy applies to the host."""
+    if configuration.proxy and not should_bypass_proxies(configuration.host, configuration.no_proxy or ""):
+        return None
+    kw: dict[str, Any] = {"cert_reqs": ssl.CERT_REQUIRED if configuration.verify_ssl else ssl.CERT_NONE,
+                          "ca_certs": configuration.ssl_ca_cert, "cert_file": configuration.cert_file,
+                          "key_file": configuration.key_file,
+                          "ca_cert_data": getattr(configuration, "ca_cert_data", None)}
+    if configuration.assert_hostname is not None:
+        kw["assert_hostname"] = configuration.assert_hostname
+    if configuration.tls_server_name:
+        kw["server_hostname"] = configuration.tls_server_name
+    if configuration.socket_options is not None:
+        kw["socket_options"] = configuration.socket_options
+    elif getattr(configuration, "keep_alive", False):
+        kw["socket_options"] = tcp_keepalive_socket_options()
+    return kw
+
+
 class Kube:
     """The guard's apiserver client: quorum GETs, readiness, and the heal's writes."""
 
@@ -98,6 +122,12 @@ class Kube:
         # it: the same proxy, token, hooks and host as the client's own calls, without the scan.
         self._auth: client.Configuration = copy.deepcopy(configuration)
         self._auth.proxy = configuration.proxy
+        # The GET's own kept-alive connections (guard/httpget.py), opened with the client's TLS
+        # settings; None through a proxy, where the client's pool is used.
+        self._wire_settings = connection_settings(configuration)
+        self._pool_size = max(pool_size, 1)
+        self._wire: Connections | None = None
+        self._wire_lock = threading.Lock()
 
     def quorum_get(self, namespace: str, name: str, timeout: float | None = None) -> QuorumRead:
         """GET the pod with no resourceVersion: served by etcd (linearizable), never by a watch cache.
@@ -116,11 +146,23 @@ class Kube:
         timeout = self.timeout if timeout is None else min(timeout, self.timeout)
         try:
             headers = self._headers()  # first: the auth hook may rewrite the host (the client's own order)
-            resp = self._pool.request("GET", self._pod_url(namespace, name), headers=headers,
-                                      timeout=urllib3.Timeout(total=timeout), retries=False, redirect=False,
-                                      preload_content=True)
-            status = resp.status
-            data = resp.data
+            wire = self._connections()
+            if wire is not None:
+                reply = wire.get(self._pod_path(namespace, name), headers, timeout)
+                status, reason, data = reply.status, reply.reason, reply.body
+            else:  # through a proxy: the client's pool
+                resp = self._pool.request("GET", self._auth.host + self._pod_path(namespace, name), headers=headers,
+                                          timeout=urllib3.Timeout(total=timeout), retries=False, redirect=False,
+                                          preload_content=True)
+                status, reason, data = resp.status, resp.reason or "", resp.data
+        except GetError as e:
+            if e.kind == "timeout":
+                return QuorumRead.failed(f"timeout after {timeout:g}s")
+            if e.kind == "tls":
+                return QuorumRead.failed("TLS error talking to the apiserver")
+            if e.kind == "protocol":
+                return QuorumRead.failed(f"bad HTTP reply from the apiserver: {e.name}")
+            return QuorumRead.failed(f"connection error: {e.name}")
         except urllib3.exceptions.SSLError:
             return QuorumRead.failed("TLS error talking to the apiserver")
         except urllib3.exceptions.NewConnectionError as e:  # before TimeoutError: urllib3 makes it a subclass
@@ -130,7 +172,7 @@ class Kube:
         except (urllib3.exceptions.HTTPError, OSError) as e:
             return QuorumRead.failed(f"connection error: {type(e).__name__}")
         if not 200 <= status <= 299:
-            reason, body = _error_reason(data, resp.reason)
+            reason, body = _error_reason(data, reason)
             raw_details = body.get("details")
             details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
             if status == 404 and reason == "NotFound" and details.get("kind") in ("pods", None):
@@ -155,11 +197,28 @@ class Kube:
             resource_version=str(meta.get("resourceVersion") or ""),
         )
 
-    def _pod_url(self, namespace: str, name: str) -> str:
-        # As the client builds it: host (read after the auth hook, which may rewrite it), then
-        # the path parameters percent-encoded with the configuration's safe characters.
+    def _pod_path(self, namespace: str, name: str) -> str:
+        # As the client builds it: the path parameters percent-encoded with the configuration's safe characters.
         safe = self._auth.safe_chars_for_path_param
-        return f"{self._auth.host}/api/v1/namespaces/{quote(namespace, safe=safe)}/pods/{quote(name, safe=safe)}"
+        return f"/api/v1/namespaces/{quote(namespace, safe=safe)}/pods/{quote(name, safe=safe)}"
+
+    def _connections(self) -> Connections | None:
+        """The kept-alive connections to the host the auth hook left (None through a proxy).
+
+        The kubeconfig loader's hook assigns the host on every call; it is the same host, but a
+        hook may move it (the tests' does), and then the connections follow."""
+        host = self._auth.host
+        wire = self._wire
+        if wire is not None and wire.url == host:
+            return wire
+        if self._wire_settings is None:
+            return None
+        with self._wire_lock:
+            if self._wire is None or self._wire.url != host:
+                old, self._wire = self._wire, Connections(host, self._wire_settings, keep=self._pool_size)
+                if old is not None:
+                    old.close()
+            return self._wire
 
     def _headers(self) -> dict[str, str]:
         """The client's default headers (User-Agent), JSON, and its auth (the refresh hook runs here)."""
@@ -225,6 +284,9 @@ class Kube:
         return None
 
     def close(self) -> None:
+        with self._wire_lock:
+            if self._wire is not None:
+                self._wire.close()
         self.api_client.close()
 
 

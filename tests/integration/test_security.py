@@ -389,11 +389,13 @@ def code_calls() -> set[tuple[str, str, str, str]]:
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
             recv, method = node.func.value, node.func.attr
-            if (method == "request" and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant)
-                    and isinstance(node.args[1], ast.Call) and isinstance(node.args[1].func, ast.Attribute)
-                    and node.args[1].func.attr == "_pod_url"):
-                # Kube.quorum_get: GET of one pod through the client's own urllib3 pool (no CoreV1Api call)
-                calls.add(("*", "", "pods", node.args[0].value.lower()))
+            if any(isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) and a.func.attr == "_pod_path"
+                   for a in ast.walk(node) if a is not node):
+                # Kube.quorum_get: GET of one pod on its own connections (guard/httpget.py), or through
+                # the client's urllib3 pool behind a proxy (no CoreV1Api call)
+                assert method in ("get", "request"), f"{path.name}: unknown use of _pod_path in {method}()"
+                verb = node.args[0].value.lower() if method == "request" else "get"
+                calls.add(("*", "", "pods", verb))
                 continue
             if isinstance(recv, ast.Call) and isinstance(recv.func, ast.Attribute) and recv.func.attr.endswith("Api"):
                 cls = recv.func.attr
