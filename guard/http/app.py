@@ -11,6 +11,7 @@ import ctypes
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import orjson
 from flask import Flask, Response, g, request
@@ -24,6 +25,7 @@ from guard.http.exchange import BodyBudget, json_error, record_request
 from guard.identity import RolePolicy
 from guard.settings import Settings
 from guard.wiring import build_guard
+from guard.worker import DIRECT_LANE, PEER_CERT
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +94,16 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
                        g.get("pod"), g.get("verdict"))
         return resp
 
-    # /filter and /preempt as kube-scheduler sends them skip Flask (guard.http.filter.FastLane).
-    app.wsgi_app = filter_routes.FastLane(app.wsgi_app, guard, bodies)  # type: ignore[method-assign]
-    # Outermost: with mTLS, each endpoint answers only its role's client certificates (both lanes).
+    # /filter and /preempt as kube-scheduler sends them skip Flask (guard.http.filter.FastLane), and
+    # skip WSGI altogether when the worker can hand them over whole (guard.worker.DIRECT_LANE).
+    fast = filter_routes.FastLane(app.wsgi_app, guard, bodies)
+    app.wsgi_app = fast  # type: ignore[method-assign]
+    # Outermost: with mTLS, each endpoint answers only its role's client certificates (every lane).
+    roles = None
     if settings.client_ca and not settings.insecure_http:
-        app.wsgi_app = RoleCheck(app.wsgi_app, settings)  # type: ignore[method-assign]
+        roles = RoleCheck(app.wsgi_app, settings)
+        app.wsgi_app = roles  # type: ignore[method-assign]
+    app.extensions[DIRECT_LANE] = filter_routes.DirectLane(fast, roles.refusal if roles is not None else None)
     return app
 
 
@@ -114,14 +121,19 @@ class RoleCheck:
 
     def __call__(self, environ: dict, start_response: Callable):
         path = environ.get("PATH_INFO", "")
-        refused = self.policy.refuse(path, environ.get("ghost_guard.peer_cert"))
-        if refused is None:
+        payload = self.refusal(environ.get("REQUEST_METHOD", ""), path, environ.get(PEER_CERT), environ.get("REMOTE_ADDR"))
+        if payload is None:
             return self.app(environ, start_response)
-        role, reason = refused
-        payload = orjson.dumps({"error": reason})
         start_response("403 Forbidden", [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
-        metrics.REQUESTS_FORBIDDEN.labels(path, role).inc()
-        log.warning("refused %s %s from %s: %s", environ.get("REQUEST_METHOD"), path[:200],
-                    environ.get("REMOTE_ADDR"), reason)
-        record_request(self.settings, environ.get("REQUEST_METHOD", ""), path, 403, 0.0, environ.get("REMOTE_ADDR"))
         return [payload]
+
+    def refusal(self, method: str, path: str, peer_cert: dict[str, Any] | None, remote: str | None) -> bytes | None:
+        """None when the certificate may call ``path``; else the 403's JSON payload, counted and logged."""
+        refused = self.policy.refuse(path, peer_cert)
+        if refused is None:
+            return None
+        role, reason = refused
+        metrics.REQUESTS_FORBIDDEN.labels(path, role).inc()
+        log.warning("refused %s %s from %s: %s", method, path[:200], remote, reason)
+        record_request(self.settings, method, path, 403, 0.0, remote)
+        return orjson.dumps({"error": reason})

@@ -5,14 +5,18 @@ rejected on every node as *unresolvable*, and vetoed as a preemptor: without
 the preempt verb a ghost that only fits by eviction makes the scheduler evict
 real pods (it never reaches /filter, the built-in plugins already failed it).
 
-Two lanes, one answer (:func:`answer`):
+Three lanes, one answer (:func:`answer`):
 
-- :class:`FastLane`, a WSGI middleware in front of Flask, takes the calls as
-  kube-scheduler makes them (POST, ``application/json``, a Content-Length
-  within ``--max-body-bytes``): body in, answer out, no Flask request
-  machinery. kube-scheduler waits for this inside its serial scheduling
-  cycle, and Flask's per-request work (about 0.1 ms) was most of the guard's
-  cost on a prepared verdict.
+- :class:`DirectLane`, below WSGI: the worker (guard.worker, ``plain_call``)
+  hands it the calls exactly as kube-scheduler makes them (``POST`` over
+  HTTP/1.1, ``application/json``, a Content-Length body of at most the
+  BodyBudget's small size): body in, status and payload out. kube-scheduler
+  waits for this inside its serial scheduling cycle, and gunicorn's request
+  parser, WSGI environ and response object were half of the guard's CPU per
+  call (docs/BENCHMARKS.md).
+- :class:`FastLane`, a WSGI middleware in front of Flask, takes the other
+  well-formed verb calls (a larger body, HTTP/1.0, other header shapes):
+  body in, answer out, no Flask request machinery.
 - Everything else (a chunked body, a wrong method or Content-Type, an
   oversized body) falls through to the Flask routes below, which give the
   same answers and the 4xx replies.
@@ -101,7 +105,6 @@ class FastLane:
         start = time.perf_counter()
         arrived = time.monotonic()
         path = environ["PATH_INFO"]
-        pod = verdict = None
         taken = 0
         try:
             taken = acquire_room(self.bodies, environ["wsgi.input"], length)
@@ -109,6 +112,22 @@ class FastLane:
                 body = environ["wsgi.input"].read(length)
             except Exception as e:  # the client went away or stalled mid-body
                 raise ProtocolError(f"could not read the request body: {type(e).__name__}") from e
+        except ProtocolError as e:
+            payload, status = orjson.dumps({"error": str(e)}), e.status
+            record_request(self.settings, "POST", path, status, time.perf_counter() - start, environ.get("REMOTE_ADDR"))
+        else:
+            status, payload = self.reply(path, body, environ.get("REMOTE_ADDR"), start, arrived)
+        start_response(_STATUS_LINES[status], [("Content-Type", _JSON), ("Content-Length", str(len(payload)))])
+        if taken:  # the room is given back once the reply is written (the server closes the iterable)
+            return ClosingIterator([payload], lambda: self.bodies.release(taken))
+        return [payload]
+
+    def reply(self, path: str, body: bytes, remote: str | None, start: float, arrived: float) -> tuple[int, bytes]:
+        """(status, JSON payload) of a verb call whose body is in memory; its metrics and access-log line recorded.
+
+        ``start`` (time.perf_counter) times the request; ``arrived`` (time.monotonic) starts its budget."""
+        pod = verdict = None
+        try:
             payload, pod, decision = answer(self.guard, path, body, arrived)
             verdict = decision.verdict.value
             status = 200
@@ -117,12 +136,31 @@ class FastLane:
         except Exception:
             log.exception("unhandled error on POST %s", path)
             payload, status = orjson.dumps({"error": "internal error; see the guard's log"}), 500
-        start_response(_STATUS_LINES[status], [("Content-Type", _JSON), ("Content-Length", str(len(payload)))])
-        record_request(self.settings, "POST", path, status, time.perf_counter() - start,
-                       environ.get("REMOTE_ADDR"), pod, verdict)
-        if taken:  # the room is given back once the reply is written (the server closes the iterable)
-            return ClosingIterator([payload], lambda: self.bodies.release(taken))
-        return [payload]
+        record_request(self.settings, "POST", path, status, time.perf_counter() - start, remote, pod, verdict)
+        return status, payload
+
+
+class DirectLane:
+    """The verb calls the worker hands over without WSGI (guard.worker.plain_call): the same answers
+    as :class:`FastLane`, and with mTLS the same role check as the WSGI lanes (``refuse``).
+
+    Bodies here are at most the BodyBudget's small size, which never takes room in it."""
+
+    paths = frozenset(VERBS)
+
+    def __init__(self, fast: FastLane, refuse: Callable[[str, str, Any, str | None], bytes | None] | None) -> None:
+        self.fast = fast
+        self.refuse = refuse
+        self.max_body = min(fast.bodies.small, fast.limit)
+
+    def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: Any) -> tuple[int, bytes]:
+        start = time.perf_counter()
+        arrived = time.monotonic()
+        if self.refuse is not None:
+            refused = self.refuse("POST", path, peer_cert, remote)
+            if refused is not None:
+                return 403, refused
+        return self.fast.reply(path, body, remote, start, arrived)
 
 
 # --- the Flask lane: everything the fast lane passes on ----------------------------------------------
