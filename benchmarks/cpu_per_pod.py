@@ -66,6 +66,14 @@ GUARD_WATCH = "/api/v1/pods"  # the guard's watches of unscheduled pods (all nam
 
 def tree_cpu(pid: int) -> float:
     """utime + stime (seconds) of ``pid`` and every live descendant, plus what reaped children used."""
+    return sum(tree_usage(pid)[:2])
+
+
+def tree_usage(pid: int) -> tuple[float, float, int]:
+    """(user seconds, system seconds, context switches of the live threads) of ``pid``'s process tree.
+
+    User and system time include what reaped children used; the switches (voluntary and not, summed
+    over every thread in ``/proc/PID/task``) count each handoff between threads and each wait."""
     parents: dict[int, int] = {}
     stats: dict[int, list[str]] = {}
     for entry in os.listdir("/proc"):
@@ -85,7 +93,24 @@ def tree_cpu(pid: int) -> float:
         tree.update(kids)
         frontier.extend(kids)
     # fields[11..14] = utime, stime, cutime, cstime (stat fields 14-17)
-    return sum(sum(int(x) for x in stats[p][11:15]) for p in tree if p in stats) / TICK
+    live = [stats[p] for p in tree if p in stats]
+    user = sum(int(f[11]) + int(f[13]) for f in live) / TICK
+    system = sum(int(f[12]) + int(f[14]) for f in live) / TICK
+    switches = 0
+    for p in tree:
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                status = Path(f"/proc/{p}/task/{t}/status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if "ctxt_switches:" in line:
+                    switches += int(line.split()[1])
+    return user, system, switches
 
 
 def lab_log(lab: LabProcess) -> tuple[list[dict], dict[str, dict[str, int]]]:
@@ -126,7 +151,7 @@ def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: 
     spy = None
     if profile:
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--subprocesses", "--gil", "--nonblocking",
-                                "--rate", "250", "--format", "raw", "--output", f"{profile}.txt"],
+                                "--rate", "1000", "--format", "raw", "--output", f"{profile}.txt"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
     if warm:  # a scheduler call before the case: the guard is the one being asked (verifies ahead) from the start
@@ -136,10 +161,12 @@ def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: 
         answered0 = {k: int(metric(url, f"ghost_guard_verdicts_{k}_total")) for k in ("prepared", "shared_read", "inline")}
     _, ev_before = lab_log(lab)
     since = time.time()
-    cpu0 = tree_cpu(proc.pid)
+    use0 = tree_usage(proc.pid)
     idle0 = [tree_cpu(p.pid) for p in idle]
     res = run_case(lab, namespace, url, pods, rate)
-    cpu = tree_cpu(proc.pid) - cpu0
+    use1 = tree_usage(proc.pid)
+    user, system, switches = (b - a for a, b in zip(use0, use1))
+    cpu = user + system
     idle_cpu = [tree_cpu(p.pid) - c for p, c in zip(idle, idle0)]
     reqs, ev_after = lab_log(lab)
     if spy is not None:
@@ -153,7 +180,8 @@ def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: 
     mine = guard_requests(reqs, namespace, since)
     guard_events = events_between(ev_before, ev_after, GUARD_WATCH)
     client_events = events_between(ev_before, ev_after, f"/api/v1/namespaces/{namespace}/pods")
-    res.update(cpu_ms_per_pod=cpu * 1000 / pods, requests_per_pod=len(mine) / pods,
+    res.update(cpu_ms_per_pod=cpu * 1000 / pods, user_ms_per_pod=user * 1000 / pods,
+               sys_ms_per_pod=system * 1000 / pods, switches_per_pod=switches / pods, requests_per_pod=len(mine) / pods,
                watch_events_per_pod=sum(guard_events.values()) / pods,
                client_watch_events_per_pod=sum(client_events.values()) / pods,
                watch_events=guard_events, answered=answered,
