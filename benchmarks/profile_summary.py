@@ -7,7 +7,7 @@ Two views, in milliseconds of GIL-held time per pod (samples / rate / pods):
 - **by layer**: the innermost frame's module (the client layer's validation, its request building,
   urllib3, http.client, TLS and sockets, Flask/WSGI, metrics, cache, ...).
 
-Run: ``python -m benchmarks.profile_summary DIR/live-100-0.txt [...] --pods 500 --rate 250``.
+Run: ``python -m benchmarks.profile_summary DIR/live-100-0.txt [...] --pods 500 --rate 1000``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+")
     ap.add_argument("--pods", type=int, default=500, help="pods per profiled run")
-    ap.add_argument("--rate", type=float, default=250.0, help="py-spy's sampling rate (Hz)")
+    ap.add_argument("--rate", type=float, default=1000.0, help="py-spy's sampling rate (Hz)")
     ap.add_argument("--top", type=int, default=15, help="innermost functions to list")
     args = ap.parse_args()
     activity: collections.Counter[str] = collections.Counter()
