@@ -29,6 +29,7 @@ import select
 import ssl
 import threading
 import time
+from collections.abc import Generator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,6 +52,14 @@ class GetError(Exception):
         self.kind, self.name = kind, name
 
 
+class StatusError(Exception):
+    """A streamed GET answered with a status other than 200: its status, reason and (bounded) body."""
+
+    def __init__(self, status: int, reason: str, body: bytes) -> None:
+        super().__init__(f"HTTP {status} {reason}")
+        self.status, self.reason, self.body = status, reason, body
+
+
 class Reply:
     __slots__ = ("status", "reason", "body")
 
@@ -61,10 +70,11 @@ class Reply:
 class _Reading:
     """httptools' callbacks for one reply."""
 
-    __slots__ = ("parser", "reason", "parts", "size", "messages", "done", "keep_alive", "too_large")
+    __slots__ = ("parser", "reason", "parts", "size", "messages", "done", "keep_alive", "too_large", "headed")
 
     def __init__(self) -> None:
         self.parser: Any = None
+        self.headed = False
         self.keep_alive = False
         self.too_large = False
         self.reason = b""
@@ -79,6 +89,10 @@ class _Reading:
     def on_status(self, data: bytes) -> None:
         if self.messages == 1:
             self.reason += data
+
+    def on_headers_complete(self) -> None:
+        if self.messages == 1:
+            self.headed = True
 
     def on_body(self, data: bytes) -> None:
         if self.messages != 1:  # bytes after our reply: never part of it
@@ -142,6 +156,56 @@ class Connections:
         else:
             conn.close()
         return reply
+
+    def stream(self, path: str, headers: dict[str, str], *, connect_timeout: float,
+               read_timeout: float) -> Generator[bytes, None, None]:
+        """GET ``path`` on a connection of its own and yield the body as it arrives (a watch), until
+        the server ends the reply. ``connect_timeout`` bounds connecting, sending and the reply's head;
+        ``read_timeout`` each wait for more of the body. Raises GetError, or StatusError for a reply
+        other than 200 (its body read within the connect timeout and ``MAX_REPLY_BYTES``).
+        The connection is closed when the reply ends or the caller stops iterating."""
+        deadline = time.monotonic() + connect_timeout
+        request = self._request(path, headers)
+        conn = self._connect(deadline)
+        sock = conn.sock
+        reading = _Reading()
+        parser = reading.parser = httptools.HttpResponseParser(reading)
+        try:
+            try:
+                sock.settimeout(_left(deadline))
+                sock.sendall(request)
+                while not reading.done:
+                    sock.settimeout(_left(deadline) if not reading.headed or parser.get_status_code() != 200
+                                    else read_timeout)
+                    data = sock.recv(READ_SIZE)
+                    if not data:
+                        raise GetError("connection", "RemoteDisconnected")
+                    try:
+                        parser.feed_data(data)
+                    except httptools.HttpParserError as e:
+                        if reading.too_large:
+                            raise GetError("protocol", "ReplyTooLarge") from e
+                        if reading.done:
+                            break
+                        raise GetError("protocol", type(e).__name__) from e
+                    if reading.headed and parser.get_status_code() == 200 and reading.parts:
+                        parts, reading.parts, reading.size = reading.parts, [], 0
+                        yield b"".join(parts) if len(parts) > 1 else parts[0]
+            except GetError:
+                raise
+            except (TimeoutError, ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+                raise GetError("timeout", "TimeoutError") from e
+            except ssl.SSLError as e:
+                raise GetError("tls", type(e).__name__) from e
+            except OSError as e:
+                raise GetError("connection", type(e).__name__) from e
+            status = parser.get_status_code()
+            if status != 200:
+                raise StatusError(status, reading.reason.decode("latin-1").strip(), b"".join(reading.parts))
+            if reading.parts:
+                yield b"".join(reading.parts)
+        finally:
+            conn.close()
 
     def close(self) -> None:
         with self._lock:

@@ -245,3 +245,65 @@ def test_a_refused_connection_is_a_connection_error():
     with pytest.raises(GetError) as err:
         wire.get("/x", {}, 2.0)
     assert (err.value.kind, err.value.name) == ("connection", "NewConnectionError")
+
+
+# --- streams (the watch) ------------------------------------------------------------------------
+
+
+def test_a_stream_yields_each_piece_as_it_arrives_and_ends_with_the_reply(serve):
+    sent_second = threading.Event()
+    got_first = threading.Event()
+
+    def watch(server: Server, conn: socket.socket, index: int) -> None:
+        server.read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        conn.sendall(b"%x\r\n%s\r\n" % (len(b'{"type":"ADDED"}\n'), b'{"type":"ADDED"}\n'))
+        got_first.wait(5)  # the second event only once the first reached the caller
+        conn.sendall(b"%x\r\n%s\r\n" % (len(b'{"type":"DELETED"}\n'), b'{"type":"DELETED"}\n'))
+        sent_second.set()
+        conn.sendall(b"0\r\n\r\n")
+
+    server = serve(watch)
+    wire = Connections(server.url, {}, keep=1)
+    pieces = []
+    for piece in wire.stream("/api/v1/pods?watch=true", {}, connect_timeout=2.0, read_timeout=2.0):
+        if not pieces:
+            assert not sent_second.is_set()
+        pieces.append(piece)
+        got_first.set()
+    assert pieces == [b'{"type":"ADDED"}\n', b'{"type":"DELETED"}\n']
+
+
+def test_a_stream_answered_with_an_error_raises_its_status_and_body(serve):
+    gone = b'{"kind":"Status","status":"Failure","reason":"Expired","code":410}'
+    server = serve(answering(length_reply(gone, status=b"410 Gone")))
+    wire = Connections(server.url, {}, keep=1)
+    with pytest.raises(httpget.StatusError) as err:
+        list(wire.stream("/w", {}, connect_timeout=2.0, read_timeout=2.0))
+    assert (err.value.status, err.value.reason, err.value.body) == (410, "Gone", gone)
+
+
+def test_a_stream_that_stalls_times_out_and_a_stopped_stream_closes_its_connection(serve):
+    closed = threading.Event()
+
+    def stall(server: Server, conn: socket.socket, index: int) -> None:
+        server.read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nab\n\r\n")
+        conn.settimeout(5)
+        try:
+            if conn.recv(1) == b"":
+                closed.set()
+        except OSError:
+            closed.set()
+
+    server = serve(stall)
+    wire = Connections(server.url, {}, keep=1)
+    with pytest.raises(GetError) as err:
+        list(wire.stream("/w", {}, connect_timeout=2.0, read_timeout=0.3))
+    assert err.value.kind == "timeout"
+    assert closed.wait(5)
+    closed.clear()
+    stream = wire.stream("/w", {}, connect_timeout=2.0, read_timeout=5.0)
+    assert next(stream) == b"ab\n"
+    stream.close()
+    assert closed.wait(5)
