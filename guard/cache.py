@@ -140,7 +140,7 @@ class VerdictCache:
     # -- ghosts ----------------------------------------------------------------------------
 
     def ghost(self, pod: PodRef) -> Decision | None:
-        if not pod.uid:
+        if not pod.uid or not self._ghosts:  # no ghost cached at all (nearly always): no lookup
             return None
         with self._ghost_lock:
             entry = self._ghosts.get(pod)

@@ -71,7 +71,10 @@ class Guard:
 
 def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str | None]] = ()) -> Guard:
     """Clients, caches and background workers of one worker process (after the fork)."""
-    kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout, pool_size=settings.threads)
+    # A kept connection for each thread that may GET at once (request threads and background verifiers):
+    # a connection closed for want of room is a new TLS handshake (about 2 ms of CPU) later.
+    kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout,
+                pool_size=settings.threads + settings.verify_concurrency)
     checker = Checker(settings, kube.quorum_get)
     # An audit store that cannot be opened or written never changes a verdict nor readiness: its
     # health is a metric, a log line and a /readyz detail (IncidentRecorder.check_audit).
