@@ -29,7 +29,8 @@ import select
 import ssl
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -108,6 +109,35 @@ class _Reading:
             self.done = True
             self.keep_alive = self.parser.should_keep_alive()  # llhttp resets it once the callback returns
 
+    def read_more(self, sock: Any, timeout: float) -> None:
+        """One read from ``sock`` (waiting at most ``timeout``) fed to the parser. Raises GetError."""
+        with _socket_errors():
+            sock.settimeout(timeout)
+            data = sock.recv(READ_SIZE)
+        if not data:
+            raise GetError("connection", "RemoteDisconnected")
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            if self.too_large:
+                raise GetError("protocol", "ReplyTooLarge") from e
+            if not self.done:
+                raise GetError("protocol", type(e).__name__) from e
+            self.messages += 1  # bytes after our reply that are no reply: keep ours, drop the connection
+
+
+@contextmanager
+def _socket_errors() -> Iterator[None]:
+    """Socket and TLS errors as GetError."""
+    try:
+        yield
+    except (TimeoutError, ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+        raise GetError("timeout", "TimeoutError") from e
+    except ssl.SSLError as e:
+        raise GetError("tls", type(e).__name__) from e
+    except OSError as e:
+        raise GetError("connection", type(e).__name__) from e
+
 
 class _Conn:
     __slots__ = ("http", "sock")
@@ -171,34 +201,15 @@ class Connections:
         reading = _Reading()
         parser = reading.parser = httptools.HttpResponseParser(reading)
         try:
-            try:
+            with _socket_errors():
                 sock.settimeout(_left(deadline))
                 sock.sendall(request)
-                while not reading.done:
-                    sock.settimeout(_left(deadline) if not reading.headed or parser.get_status_code() != 200
-                                    else read_timeout)
-                    data = sock.recv(READ_SIZE)
-                    if not data:
-                        raise GetError("connection", "RemoteDisconnected")
-                    try:
-                        parser.feed_data(data)
-                    except httptools.HttpParserError as e:
-                        if reading.too_large:
-                            raise GetError("protocol", "ReplyTooLarge") from e
-                        if reading.done:
-                            break
-                        raise GetError("protocol", type(e).__name__) from e
-                    if reading.headed and parser.get_status_code() == 200 and reading.parts:
-                        parts, reading.parts, reading.size = reading.parts, [], 0
-                        yield b"".join(parts) if len(parts) > 1 else parts[0]
-            except GetError:
-                raise
-            except (TimeoutError, ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
-                raise GetError("timeout", "TimeoutError") from e
-            except ssl.SSLError as e:
-                raise GetError("tls", type(e).__name__) from e
-            except OSError as e:
-                raise GetError("connection", type(e).__name__) from e
+            while not reading.done:
+                streaming = reading.headed and parser.get_status_code() == 200
+                reading.read_more(sock, read_timeout if streaming else _left(deadline))
+                if reading.parts and reading.headed and parser.get_status_code() == 200:
+                    parts, reading.parts, reading.size = reading.parts, [], 0
+                    yield b"".join(parts) if len(parts) > 1 else parts[0]
             status = parser.get_status_code()
             if status != 200:
                 raise StatusError(status, reading.reason.decode("latin-1").strip(), b"".join(reading.parts))
@@ -272,31 +283,11 @@ class Connections:
         sock = conn.sock
         reading = _Reading()
         parser = reading.parser = httptools.HttpResponseParser(reading)
-        try:
+        with _socket_errors():
             sock.settimeout(_left(deadline))
             sock.sendall(request)
-            while not reading.done:
-                sock.settimeout(_left(deadline))
-                data = sock.recv(READ_SIZE)
-                if not data:
-                    raise GetError("connection", "RemoteDisconnected")
-                try:
-                    parser.feed_data(data)
-                except httptools.HttpParserError as e:
-                    if reading.too_large:
-                        raise GetError("protocol", "ReplyTooLarge") from e
-                    if reading.done:  # bytes after our reply: keep the reply, drop the connection
-                        reading.messages += 1
-                        break
-                    raise GetError("protocol", type(e).__name__) from e
-        except GetError:
-            raise
-        except (TimeoutError, ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
-            raise GetError("timeout", "TimeoutError") from e
-        except ssl.SSLError as e:
-            raise GetError("tls", type(e).__name__) from e
-        except OSError as e:
-            raise GetError("connection", type(e).__name__) from e
+        while not reading.done:
+            reading.read_more(sock, _left(deadline))
         keep = reading.messages == 1 and reading.keep_alive and not (self._https and sock.pending())
         reply = Reply(parser.get_status_code(), reading.reason.decode("latin-1").strip(), b"".join(reading.parts))
         return reply, keep

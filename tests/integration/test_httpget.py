@@ -92,6 +92,17 @@ def serve() -> Iterator[Callable[[Callable[[Server, socket.socket, int], None]],
         s.close()
 
 
+def failure(server: Server, path: str, headers: dict[str, str], timeout: float) -> GetError:
+    """The GetError of one GET on a fresh set of connections to ``server``."""
+    wire = Connections(server.url, {}, keep=1)
+    try:
+        with pytest.raises(GetError) as err:
+            wire.get(path, headers, timeout)
+    finally:
+        wire.close()
+    return err.value
+
+
 def answering(*replies: bytes, close_after: bool = False):
     """A script that answers each request on a connection with the next reply (the last one repeats)."""
 
@@ -158,13 +169,8 @@ def test_a_server_that_closes_after_reading_the_request_is_a_connection_error_no
         server.read_request(conn)
 
     server = serve(hang_up)
-    wire = Connections(server.url, {}, keep=2)
-    try:
-        with pytest.raises(GetError) as err:
-            wire.get("/x", {}, 2.0)
-    finally:
-        wire.close()
-    assert (err.value.kind, err.value.name) == ("connection", "RemoteDisconnected")
+    err = failure(server, "/x", {}, 2.0)
+    assert (err.kind, err.name) == ("connection", "RemoteDisconnected")
     assert len(server.requests) == 1
 
 
@@ -176,38 +182,23 @@ def test_a_dripping_reply_times_out_within_the_whole_deadline(serve):
             time.sleep(0.05)
 
     server = serve(drip)
-    wire = Connections(server.url, {}, keep=1)
     start = time.monotonic()
-    try:
-        with pytest.raises(GetError) as err:
-            wire.get("/x", {}, 0.5)
-    finally:
-        wire.close()
-    assert err.value.kind == "timeout"
+    err = failure(server, "/x", {}, 0.5)
+    assert err.kind == "timeout"
     assert time.monotonic() - start < 1.5  # each byte came within 0.05 s: only a whole-exchange deadline stops it
 
 
 def test_a_reply_larger_than_the_bound_is_refused(serve, monkeypatch):
     monkeypatch.setattr(httpget, "MAX_REPLY_BYTES", 1000)
     server = serve(answering(chunked_reply(b"x" * 5000, pieces=10)))
-    wire = Connections(server.url, {}, keep=1)
-    try:
-        with pytest.raises(GetError) as err:
-            wire.get("/x", {}, 2.0)
-    finally:
-        wire.close()
-    assert (err.value.kind, err.value.name) == ("protocol", "ReplyTooLarge")
+    err = failure(server, "/x", {}, 2.0)
+    assert (err.kind, err.name) == ("protocol", "ReplyTooLarge")
 
 
 def test_garbage_is_a_protocol_error(serve):
     server = serve(answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n"))
-    wire = Connections(server.url, {}, keep=1)
-    try:
-        with pytest.raises(GetError) as err:
-            wire.get("/x", {}, 2.0)
-    finally:
-        wire.close()
-    assert err.value.kind == "protocol"
+    err = failure(server, "/x", {}, 2.0)
+    assert err.kind == "protocol"
 
 
 def test_bytes_after_the_reply_drop_the_connection(serve):
@@ -228,13 +219,8 @@ def test_bytes_after_the_reply_drop_the_connection(serve):
 ])
 def test_nothing_is_sent_for_a_request_that_would_inject_lines(serve, headers, path):
     server = serve(answering(length_reply()))
-    wire = Connections(server.url, {}, keep=1)
-    try:
-        with pytest.raises(GetError) as err:
-            wire.get(path, headers, 2.0)
-    finally:
-        wire.close()
-    assert err.value.kind == "protocol"
+    err = failure(server, path, headers, 2.0)
+    assert err.kind == "protocol"
     assert server.requests == []
 
 

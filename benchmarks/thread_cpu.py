@@ -1,0 +1,102 @@
+"""Where the guard's CPU per pod goes, by thread: the live case of ``cpu_per_pod`` with each thread's CPU.
+
+The guard's worker runs its threads by job: the event loop (``MainThread``), the request pool
+(``ThreadPoolExecutor-*``), the background verifiers (``ghost-verify-*``), the watch
+(``ghost-watch-*``), the listings (``ghost-list*``), cache health. This runs one guard against
+the lab (3 apiserver replicas), makes it the guard being called, creates ``--pods`` pods while a
+serial client calls ``/filter`` for each (prepared_burst's live case), and reads every thread's
+CPU (utime + stime of ``/proc/PID/task/TID``, exact per thread) before and after. Thread names
+come from ``py-spy dump`` (py-spy's samples of *where* in a thread time goes were too unreliable
+under ``--nonblocking`` for this; the per-thread totals are the kernel's).
+
+Run from the repository root: ``python -m benchmarks.thread_cpu [--pods 1000] [--nodes 100] [--tree TREE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+import requests
+
+from benchmarks import prepared_burst
+from benchmarks.filter_latency import machine, pin_harness
+from benchmarks.prepared_burst import run_case, start_guard
+from benchmarks.soak_lab import LabProcess
+from guard.lab.harness import stop_group
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30).stdout
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r'Thread (\d+) \(\w+\): "([^"]*)"', dump)}
+
+
+def job(name: str | None) -> str:
+    if name is None:
+        return "(started during the run)"
+    return re.sub(r"[-_]\d+$", "", re.sub(r"^ghost-watch-.*", "ghost-watch", re.sub(r"-\d+_\d+$", "", name)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pods", type=int, default=1000)
+    ap.add_argument("--nodes", type=int, default=100)
+    ap.add_argument("--tree", help="the guard of another source tree")
+    args = ap.parse_args()
+    pin_harness()
+    prepared_burst.NODES = [f"node-{i:04d}" for i in range(args.nodes)]
+    with tempfile.TemporaryDirectory() as tmp:
+        lab = LabProcess(f"{tmp}/lab", replicas=3, timeout=60)
+        try:
+            g = start_guard(lab, tmp, 1, [], args.tree)
+            try:
+                requests.post(g.base + "/filter", timeout=10, headers={"Content-Type": "application/json"},
+                              data=orjson.dumps({"Pod": {"metadata": {"name": "warm-up", "namespace": "default",
+                                                                      "uid": "warm"}}, "NodeNames": ["n1"]}))
+                time.sleep(2)  # the takeover: the watch starts
+                worker = next(int(p) for p in os.listdir("/proc") if p.isdigit()
+                              and Path(f"/proc/{p}/stat").read_text().rsplit(") ", 1)[1].split()[1] == str(g.proc.pid))
+                names = thread_names(worker)
+                before = thread_cpu(worker)
+                res = run_case(lab, "c1", g.base, args.pods, None)
+                after = thread_cpu(worker)
+            finally:
+                stop_group(g.proc)
+        finally:
+            lab.close()
+    by_job: dict[str, float] = {}
+    for tid, cpu in after.items():
+        by_job[job(names.get(tid))] = by_job.get(job(names.get(tid)), 0.0) + cpu - before.get(tid, 0.0)
+    print(f"{machine()}; {args.pods} pods created while the client runs, {args.nodes} node names per call; "
+          f"{res['pods_per_s']:.0f} pods/s\n")
+    print("| threads | CPU ms/pod |\n|---|---:|")
+    for name, cpu in sorted(by_job.items(), key=lambda kv: -kv[1]):
+        if cpu > 0:
+            print(f"| {name} | {cpu * 1000 / args.pods:.3f} |")
+    print(f"| all (the worker process) | {sum(by_job.values()) * 1000 / args.pods:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
