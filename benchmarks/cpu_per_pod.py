@@ -12,6 +12,9 @@ guard and pass-through alternating in one run, at several node counts. Per case 
 - **watch events per pod** the replicas wrote to the guard's watches of unscheduled pods
   (``/api/v1/pods``, all replicas; the replicas count them, ``watchEvents`` of ``/lab/requests``),
   and to the client's own informer for comparison;
+- **lab CPU per pod**: the lab's process tree (etcd and the apiserver replicas, which also serve
+  the client's creates and informer) over the same window: the control plane's load, guard's and
+  client's together, beside the same figure under the pass-through;
 - the client's pods/s and ``/filter`` p50, as in prepared_burst.
 
 Cases: ``live`` (500 pods created by 4 threads while the client runs; the client keeps pace
@@ -163,8 +166,10 @@ def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: 
     since = time.time()
     use0 = tree_usage(proc.pid)
     idle0 = [tree_cpu(p.pid) for p in idle]
+    lab0 = tree_cpu(lab.proc.pid)
     res = run_case(lab, namespace, url, pods, rate)
     use1 = tree_usage(proc.pid)
+    lab_cpu = tree_cpu(lab.proc.pid) - lab0
     user, system, switches = (b - a for a, b in zip(use0, use1))
     cpu = user + system
     idle_cpu = [tree_cpu(p.pid) - c for p, c in zip(idle, idle0)]
@@ -180,7 +185,8 @@ def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: 
     mine = guard_requests(reqs, namespace, since)
     guard_events = events_between(ev_before, ev_after, GUARD_WATCH)
     client_events = events_between(ev_before, ev_after, f"/api/v1/namespaces/{namespace}/pods")
-    res.update(cpu_ms_per_pod=cpu * 1000 / pods, user_ms_per_pod=user * 1000 / pods,
+    res.update(cpu_ms_per_pod=cpu * 1000 / pods, lab_cpu_ms_per_pod=lab_cpu * 1000 / pods,
+               user_ms_per_pod=user * 1000 / pods,
                sys_ms_per_pod=system * 1000 / pods, switches_per_pod=switches / pods, requests_per_pod=len(mine) / pods,
                watch_events_per_pod=sum(guard_events.values()) / pods,
                client_watch_events_per_pod=sum(client_events.values()) / pods,
@@ -264,8 +270,9 @@ def main() -> int:
           f"{args.idle_guards} idle guard(s) beside each guard\n")
     print("| replicas | nodes | case | guard CPU ms/pod | idle guard CPU ms/pod | pass-through CPU ms/pod "
           "| difference ms/pod | guard requests/pod | quorum GETs/pod | guard watch events/pod | guard pods/s "
-          "| pass-through pods/s | pods/s ratio | guard p50 ms | pass-through p50 ms |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| pass-through pods/s | pods/s ratio | guard p50 ms | pass-through p50 ms "
+          "| lab CPU ms/pod, guard | lab CPU ms/pod, pass-through |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def mean(rs: list[dict], k: str) -> float:
         return statistics.mean(r[k] for r in rs) if rs else float("nan")
@@ -282,7 +289,8 @@ def main() -> int:
                   f"| {mean(g, 'cpu_ms_per_pod') - mean(p, 'cpu_ms_per_pod'):.2f} | {mean(g, 'requests_per_pod'):.2f} "
                   f"| {mean(g, 'gets_per_pod'):.2f} | {mean(g, 'watch_events_per_pod'):.2f} | {mean(g, 'pods_per_s'):.0f} "
                   f"| {mean(p, 'pods_per_s'):.0f} | {mean(g, 'pods_per_s') / mean(p, 'pods_per_s'):.2f} "
-                  f"| {mean(g, 'p50_ms'):.2f} | {mean(p, 'p50_ms'):.2f} |")
+                  f"| {mean(g, 'p50_ms'):.2f} | {mean(p, 'p50_ms'):.2f} "
+                  f"| {mean(g, 'lab_cpu_ms_per_pod'):.2f} | {mean(p, 'lab_cpu_ms_per_pod'):.2f} |")
     return 0
 
 
