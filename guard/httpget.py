@@ -29,7 +29,7 @@ import select
 import ssl
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -53,14 +53,6 @@ class GetError(Exception):
         self.kind, self.name = kind, name
 
 
-class StatusError(Exception):
-    """A streamed GET answered with a status other than 200: its status, reason and (bounded) body."""
-
-    def __init__(self, status: int, reason: str, body: bytes) -> None:
-        super().__init__(f"HTTP {status} {reason}")
-        self.status, self.reason, self.body = status, reason, body
-
-
 class Reply:
     __slots__ = ("status", "reason", "body")
 
@@ -71,11 +63,10 @@ class Reply:
 class _Reading:
     """httptools' callbacks for one reply."""
 
-    __slots__ = ("parser", "reason", "parts", "size", "messages", "done", "keep_alive", "too_large", "headed")
+    __slots__ = ("parser", "reason", "parts", "size", "messages", "done", "keep_alive", "too_large")
 
     def __init__(self) -> None:
         self.parser: Any = None
-        self.headed = False
         self.keep_alive = False
         self.too_large = False
         self.reason = b""
@@ -90,10 +81,6 @@ class _Reading:
     def on_status(self, data: bytes) -> None:
         if self.messages == 1:
             self.reason += data
-
-    def on_headers_complete(self) -> None:
-        if self.messages == 1:
-            self.headed = True
 
     def on_body(self, data: bytes) -> None:
         if self.messages != 1:  # bytes after our reply: never part of it
@@ -186,37 +173,6 @@ class Connections:
         else:
             conn.close()
         return reply
-
-    def stream(self, path: str, headers: dict[str, str], *, connect_timeout: float,
-               read_timeout: float) -> Generator[bytes, None, None]:
-        """GET ``path`` on a connection of its own and yield the body as it arrives (a watch), until
-        the server ends the reply. ``connect_timeout`` bounds connecting, sending and the reply's head;
-        ``read_timeout`` each wait for more of the body. Raises GetError, or StatusError for a reply
-        other than 200 (its body read within the connect timeout and ``MAX_REPLY_BYTES``).
-        The connection is closed when the reply ends or the caller stops iterating."""
-        deadline = time.monotonic() + connect_timeout
-        request = self._request(path, headers)
-        conn = self._connect(deadline)
-        sock = conn.sock
-        reading = _Reading()
-        parser = reading.parser = httptools.HttpResponseParser(reading)
-        try:
-            with _socket_errors():
-                sock.settimeout(_left(deadline))
-                sock.sendall(request)
-            while not reading.done:
-                streaming = reading.headed and parser.get_status_code() == 200
-                reading.read_more(sock, read_timeout if streaming else _left(deadline))
-                if reading.parts and reading.headed and parser.get_status_code() == 200:
-                    parts, reading.parts, reading.size = reading.parts, [], 0
-                    yield b"".join(parts) if len(parts) > 1 else parts[0]
-            status = parser.get_status_code()
-            if status != 200:
-                raise StatusError(status, reading.reason.decode("latin-1").strip(), b"".join(reading.parts))
-            if reading.parts:
-                yield b"".join(reading.parts)
-        finally:
-            conn.close()
 
     def close(self) -> None:
         with self._lock:

@@ -26,7 +26,7 @@ from kubernetes.client.rest import should_bypass_proxies, tcp_keepalive_socket_o
 from kubernetes.config.config_exception import ConfigException
 
 from guard.attribution import ReplicaObservation, http_error, transport_error
-from guard.httpget import Connections, GetError, StatusError
+from guard.httpget import Connections, GetError
 from guard.settings import Replica
 from guard.verdict import QuorumRead, shows_pending
 
@@ -309,10 +309,6 @@ def _pinned_refresh_hook(hook, host: str, server_name: str | None):
     return refresh
 
 
-# A watch event is one object (a pod: at most about 1.5 MiB in etcd); a line longer than this is no event.
-MAX_WATCH_EVENT_BYTES = 8 * 1024 * 1024
-
-
 class ReplicaClient:
     """A client aimed at one replica: cluster CA, configurable TLS server name, the guard's credentials."""
 
@@ -329,9 +325,6 @@ class ReplicaClient:
         self.timeout = timeout
         self.api_client = client.ApiClient(cfg)
         self.core = client.CoreV1Api(self.api_client)
-        # The watch's own connection (guard/httpget.py); None through a proxy (the client's pool then).
-        settings = connection_settings(cfg)
-        self._wire = Connections(replica.url, settings, keep=1) if settings is not None else None
 
     def read_cache(self, namespace: str, name: str) -> tuple[list[dict], str | None, str | None]:
         """This replica's watch cache for one pod name (LIST resourceVersion=0):
@@ -402,32 +395,8 @@ class ReplicaClient:
     def watch_pending(self, resource_version: str, *, timeout_seconds: int = 300) -> Iterator[dict]:
         """WATCH unscheduled pods from ``resource_version``: yields raw watch events (dicts).
 
-        The stream is read on a connection of its own (guard/httpget.py: the chunked body decoded by
-        httptools; through a proxy, the client's pool). Raises ``WatchExpired`` on 410 Gone (the
-        caller re-lists), ``WatchFailed`` on an error event or reply, ``GetError`` when the connection fails.
+        Raises ``WatchExpired`` on 410 Gone (the caller re-lists).
         """
-        if self._wire is None:
-            yield from self._events(self._watch_via_client(resource_version, timeout_seconds), resource_version)
-            return
-        cfg = self.api_client.configuration
-        headers = {**self.api_client.default_headers, "Accept": "application/json"}
-        for auth in cfg.auth_settings().values():  # the refresh hook runs here (and puts this replica back)
-            if auth.get("in") == "header" and auth.get("value"):
-                headers[auth["key"]] = auth["value"]
-        path = (f"/api/v1/pods?allowWatchBookmarks=true&fieldSelector=spec.nodeName%3D"
-                f"&resourceVersion={quote(resource_version, safe='')}&timeoutSeconds={int(timeout_seconds)}&watch=true")
-        pieces = self._wire.stream(path, headers, connect_timeout=self.timeout * 5, read_timeout=timeout_seconds + 30)
-        try:
-            yield from self._events(pieces, resource_version)
-        except StatusError as e:
-            if e.status == 410:
-                raise WatchExpired(resource_version) from e
-            reason, _ = _error_reason(e.body, e.reason)
-            raise WatchFailed(f"HTTP {e.status} {reason or 'error'}") from e
-        finally:
-            pieces.close()
-
-    def _watch_via_client(self, resource_version: str, timeout_seconds: int) -> Iterator[bytes]:
         try:
             resp = self.core.list_pod_for_all_namespaces(
                 field_selector="spec.nodeName=", resource_version=resource_version, watch=True,
@@ -438,35 +407,23 @@ class ReplicaClient:
                 raise WatchExpired(resource_version) from e
             raise
         try:
-            yield from resp.stream(64 * 1024, decode_content=False)
+            buf = b""
+            for chunk in resp.stream(64 * 1024, decode_content=False):
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        event = orjson.loads(line)
+                        if event.get("type") == "ERROR":
+                            status = event.get("object") or {}
+                            if status.get("code") == 410:
+                                raise WatchExpired(resource_version)
+                            raise WatchFailed(str(status.get("message") or status)[:200])
+                        yield event
         finally:
             resp.release_conn()
 
-    @staticmethod
-    def _events(pieces: Iterator[bytes], resource_version: str) -> Iterator[dict]:
-        """Watch events, one JSON object per line, from the body's pieces as they arrive."""
-        buf = b""
-        for piece in pieces:
-            buf = buf + piece if buf else piece
-            if b"\n" not in buf:
-                if len(buf) > MAX_WATCH_EVENT_BYTES:
-                    raise WatchFailed(f"a watch event longer than {MAX_WATCH_EVENT_BYTES} bytes")
-                continue
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                if not line.strip():
-                    continue
-                event = orjson.loads(line)
-                if event.get("type") == "ERROR":
-                    status = event.get("object") or {}
-                    if status.get("code") == 410:
-                        raise WatchExpired(resource_version)
-                    raise WatchFailed(str(status.get("message") or status)[:200])
-                yield event
-
     def close(self) -> None:
-        if self._wire is not None:
-            self._wire.close()
         self.api_client.close()
 
 
