@@ -56,6 +56,7 @@ import ssl
 import time
 from collections import Counter as _Tally
 from email.utils import formatdate
+from http import HTTPStatus
 
 from gunicorn import http
 from gunicorn.http import wsgi
@@ -82,9 +83,16 @@ _STATUS = {400: "Bad Request", 413: "Content Too Large", 431: "Request Header Fi
 
 _REASONS = {200: "OK", 403: "Forbidden", **_STATUS}
 
+
+def _reason(status: int) -> str:
+    try:
+        return _REASONS.get(status) or HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
 # The key under which a WSGI app offers its direct lane (``app.extensions[DIRECT_LANE]``): a callable
 # ``lane(path, body, remote_ip, peer_cert) -> (status, JSON payload)``, with ``lane.paths`` (the paths
-# it answers) and ``lane.max_body`` (the largest body it takes); statuses are those of _REASONS.
+# it answers) and ``lane.max_body`` (the largest body it takes).
 DIRECT_LANE = "ghost_guard.direct_lane"
 # gunicorn's own default limits on a request head (limit_request_line, _fields, _field_size): a head
 # beyond them is left to gunicorn, which refuses it.
@@ -582,7 +590,7 @@ class GuardWorker(ThreadWorker):
                 path, body, keep = call
                 status, payload = self.direct(path, body, conn.ip, conn.peer_cert)
                 keep = keep and self.alive
-                return plain_reply(status, _REASONS[status], payload, keep), keep
+                return plain_reply(status, _reason(status), payload, keep), keep
         out = _Capture()
         req = None
         try:

@@ -80,3 +80,10 @@ def test_the_reply_is_complete_http():
     assert b"Connection: keep-alive" in lines
     assert any(re.fullmatch(rb"Date: \w{3}, \d\d \w{3} \d{4} \d\d:\d\d:\d\d GMT", l) for l in lines)
     assert b"Connection: close" in plain_reply(403, "Forbidden", b"{}", False).split(b"\r\n")
+
+
+def test_every_status_gets_its_reason_phrase():
+    from guard.worker import _reason
+
+    assert [_reason(s) for s in (200, 400, 403, 413, 415, 503, 599)] == [
+        "OK", "Bad Request", "Forbidden", "Content Too Large", "Unsupported Media Type", "Service Unavailable", "Unknown"]
