@@ -42,6 +42,8 @@ from urllib3.util.ssl_match_hostname import CertificateError
 # A pod is at most about 1.5 MiB in etcd; its JSON is larger, but not this large.
 MAX_REPLY_BYTES = 8 * 1024 * 1024
 READ_SIZE = 64 * 1024
+# Of a status line's reason phrase ("Not Found"), at most this much is kept.
+MAX_REASON_BYTES = 256
 
 
 class GetError(Exception):
@@ -79,8 +81,8 @@ class _Reading:
         self.messages += 1
 
     def on_status(self, data: bytes) -> None:
-        if self.messages == 1:
-            self.reason += data
+        if self.messages == 1 and len(self.reason) < MAX_REASON_BYTES:  # llhttp streams the line: keep a bound
+            self.reason = (self.reason + data)[:MAX_REASON_BYTES]
 
     def on_body(self, data: bytes) -> None:
         if self.messages != 1:  # bytes after our reply: never part of it

@@ -141,6 +141,28 @@ def test_status_and_reason_of_an_error_reply(serve):
     assert (reply.status, reply.reason, reply.body) == (404, "Not Found", b"404 page not found\n")
 
 
+def test_an_endless_status_line_is_cut_at_the_deadline_and_kept_short(serve):
+    def endless(server: Server, conn: socket.socket, index: int) -> None:
+        server.read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 ")
+        while True:
+            conn.sendall(b"x" * 65536)
+
+    server = serve(endless)
+    wire = Connections(server.url, {}, keep=1)
+    reading = httpget._Reading()
+    reading.messages = 1
+    reading.on_status(b"y" * 100_000)
+    assert len(reading.reason) == httpget.MAX_REASON_BYTES
+    start = time.monotonic()
+    try:
+        with pytest.raises(GetError):
+            wire.get("/x", {}, 0.5)
+    finally:
+        wire.close()
+    assert time.monotonic() - start < 2.0
+
+
 def test_connection_close_is_honoured(serve):
     server = serve(answering(length_reply(extra=b"Connection: close\r\n"), close_after=True))
     wire = Connections(server.url, {}, keep=2)
