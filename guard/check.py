@@ -103,6 +103,23 @@ class Checker:
             log.warning("%s; %s", decision.reason, "failing closed" if self.settings.fail_closed else "failing open")
         return decision
 
+    def answer_prepared(self, pod: PodRef) -> Decision | None:
+        """The verdict of a call that needs no waiting, or None with nothing done (the caller then
+        goes through :meth:`check`): the ``alive`` verdict verified ahead for this identity's first
+        attempt, as :meth:`check` would return it, counted the same way. For the worker's event loop,
+        which must never wait (guard.worker: a ghost, a miss, anything else goes to a pool thread)."""
+        if self.cache.ghost(pod) is not None:
+            return None
+        prepared = self.cache.take_prepared(pod)
+        if prepared is None:
+            return None
+        for hook in self.call_hooks:
+            hook()
+        metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "miss").inc()
+        metrics.VERDICTS_PREPARED.inc()
+        metrics.labelled(metrics.VERDICTS, prepared.verdict.value).inc()
+        return prepared
+
     def blocks(self, decision: Decision) -> bool:
         """Whether the scheduler must keep this pod off every node."""
         return decision.is_ghost or (decision.verdict is Verdict.UNKNOWN and self.settings.fail_closed)

@@ -35,8 +35,12 @@ can stall into its single event-loop thread, on non-blocking sockets:
    **direct lane** instead (``app.extensions[DIRECT_LANE]``, guard.http.filter):
    body in, status and JSON out, without gunicorn's parser, the WSGI environ and
    gunicorn's response object, which were half of the guard's CPU per call.
-   Everything else, well-formed or not, takes the WSGI path, which answers it
-   or refuses it with the reason.
+   When its answer needs no waiting (an ``alive`` verdict verified ahead, a body
+   of at most 128 KiB, a permitted caller: the lane's ``answer_now``), the loop
+   answers it itself, with no hand-off to a pool thread and back; that is
+   bounded CPU work with no I/O but the reply's non-blocking write. Everything
+   else, well-formed or not, takes a pool thread and the WSGI path, which answers
+   it or refuses it with the reason.
 6. The loop **writes the rest of the reply** within ``--write-timeout`` (a reader too
    slow for it is cut off), then keeps the connection for the next request
    for ``--keepalive-timeout`` at most, or closes it (lingering up to 1 s
@@ -56,6 +60,7 @@ import ssl
 import time
 from collections import Counter as _Tally
 from email.utils import formatdate
+from typing import Any
 from http import HTTPStatus
 
 from gunicorn import http
@@ -286,7 +291,8 @@ class GuardWorker(ThreadWorker):
         self.buffered = 0  # bytes reserved by large requests being read, run or answered
         self.admitted = 0  # open connections not being refused
         self.accept_paused_until = 0.0
-        self.direct = None  # the app's direct lane, once loaded (load_wsgi)
+        self.direct: Any = None  # the app's direct lane, once loaded (load_wsgi)
+        self._answering = False  # the loop is answering a request itself (_dispatch)
         _raise_open_files_limit(4 * s.max_connections + 256)
         super().init_process()
 
@@ -569,10 +575,40 @@ class GuardWorker(ThreadWorker):
             conn.deadline = conn.body_start + s.body_timeout + conn.chunk_bytes / s.body_min_rate
 
     def _dispatch(self, conn: Conn, request: bytes) -> None:
+        # A verb call whose answer is ready (an alive verdict verified ahead) is answered here in the
+        # loop: no hand-off to a pool thread and back. Not while another request waits behind it on
+        # the connection (pipelined), nor from within such an answer (its reply's write may read on).
+        if self.direct is not None and not conn.buf and not self._answering:
+            self._answering = True
+            try:
+                now = self._answer_now(conn, request)
+                if now is not None:
+                    self._send_reply(conn, now[0], keep=now[1])
+                    return
+            finally:
+                self._answering = False
         conn.state, conn.deadline = BUSY, 0.0
         self._unwatch(conn)
         future = self.tpool.submit(self._serve_and_send, conn, request)
         future.add_done_callback(lambda f: self.method_queue.defer(self._served, conn, f))
+
+    def _answer_now(self, conn: Conn, request: bytes) -> tuple[bytes, bool] | None:
+        """(reply, keep-alive) when the app's direct lane can answer at once without waiting (its
+        ``answer_now``), else None: the request goes to a pool thread as any other."""
+        call = plain_call(request, self.direct_paths, self.direct_max_body)
+        if call is None:
+            return None
+        path, body, keep = call
+        try:
+            answered = self.direct.answer_now(path, body, conn.ip, conn.peer_cert)
+        except Exception:
+            self.log.exception("answering %s in the event loop failed; a pool thread answers it", path)
+            return None
+        if answered is None:
+            return None
+        status, payload = answered
+        keep = keep and self.alive
+        return plain_reply(status, _reason(status), payload, keep), keep
 
     def load_wsgi(self) -> None:
         super().load_wsgi()

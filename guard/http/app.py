@@ -103,7 +103,8 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
     if settings.client_ca and not settings.insecure_http:
         roles = RoleCheck(app.wsgi_app, settings)
         app.wsgi_app = roles  # type: ignore[method-assign]
-    app.extensions[DIRECT_LANE] = filter_routes.DirectLane(fast, roles.refusal if roles is not None else None)
+    app.extensions[DIRECT_LANE] = filter_routes.DirectLane(fast, roles.refusal if roles is not None else None,
+                                                           roles.allowed if roles is not None else None)
     return app
 
 
@@ -126,6 +127,10 @@ class RoleCheck:
             return self.app(environ, start_response)
         start_response("403 Forbidden", [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
         return [payload]
+
+    def allowed(self, path: str, peer_cert: dict[str, Any] | None) -> bool:
+        """Whether the certificate may call ``path`` (nothing counted or logged)."""
+        return self.policy.refuse(path, peer_cert) is None
 
     def refusal(self, method: str, path: str, peer_cert: dict[str, Any] | None, remote: str | None) -> bytes | None:
         """None when the certificate may call ``path``; else the 403's JSON payload, counted and logged."""

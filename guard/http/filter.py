@@ -58,13 +58,18 @@ VERBS: dict[str, tuple[Callable[..., Any], Callable[[Any, Decision], bytes], Cal
 }
 
 
+def _parse(guard: Guard, path: str, body: bytes) -> Any:
+    parse = VERBS[path][0]
+    return parse(body, guard.settings.max_nodes) if path == "/filter" else parse(body)
+
+
 def answer(guard: Guard, path: str, body: bytes, arrived: float) -> tuple[bytes, PodRef, Decision]:
     """Decode, check the pod, encode: the same three steps for both verbs. Raises ProtocolError.
 
     ``arrived`` (time.monotonic) starts the request budget: the answer is ready within
     ``--request-budget`` of it, whatever the apiserver does."""
-    parse, block, allow = VERBS[path]
-    args = parse(body, guard.settings.max_nodes) if path == "/filter" else parse(body)
+    _, block, allow = VERBS[path]
+    args = _parse(guard, path, body)
     decision = guard.checker.check(args.pod, deadline=guard.checker.deadline(arrived))
     payload = block(args, decision) if guard.checker.blocks(decision) else allow(args)
     return payload, args.pod, decision
@@ -140,18 +145,46 @@ class FastLane:
         return status, payload
 
 
+# The largest body answered in the worker's event loop (answer_now); larger ones go to a pool thread.
+NOW_MAX_BODY = 128 * 1024
+
+
 class DirectLane:
     """The verb calls the worker hands over without WSGI (guard.worker.plain_call): the same answers
-    as :class:`FastLane`, and with mTLS the same role check as the WSGI lanes (``refuse``).
+    as :class:`FastLane`, and with mTLS the same role check as the WSGI lanes (``refuse``, and
+    ``allowed`` to ask without counting or logging).
 
     Bodies here are at most the BodyBudget's small size, which never takes room in it."""
 
     paths = frozenset(VERBS)
 
-    def __init__(self, fast: FastLane, refuse: Callable[[str, str, Any, str | None], bytes | None] | None) -> None:
+    def __init__(self, fast: FastLane, refuse: Callable[[str, str, Any, str | None], bytes | None] | None,
+                 allowed: Callable[[str, Any], bool] | None = None) -> None:
         self.fast = fast
         self.refuse = refuse
+        self.allowed = allowed
         self.max_body = min(fast.bodies.small, fast.limit)
+
+    def answer_now(self, path: str, body: bytes, remote: str | None, peer_cert: Any) -> tuple[int, bytes] | None:
+        """The answer when it needs no waiting and no I/O: a permitted caller, a body that decodes
+        (at most NOW_MAX_BODY bytes) and a pod whose ``alive`` verdict was verified ahead
+        (Checker.answer_prepared). Else None, with nothing done or counted: the worker then hands
+        the call to a pool thread (:meth:`__call__`), which answers everything else."""
+        if len(body) > NOW_MAX_BODY or (self.allowed is not None and not self.allowed(path, peer_cert)):
+            return None
+        start = time.perf_counter()
+        guard = self.fast.guard
+        try:
+            args = _parse(guard, path, body)
+        except ProtocolError:
+            return None
+        decision = guard.checker.answer_prepared(args.pod)
+        if decision is None or guard.checker.blocks(decision):
+            return None
+        payload = VERBS[path][2](args)
+        record_request(self.fast.settings, "POST", path, 200, time.perf_counter() - start, remote, args.pod,
+                       decision.verdict.value)
+        return 200, payload
 
     def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: Any) -> tuple[int, bytes]:
         start = time.perf_counter()

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import socket
 import tempfile
+import threading
+import time
 
 import orjson
 import pytest
 
-from guard.lab.harness import GuardProcess, make_ghost, pod_manifest
+from guard.lab.harness import GuardProcess, eventually, make_ghost, pod_manifest
 
 
 def exchange(port: int, raw: bytes) -> tuple[bytes, bytes, bool]:
@@ -87,3 +89,36 @@ def test_a_bad_body_gets_the_same_400_reason_in_both_lanes(guard):
     fast = exchange(guard.port, call("/filter", b'{"Pod": 1}', version="HTTP/1.0"))
     assert direct[0] == b"HTTP/1.1 400 Bad Request" and fast[0].endswith(b" 400 Bad Request [wsgi]")
     assert orjson.loads(direct[1]) == orjson.loads(fast[1]) and orjson.loads(direct[1])["error"]
+
+
+def test_a_prepared_verdict_is_answered_while_every_pool_thread_waits_on_etcd(start_guard, shared_lab, lab_namespace):
+    """With one pool thread held by a call whose quorum GET hangs, a call for a pod verified ahead
+    is still answered at once: the worker's event loop answers it (Checker.answer_prepared), it
+    does not queue behind the pool."""
+    g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--threads", "1", "--get-timeout", "2",
+                     "--request-budget", "3", "--no-events"])
+    ns = lab_namespace
+    exchange(g.port, call("/filter", orjson.dumps({"Pod": {"metadata": {"name": "warm", "namespace": ns,
+                                                                        "uid": "w"}}, "NodeNames": ["a"]})))
+    live = shared_lab.core_v1(0).create_namespaced_pod(ns, pod_manifest("ready"), _request_timeout=5)
+    eventually(lambda: g.metric("ghost_guard_prepare_verified_total", verdict="alive") >= 1, 20,
+               what="the pod verified ahead")
+    rule = shared_lab.replicas[0].faults.add("hang", method="GET", path=f"/api/v1/namespaces/{ns}/pods/slow")
+    finished: dict[str, float] = {}
+
+    def slow() -> None:
+        body = orjson.dumps({"Pod": {"metadata": {"name": "slow", "namespace": ns, "uid": "s"}}, "NodeNames": ["a"]})
+        exchange(g.port, call("/filter", body))
+        finished["slow"] = time.monotonic()
+
+    before = g.metric("ghost_guard_verdicts_prepared_total")  # /metrics needs the pool thread: read it first
+    t = threading.Thread(target=slow)
+    t.start()
+    eventually(lambda: rule.hits >= 1, 10, what="the slow call's GET hanging in the apiserver")
+    status, body, _ = exchange(g.port, call("/filter", orjson.dumps(
+        {"Pod": {"metadata": {"name": "ready", "namespace": ns, "uid": live.metadata.uid}}, "NodeNames": ["a"]})))
+    finished["ready"] = time.monotonic()
+    t.join(10)
+    assert status == b"HTTP/1.1 200 OK" and orjson.loads(body)["NodeNames"] == ["a"]
+    assert g.metric("ghost_guard_verdicts_prepared_total") == before + 1
+    assert finished["ready"] < finished["slow"]  # not queued behind the one pool thread

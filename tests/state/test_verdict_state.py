@@ -316,3 +316,35 @@ def test_remember_ghost_refuses_a_read_older_than_the_uid(world):
     known_at = checker.cache.tick()
     assert not checker.cache.remember_ghost(pod("web-0", "u"), Decision(Verdict.GHOST_DELETED, "x"), read, known_at)
     assert checker.cache.ghost(pod("web-0", "u")) is None
+
+
+# -- answered without waiting (the worker's event loop: Checker.answer_prepared) ------------------------
+
+
+def test_only_a_prepared_alive_verdict_is_answered_without_waiting_and_nothing_else_is_consumed(world):
+    etcd, gets, clock, checker = world
+    pv, view, replica = watch(checker, etcd)
+    live = etcd.create("web-0")
+    gone = etcd.create("web-1")
+    pv.apply_event(view, replica.deliver())
+    pv.apply_event(view, replica.deliver())
+    assert pv.verify_next() and pv.verify_next()
+    assert gets.count == 2
+    # Not prepared (another UID under the name, an unknown pod): None, no GET, nothing taken.
+    assert checker.answer_prepared(pod("web-0", "other-uid")) is None
+    assert checker.answer_prepared(pod("nope", "u")) is None
+    assert gets.count == 2
+    # A ghost, even one with a prepared verdict from before its delete, is never answered here.
+    etcd.delete("web-1")
+    assert checker.check(pod("web-1", gone), deadline=clock() + 5).is_ghost is False  # prepared: first attempt
+    clock.advance(1.0)  # past the grace: a later attempt reads etcd again
+    assert checker.check(pod("web-1", gone)).is_ghost
+    assert checker.answer_prepared(pod("web-1", gone)) is None
+    # The prepared alive verdict is answered, as check() would, once per first attempt (and its grace).
+    decision = checker.answer_prepared(pod("web-0", live))
+    assert decision is not None and decision.verdict is Verdict.ALIVE
+    assert gets.count == 3
+    clock.advance(1.0)
+    assert checker.answer_prepared(pod("web-0", live)) is None  # a later attempt: check() reads etcd
+    assert checker.check(pod("web-0", live)).verdict is Verdict.ALIVE
+    assert gets.count == 4
