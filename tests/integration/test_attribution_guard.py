@@ -50,14 +50,17 @@ def test_sweeper_finds_and_attributes_a_ghost_then_sees_the_replica_heal(lab, st
     # No scheduler ever calls the guard: the sweep (replicas disagree twice in a row) finds the ghost.
     records = wait_for(lambda: [r for r in audit_records(db) if r["stale_replicas"]], what="an attributed record")
     (record,) = records
-    assert (record["namespace"], record["name"], record["uid"], record["verdict"]) == (
-        "default", "web-1", uid, "ghost-deleted")
+    assert (record["namespace"], record["name"], record["uid"]) == ("default", "web-1", uid)
+    # A graceless delete is an update that sets deletionTimestamp, then the delete (the generic store's
+    # updateForGracefulDeletionAndFinalizers): a background verification whose GET lands between the
+    # two reads the pod terminating, and that verdict is the one kept. Usually the sweep's read finds it gone.
+    assert record["verdict"] in ("ghost-deleted", "terminating")
     assert record["stale_replicas"] == [stale]
     # still serving it after --stale-confirm-delay: confirmed stale, not lag
     wait_for(lambda: g.metric("ghost_guard_stale_replica", replica=stale) == 1, what="the stale gauge")
     for other in lab.replicas[0], lab.replicas[2]:
         assert g.metric("ghost_guard_stale_replica", replica=f"{other.ip}:{other.port}") == 0
-    assert g.metric("ghost_guard_prepare_verified_total", verdict="ghost-deleted") == 1
+    assert g.metric("ghost_guard_prepare_verified_total", verdict=record["verdict"]) == 1
 
     events = wait_for(lambda: {e.reason: e for e in lab.core_v1(0).list_namespaced_event("default").items
                                if e.involved_object.uid == uid and e.reason in ("GhostPodBlocked", "StaleWatchCache")}
