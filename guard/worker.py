@@ -38,7 +38,9 @@ can stall into its single event-loop thread, on non-blocking sockets:
    When its answer needs no waiting (an ``alive`` verdict verified ahead, a body
    of at most 128 KiB, a permitted caller: the lane's ``answer_now``), the loop
    answers it itself, with no hand-off to a pool thread and back; that is
-   bounded CPU work with no I/O but the reply's non-blocking write. Everything
+   bounded CPU work with no waiting on the apiserver or the client (the reply is
+   written non-blocking; the access-log line, when on, goes to stderr as the
+   loop's own log lines do). Everything
    else, well-formed or not, takes a pool thread and the WSGI path, which answers
    it or refuses it with the reason.
 6. The loop **writes the rest of the reply** within ``--write-timeout`` (a reader too

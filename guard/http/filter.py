@@ -166,9 +166,9 @@ class DirectLane:
         self.max_body = min(fast.bodies.small, fast.limit)
 
     def answer_now(self, path: str, body: bytes, remote: str | None, peer_cert: Any) -> tuple[int, bytes] | None:
-        """The answer when it needs no waiting and no I/O: a permitted caller, a body that decodes
-        (at most NOW_MAX_BODY bytes) and a pod whose ``alive`` verdict was verified ahead
-        (Checker.answer_prepared). Else None, with nothing done or counted: the worker then hands
+        """The answer when it needs no waiting (no GET, no lock held across I/O): a permitted caller,
+        a body that decodes (at most NOW_MAX_BODY bytes) and a pod whose ``alive`` verdict was
+        verified ahead (Checker.answer_prepared). Else None, with nothing done or counted: the worker then hands
         the call to a pool thread (:meth:`__call__`), which answers everything else."""
         if len(body) > NOW_MAX_BODY or (self.allowed is not None and not self.allowed(path, peer_cert)):
             return None
