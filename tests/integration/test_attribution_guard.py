@@ -53,7 +53,8 @@ def test_sweeper_finds_and_attributes_a_ghost_then_sees_the_replica_heal(lab, st
     assert (record["namespace"], record["name"], record["uid"]) == ("default", "web-1", uid)
     # A graceless delete is an update that sets deletionTimestamp, then the delete (the generic store's
     # updateForGracefulDeletionAndFinalizers): a background verification whose GET lands between the
-    # two reads the pod terminating, and that verdict is the one kept. Usually the sweep's read finds it gone.
+    # two (one etcd write apart: tens of ms when etcd's disk is busy, as on a machine still installing)
+    # reads the pod terminating, and that verdict is the one kept. Otherwise the sweep's read finds it gone.
     assert record["verdict"] in ("ghost-deleted", "terminating")
     assert record["stale_replicas"] == [stale]
     # still serving it after --stale-confirm-delay: confirmed stale, not lag
@@ -70,7 +71,7 @@ def test_sweeper_finds_and_attributes_a_ghost_then_sees_the_replica_heal(lab, st
     assert stale in events["StaleWatchCache"].message
     # the new ghost's JSON line for log shippers, exactly once
     lines = [json.loads(line) for line in g.stdout().splitlines() if line.startswith("{")]
-    assert [(x["uid"], x["verdict"]) for x in lines] == [(uid, "ghost-deleted")]
+    assert [(x["uid"], x["verdict"]) for x in lines] == [(uid, record["verdict"])]
 
     r = cli("diagnose", "default/web-1", "--kubeconfig", lab.kubeconfig(0), "-o", "json")
     assert r.returncode == 1, r.stderr
