@@ -53,7 +53,7 @@ def test_sweeper_finds_and_attributes_a_ghost_then_sees_the_replica_heal(lab, st
     assert (record["namespace"], record["name"], record["uid"]) == ("default", "web-1", uid)
     # A graceless delete is an update that sets deletionTimestamp, then the delete (the generic store's
     # updateForGracefulDeletionAndFinalizers): a background verification whose GET lands between the
-    # two (one etcd write apart: tens of ms when etcd's disk is busy, as on a machine still installing)
+    # two (one etcd write apart; seen as the suite's first test on a busy machine)
     # reads the pod terminating, and that verdict is the one kept. Otherwise the sweep's read finds it gone.
     assert record["verdict"] in ("ghost-deleted", "terminating")
     assert record["stale_replicas"] == [stale]
