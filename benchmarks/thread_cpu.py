@@ -7,7 +7,8 @@ the lab (3 apiserver replicas), makes it the guard being called, creates ``--pod
 serial client calls ``/filter`` for each (prepared_burst's live case), and reads every thread's
 CPU (utime + stime of ``/proc/PID/task/TID``, exact per thread) before and after. Thread names
 come from ``py-spy dump`` (py-spy's samples of *where* in a thread time goes were too unreliable
-under ``--nonblocking`` for this; the per-thread totals are the kernel's).
+under ``--nonblocking`` for this; the per-thread totals are the kernel's). Needs py-spy
+(``python3 -m pip install py-spy``), which the project does not install.
 
 Run from the repository root: ``python -m benchmarks.thread_cpu [--pods 1000] [--nodes 100] [--tree TREE]``.
 """
@@ -27,12 +28,11 @@ import orjson
 import requests
 
 from benchmarks import prepared_burst
+from benchmarks.cpu_per_pod import TICK
 from benchmarks.filter_latency import machine, pin_harness
 from benchmarks.prepared_burst import run_case, start_guard
 from benchmarks.soak_lab import LabProcess
 from guard.lab.harness import stop_group
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu(pid: int) -> dict[int, float]:

@@ -1,10 +1,11 @@
 """The quorum GET's transport: GETs over kept-alive HTTP/1.1 connections to one apiserver.
 
 The quorum GET runs once per pod the scheduler is about to place, so its CPU is the guard's
-cost per pod. Through urllib3 (the kubernetes client's pool) one GET costs about 0.8 ms of CPU
+cost per pod. Through urllib3 (the kubernetes client's pool) one GET cost about 0.96 ms of CPU
 in this process, most of it in urllib3's request and response objects and in ``http.client``'s
-header parsing (the ``email`` package); this module does the same GET in about 0.15 ms
-(``python -m benchmarks.quorum_get_cpu``, docs/BENCHMARKS.md).
+header parsing (the ``email`` package); ``Kube.quorum_get`` on this module takes about 0.33 ms,
+the token refresh hook and decoding included (``python -m benchmarks.quorum_get_cpu``,
+docs/BENCHMARKS.md).
 
 What stays urllib3's: opening a connection. :class:`Connections` builds
 ``urllib3.connection.HTTPSConnection`` with the keyword arguments the kubernetes client gives its
