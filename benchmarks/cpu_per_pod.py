@@ -18,7 +18,11 @@ guard and pass-through alternating in one run, at several node counts. Per case 
 - the client's pods/s and ``/filter`` p50, as in prepared_burst.
 
 Cases: ``live`` (500 pods created by 4 threads while the client runs; the client keeps pace
-with creation) and ``backlog`` (the pods land before the client reaches them).
+with creation) and ``backlog`` (the pods land before the client reaches them). The client binds
+each pod after its ``/filter`` answer, as kube-scheduler's binding cycle does (4 binding threads),
+and a case ends when its informer has seen every pod bound: CPU per *scheduled* pod, with the
+guard's watch seeing each pod leave the unscheduled set. ``--no-bind`` leaves them unscheduled
+(the figures before 2026-12-01 20:00 UTC were taken that way).
 
 With ``--profile DIR`` each guard run is sampled by py-spy (``record --gil --nonblocking``,
 raw collapsed stacks to ``DIR``; ``python3 -m pip install py-spy``); the CPU figures of a
@@ -136,9 +140,11 @@ def events_between(before: dict, after: dict, path: str) -> dict[str, int]:
 
 
 def guard_requests(reqs: list[dict], namespace: str, since: float) -> list[dict]:
-    """The requests in the window that the client did not make (its creates, its informer's LIST and WATCH)."""
+    """The requests in the window that the client did not make (its creates, bindings, its informer's LIST and WATCH)."""
     mine = {f"/api/v1/namespaces/{namespace}/pods", "/api/v1/namespaces", "/lab/requests"}
-    return [q for q in reqs if q["time"] >= since and q["path"] not in mine]
+    bindings = f"/api/v1/namespaces/{namespace}/pods/"
+    return [q for q in reqs if q["time"] >= since and q["path"] not in mine
+            and not (q["path"].startswith(bindings) and q["path"].endswith("/binding"))]
 
 
 def delete_namespace_pods(lab: LabProcess, namespace: str, pods: int) -> None:
@@ -150,7 +156,8 @@ def delete_namespace_pods(lab: LabProcess, namespace: str, pods: int) -> None:
 
 
 def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: str, pods: int, rate: float | None,
-                  profile: str | None, idle: list[subprocess.Popen] = (), warm: bool = False) -> dict:
+                  profile: str | None, idle: list[subprocess.Popen] = (), warm: bool = False,
+                  bind_pods: bool = True) -> dict:
     spy = None
     if profile:
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--subprocesses", "--gil", "--nonblocking",
@@ -167,7 +174,7 @@ def measured_case(lab: LabProcess, proc: subprocess.Popen, url: str, namespace: 
     use0 = tree_usage(proc.pid)
     idle0 = [tree_cpu(p.pid) for p in idle]
     lab0 = tree_cpu(lab.proc.pid)
-    res = run_case(lab, namespace, url, pods, rate)
+    res = run_case(lab, namespace, url, pods, rate, bind_pods)
     use1 = tree_usage(proc.pid)
     lab_cpu = tree_cpu(lab.proc.pid) - lab0
     user, system, switches = (b - a for a, b in zip(use0, use1))
@@ -211,6 +218,8 @@ def main() -> int:
     ap.add_argument("--warm", action="store_true", help="one /filter call (for a pod that does not exist) to each "
                     "guard before its case: it is the guard being asked from the start (--prepare-idle-after), "
                     "so a backlog is verified as it forms, not after the first call")
+    ap.add_argument("--no-bind", action="store_true", help="leave the pods unscheduled (the client only calls "
+                    "/filter; the guard lists them until the case's end) instead of binding each one")
     ap.add_argument("guard_flags", nargs="*", help="extra flags for ghost-guard serve (after --)")
     args = ap.parse_args()
     if not args.no_pin:
@@ -252,7 +261,7 @@ def main() -> int:
                                     try:
                                         profile = f"{args.profile}/{which}-{key}-{nodes}-{rnd}" if args.profile else None
                                         res = measured_case(lab, proc, url, namespace, args.pods, rate, profile, idle,
-                                                            args.warm and which != "pass-through")
+                                                            args.warm and which != "pass-through", not args.no_bind)
                                         agg[which].append(res)
                                         print(f"{replicas} replicas, {nodes} nodes, {label}, {which}: {res}",
                                               file=sys.stderr, flush=True)
@@ -266,8 +275,8 @@ def main() -> int:
             finally:
                 lab.close()
 
-    print(f"{filter_latency.machine()}; {args.pods} pods, {args.rounds} rounds per cell, means; "
-          f"{args.idle_guards} idle guard(s) beside each guard\n")
+    print(f"{filter_latency.machine()}; {args.pods} pods, {'left unscheduled' if args.no_bind else 'each bound'}, "
+          f"{args.rounds} rounds per cell, means; {args.idle_guards} idle guard(s) beside each guard\n")
     print("| replicas | nodes | case | guard CPU ms/pod | idle guard CPU ms/pod | pass-through CPU ms/pod "
           "| difference ms/pod | guard requests/pod | quorum GETs/pod | guard watch events/pod | guard pods/s "
           "| pass-through pods/s | pods/s ratio | guard p50 ms | pass-through p50 ms "

@@ -57,6 +57,9 @@ class Informer(threading.Thread):
         self.pods: queue.Queue = queue.Queue()
         self.ready = threading.Event()
         self.stopping = False
+        self.bound = 0  # pods the watch has shown bound (MODIFIED with a nodeName)
+        self.all_bound = threading.Event()
+        self.expect_bound = 0
 
     def run(self) -> None:
         lst = self.api.list_namespaced_pod(self.namespace, resource_version="0", _preload_content=False)
@@ -73,6 +76,10 @@ class Informer(threading.Thread):
                     ev = orjson.loads(line)
                     if ev["type"] == "ADDED":
                         self.pods.put((time.perf_counter(), ev["object"]))
+                    elif ev["type"] == "MODIFIED" and ev["object"]["spec"].get("nodeName"):
+                        self.bound += 1
+                        if self.expect_bound and self.bound >= self.expect_bound:
+                            self.all_bound.set()
                 if self.stopping:
                     break
         except Exception:  # the stream is cut when the case ends
@@ -111,9 +118,26 @@ def start_guard(lab: LabProcess, tmp: str, n: int, extra: list[str], tree: str |
     return g
 
 
-def run_case(lab: LabProcess, namespace: str, extender: str, pods: int, rate: float | None) -> dict:
+def bind(api, pod: dict, node: str) -> None:
+    """POST the pod's Binding, as kube-scheduler's binding cycle does (guard/lab/scheduler/core.py)."""
+    meta = pod["metadata"]
+    body = {"apiVersion": "v1", "kind": "Binding",
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]},
+            "target": {"kind": "Node", "name": node}}
+    resp = api.create_namespaced_pod_binding(meta["name"], meta["namespace"], body, _preload_content=False,
+                                             _request_timeout=10)
+    resp.drain_conn()
+    resp.release_conn()
+
+
+def run_case(lab: LabProcess, namespace: str, extender: str, pods: int, rate: float | None,
+             bind_pods: bool = False) -> dict:
+    """One case. With ``bind_pods`` the client binds each pod after its ``/filter`` answer, as
+    kube-scheduler does (asynchronously, 4 binding threads), and the case ends when its informer has
+    seen every pod bound; without, pods stay unscheduled (and are listed by the guard until deleted)."""
     lab.core_v1(0).create_namespace({"metadata": {"name": namespace}})
     informer = Informer(lab, namespace)
+    informer.expect_bound = pods if bind_pods else 0
     informer.start()
     informer.ready.wait(10)
     api = lab.core_v1(0)
@@ -145,6 +169,8 @@ def run_case(lab: LabProcess, namespace: str, extender: str, pods: int, rate: fl
         creating.start()
     session = requests.Session()
     session.trust_env = False
+    binder = ThreadPoolExecutor(4) if bind_pods else None
+    binds = []
     for _ in range(pods):
         seen, pod = informer.pods.get(timeout=60)
         first_seen = first_seen or seen
@@ -156,6 +182,15 @@ def run_case(lab: LabProcess, namespace: str, extender: str, pods: int, rate: fl
         latencies.append(time.perf_counter() - t)
         if r.status_code != 200 or r.json()["NodeNames"] != NODES:
             raise RuntimeError(f"unexpected reply for {meta['name']}: {r.status_code} {r.text[:300]}")
+        done_at = time.perf_counter()
+        if binder is not None:
+            binds.append(binder.submit(bind, api, pod, NODES[len(binds) % len(NODES)]))
+    if binder is not None:
+        for b in binds:
+            b.result()
+        binder.shutdown()
+        if not informer.all_bound.wait(30):
+            raise RuntimeError(f"the informer saw {informer.bound} of {pods} pods bound")
         done_at = time.perf_counter()
     informer.stopping = True
     if creating.ident is not None:

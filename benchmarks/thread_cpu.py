@@ -4,13 +4,13 @@ The guard's worker runs its threads by job: the event loop (``MainThread``), the
 (``ThreadPoolExecutor-*``), the background verifiers (``ghost-verify-*``), the watch
 (``ghost-watch-*``), the listings (``ghost-list*``), cache health. This runs one guard against
 the lab (3 apiserver replicas), makes it the guard being called, creates ``--pods`` pods while a
-serial client calls ``/filter`` for each (prepared_burst's live case), and reads every thread's
+serial client calls ``/filter`` for each and binds it (prepared_burst's live case), and reads every thread's
 CPU (utime + stime of ``/proc/PID/task/TID``, exact per thread) before and after. Thread names
 come from ``py-spy dump`` (py-spy's samples of *where* in a thread time goes were too unreliable
 under ``--nonblocking`` for this; the per-thread totals are the kernel's). Needs py-spy
 (``python3 -m pip install py-spy``), which the project does not install.
 
-Run from the repository root: ``python -m benchmarks.thread_cpu [--pods 1000] [--nodes 100] [--tree TREE]``.
+Run from the repository root: ``python -m benchmarks.thread_cpu [--pods 1000] [--nodes 100] [--backlog] [--no-bind] [--tree TREE]``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from benchmarks.soak_lab import LabProcess
 from guard.lab.harness import stop_group
 
 
-def thread_cpu(pid: int) -> dict[int, float]:
+def thread_cpu(pid: int) -> dict[int, tuple[float, float]]:
+    """(user, system) seconds of each thread of ``pid``."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -43,7 +44,7 @@ def thread_cpu(pid: int) -> dict[int, float]:
         except OSError:
             continue
         fields = raw[raw.rindex(")") + 2:].split()
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / TICK
+        out[int(tid)] = (int(fields[11]) / TICK, int(fields[12]) / TICK)
     return out
 
 
@@ -63,6 +64,9 @@ def main() -> int:
     ap.add_argument("--pods", type=int, default=1000)
     ap.add_argument("--nodes", type=int, default=100)
     ap.add_argument("--tree", help="the guard of another source tree")
+    ap.add_argument("--no-bind", action="store_true", help="leave the pods unscheduled instead of binding each one")
+    ap.add_argument("--backlog", action="store_true", help="the pods land before the client reaches them "
+                    "(cpu_per_pod's backlog case) instead of being created while it runs")
     args = ap.parse_args()
     pin_harness()
     prepared_burst.NODES = [f"node-{i:04d}" for i in range(args.nodes)]
@@ -79,22 +83,28 @@ def main() -> int:
                               and Path(f"/proc/{p}/stat").read_text().rsplit(") ", 1)[1].split()[1] == str(g.proc.pid))
                 names = thread_names(worker)
                 before = thread_cpu(worker)
-                res = run_case(lab, "c1", g.base, args.pods, None)
+                res = run_case(lab, "c1", g.base, args.pods, 0.0 if args.backlog else None, not args.no_bind)
                 after = thread_cpu(worker)
             finally:
                 stop_group(g.proc)
         finally:
             lab.close()
-    by_job: dict[str, float] = {}
-    for tid, cpu in after.items():
-        by_job[job(names.get(tid))] = by_job.get(job(names.get(tid)), 0.0) + cpu - before.get(tid, 0.0)
-    print(f"{machine()}; {args.pods} pods created while the client runs, {args.nodes} node names per call; "
+    by_job: dict[str, list[float]] = {}
+    for tid, (user, system) in after.items():
+        u0, s0 = before.get(tid, (0.0, 0.0))
+        acc = by_job.setdefault(job(names.get(tid)), [0.0, 0.0])
+        acc[0] += user - u0
+        acc[1] += system - s0
+    print(f"{machine()}; {args.pods} pods {'created before' if args.backlog else 'created while'} the client runs"
+          f"{'' if args.no_bind else ', each bound'}, {args.nodes} node names per call; "
           f"{res['pods_per_s']:.0f} pods/s\n")
-    print("| threads | CPU ms/pod |\n|---|---:|")
-    for name, cpu in sorted(by_job.items(), key=lambda kv: -kv[1]):
-        if cpu > 0:
-            print(f"| {name} | {cpu * 1000 / args.pods:.3f} |")
-    print(f"| all (the worker process) | {sum(by_job.values()) * 1000 / args.pods:.3f} |")
+    print("| threads | CPU ms/pod | user | system |\n|---|---:|---:|---:|")
+    per_pod = 1000 / args.pods
+    for name, (user, system) in sorted(by_job.items(), key=lambda kv: -sum(kv[1])):
+        if user + system > 0:
+            print(f"| {name} | {(user + system) * per_pod:.3f} | {user * per_pod:.3f} | {system * per_pod:.3f} |")
+    user, system = (sum(v[i] for v in by_job.values()) for i in (0, 1))
+    print(f"| all (the worker process) | {(user + system) * per_pod:.3f} | {user * per_pod:.3f} | {system * per_pod:.3f} |")
     return 0
 
 
