@@ -87,3 +87,75 @@ def test_every_status_gets_its_reason_phrase():
 
     assert [_reason(s) for s in (200, 400, 403, 413, 415, 503, 599)] == [
         "OK", "Bad Request", "Forbidden", "Content Too Large", "Unsupported Media Type", "Service Unavailable", "Unknown"]
+
+
+# -- the one-pass check against the line-by-line one it replaced --------------------------------
+
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+
+
+def line_by_line(request: bytes, paths: frozenset[bytes], max_body: int) -> tuple[str, bytes, bool] | None:
+    """plain_call as it was written first (one header line at a time), the reference."""
+    end = request.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    lines = request[:end].split(b"\r\n")
+    if len(lines) > 101 or len(lines[0]) > 4094:
+        return None
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1" or parts[1] not in paths:
+        return None
+    json_type = length = None
+    keep = True
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or len(line) > 8190 or not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+            return None
+        key = name.lower()
+        value = value.strip(b" \t")
+        if key == b"content-type":
+            if json_type is not None:
+                return None
+            json_type = value.split(b";", 1)[0].strip(b" \t").lower() == b"application/json"
+        elif key == b"content-length":
+            if length is not None or not value.isdigit():
+                return None
+            length = int(value)
+        elif key == b"transfer-encoding":
+            return None
+        elif key == b"connection":
+            if b"close" in (t.strip(b" \t").lower() for t in value.split(b",")):
+                keep = False
+    body = request[end + 4:]
+    if not json_type or length is None or length > max_body or len(body) != length:
+        return None
+    return parts[1].decode("ascii"), body, keep
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_FIELDS_OF_INTEREST = {
+    "Content-Type": ["application/json", " application/json ", "Application/JSON; charset=utf-8", "application/jsonx",
+                     "text/plain", "", "application/json,text/plain"],
+    "Content-Length": ["5", " 5 ", "+5", "5 5", "", "0", "05"],
+    "Transfer-Encoding": ["chunked", "identity", ""],
+    "Connection": ["close", "keep-alive, Close", "closed", "keep-alive", " close ,x", "", "upgrade"],
+    "X-Content-Length": ["5"], "Content-Type-X": ["text/plain"], "Host": ["guard:8443"],
+}
+_INTERESTING = st.sampled_from(sorted(_FIELDS_OF_INTEREST)).flatmap(lambda name: st.builds(
+    lambda case, sep, value: f"{getattr(name, case)()}{sep}{value}", st.sampled_from(["title", "lower", "upper"]),
+    st.sampled_from([": ", ": ", ":", ":\t", " :"]), st.sampled_from(_FIELDS_OF_INTEREST[name])))
+_LINES = st.one_of(_INTERESTING, _INTERESTING, _INTERESTING, st.text(st.characters(max_codepoint=255), max_size=12))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_LINES, max_size=2), st.sampled_from(["POST /filter HTTP/1.1", "POST /preempt HTTP/1.1", "POST /filter HTTP/1.0"]),
+       st.sampled_from([5, 5, 5, 4]), st.randoms(use_true_random=False))
+def test_the_one_pass_check_judges_every_head_as_the_line_by_line_one(extra, line, body_len, rnd):
+    """kube-scheduler's head with a line or two added, in any order: the same verdict and result."""
+    lines = ["Content-Type: application/json", "Content-Length: 5", *extra]
+    rnd.shuffle(lines)
+    req = ("\r\n".join([line, *lines]) + "\r\n\r\n").encode("latin-1") + b"x" * body_len
+    assert plain_call(req, PATHS, 6) == line_by_line(req, PATHS, 6)
