@@ -199,6 +199,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         self.server.replica._serve(self)
 
+    def end_headers_with(self, body: bytes) -> None:
+        """``end_headers()`` and the body in one write, as Go's net/http sends a reply that fits its
+        response buffers (server.go: ``bufferBeforeChunkingSize``, the connection's 4 KiB writer):
+        a client reads a small reply whole in one go, not its head and then its body."""
+        self._headers_buffer.append(b"\r\n")
+        self._headers_buffer.append(body)
+        self.flush_headers()
+
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _dispatch
 
 
@@ -472,10 +480,9 @@ class ApiserverReplica:
         h.send_header("Cache-Control", "no-cache, private")
         for k, v in (headers or {}).items():
             h.send_header(k, v)
-        h.end_headers()
         ctx.status = code
         self._record(ctx)
-        h.wfile.write(data)
+        h.end_headers_with(data)
 
     # --- routing ----------------------------------------------------------------
 
