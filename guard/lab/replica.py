@@ -191,6 +191,11 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Replies are buffered and leave when the request is done (handle_one_request flushes), as Go's
+    # net/http sends a reply that fits its buffers (server.go: bufferBeforeChunkingSize, the
+    # connection's 4 KiB writer): a client reads a small reply whole, not its head and then its body.
+    # A watch flushes its head and each event itself.
+    wbufsize = 4096
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
@@ -199,13 +204,6 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         self.server.replica._serve(self)
 
-    def end_headers_with(self, body: bytes) -> None:
-        """``end_headers()`` and the body in one write, as Go's net/http sends a reply that fits its
-        response buffers (server.go: ``bufferBeforeChunkingSize``, the connection's 4 KiB writer):
-        a client reads a small reply whole in one go, not its head and then its body."""
-        self._headers_buffer.append(b"\r\n")
-        self._headers_buffer.append(body)
-        self.flush_headers()
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _dispatch
 
@@ -480,9 +478,10 @@ class ApiserverReplica:
         h.send_header("Cache-Control", "no-cache, private")
         for k, v in (headers or {}).items():
             h.send_header(k, v)
+        h.end_headers()
         ctx.status = code
         self._record(ctx)
-        h.end_headers_with(data)
+        h.wfile.write(data)
 
     # --- routing ----------------------------------------------------------------
 
@@ -723,6 +722,7 @@ class ApiserverReplica:
         h.send_header("Transfer-Encoding", "chunked")
         h.send_header("Cache-Control", "no-cache, private")
         h.end_headers()
+        h.wfile.flush()  # the head at once, as the apiserver's watch handler flushes after WriteHeader
         ctx.status = 200
         self._record(ctx)
 
