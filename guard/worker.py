@@ -220,6 +220,11 @@ def request_framing(head: bytes, max_body: int) -> tuple[bytes, str, int, bool]:
         if at >= 0 and low.count(b"content-length") == 1:
             at += len(_CONTENT_LENGTH)
             return head, "length", _length(head[at:head.find(b"\r\n", at)].strip(), max_body), False
+    return framing_by_lines(head, max_body)
+
+
+def framing_by_lines(head: bytes, max_body: int) -> tuple[bytes, str, int, bool]:
+    """:func:`request_framing` for any head, every line read (what its quick reading must agree with)."""
     lines = head[:-4].split(b"\r\n")
     kept, lengths, codings, expect = [lines[0]], [], [], False
     for line in lines[1:]:
