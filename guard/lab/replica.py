@@ -204,7 +204,6 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         self.server.replica._serve(self)
 
-
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _dispatch
 
 
