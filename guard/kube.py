@@ -309,6 +309,10 @@ def _pinned_refresh_hook(hook, host: str, server_name: str | None):
     return refresh
 
 
+# A watch event is one object (a pod: at most about 1.5 MiB in etcd); a line longer than this is no event.
+MAX_WATCH_EVENT_BYTES = 8 * 1024 * 1024
+
+
 class ReplicaClient:
     """A client aimed at one replica: cluster CA, configurable TLS server name, the guard's credentials."""
 
@@ -395,7 +399,8 @@ class ReplicaClient:
     def watch_pending(self, resource_version: str, *, timeout_seconds: int = 300) -> Iterator[dict]:
         """WATCH unscheduled pods from ``resource_version``: yields raw watch events (dicts).
 
-        Raises ``WatchExpired`` on 410 Gone (the caller re-lists).
+        Raises ``WatchExpired`` on 410 Gone (the caller re-lists), ``WatchFailed`` on an error event
+        or an event over ``MAX_WATCH_EVENT_BYTES``.
         """
         try:
             resp = self.core.list_pod_for_all_namespaces(
@@ -407,21 +412,31 @@ class ReplicaClient:
                 raise WatchExpired(resource_version) from e
             raise
         try:
-            buf = b""
-            for chunk in resp.stream(64 * 1024, decode_content=False):
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if line.strip():
-                        event = orjson.loads(line)
-                        if event.get("type") == "ERROR":
-                            status = event.get("object") or {}
-                            if status.get("code") == 410:
-                                raise WatchExpired(resource_version)
-                            raise WatchFailed(str(status.get("message") or status)[:200])
-                        yield event
+            yield from self._events(resp.stream(64 * 1024, decode_content=False), resource_version)
         finally:
             resp.release_conn()
+
+    @staticmethod
+    def _events(pieces: Iterator[bytes], resource_version: str) -> Iterator[dict]:
+        """Watch events, one JSON object per line, from the body's pieces as they arrive. A line
+        longer than ``MAX_WATCH_EVENT_BYTES`` ends the watch (WatchFailed): memory stays bounded."""
+        buf = b""
+        for piece in pieces:
+            buf = buf + piece if buf else piece
+            if b"\n" in buf:
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if not line.strip():
+                        continue
+                    event = orjson.loads(line)
+                    if event.get("type") == "ERROR":
+                        status = event.get("object") or {}
+                        if status.get("code") == 410:
+                            raise WatchExpired(resource_version)
+                        raise WatchFailed(str(status.get("message") or status)[:200])
+                    yield event
+            if len(buf) > MAX_WATCH_EVENT_BYTES:
+                raise WatchFailed(f"a watch event longer than {MAX_WATCH_EVENT_BYTES} bytes")
 
     def close(self) -> None:
         self.api_client.close()
