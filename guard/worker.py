@@ -62,8 +62,8 @@ import ssl
 import time
 from collections import Counter as _Tally
 from email.utils import formatdate
-from typing import Any
 from http import HTTPStatus
+from typing import Any
 
 from gunicorn import http
 from gunicorn.http import wsgi
@@ -96,6 +96,7 @@ def _reason(status: int) -> str:
         return _REASONS.get(status) or HTTPStatus(status).phrase
     except ValueError:
         return "Unknown"
+
 
 # The key under which a WSGI app offers its direct lane (``app.extensions[DIRECT_LANE]``): a callable
 # ``lane(path, body, remote_ip, peer_cert) -> (status, JSON payload)``, with ``lane.paths`` (the paths
@@ -136,10 +137,11 @@ def plain_call(request: bytes, paths: frozenset[bytes], max_body: int) -> tuple[
     length = _one_value(low, b"\r\ncontent-length:")
     if json_type is None or length is None or not length.isdigit() or b"\r\ntransfer-encoding:" in low:
         return None
-    if json_type.split(b";", 1)[0].strip(b" \t") != b"application/json" or int(length) > max_body:
+    size = int(length)
+    if json_type.split(b";", 1)[0].strip(b" \t") != b"application/json" or size > max_body:
         return None
     body = request[end + 4:]
-    if len(body) != int(length):
+    if len(body) != size:
         return None
     keep = True
     at = low.find(_CONNECTION)
