@@ -92,16 +92,25 @@ class _Stored:
         self.started = started
 
 
-class _Flight:
-    """One quorum GET in flight for a name; ``valid`` goes False when the watch invalidates the name."""
+class Flight:
+    """One quorum GET in flight for a name; ``valid`` goes False when the watch invalidates the name.
 
-    __slots__ = ("done", "result", "started", "valid")
+    A caller that must not wait (the worker's event loop) joins it with :meth:`VerdictCache.join`
+    and is woken when it lands; :meth:`landed` then gives the read."""
+
+    __slots__ = ("done", "result", "started", "valid", "wakes")
 
     def __init__(self, started: int) -> None:
         self.done = threading.Event()
         self.result: QuorumRead | None = None
         self.started = started
         self.valid = True
+        self.wakes: list[Callable[[], None]] = []
+
+    def landed(self) -> Read | None:
+        """The read, shared (``own`` False), once the GET has landed; None before."""
+        result = self.result
+        return None if result is None else Read(result, self.started, False)
 
 
 def budget_exhausted(budget: float) -> QuorumRead:
@@ -127,7 +136,7 @@ class VerdictCache:
         self._ghosts: cachetools.TTLCache = cachetools.TTLCache(ghost_size, ghost_ttl, timer=timer)
         self._ghost_lock = threading.Lock()
         self._reads: cachetools.TTLCache = cachetools.TTLCache(read_size, read_ttl, timer=timer)
-        self._flights: dict[tuple[str, str], _Flight] = {}
+        self._flights: dict[tuple[str, str], Flight] = {}
         self._read_lock = threading.Lock()
 
     # -- the logical clock --------------------------------------------------------------------
@@ -182,10 +191,12 @@ class VerdictCache:
         """Keep a background-verified ``alive`` verdict for the pod's first scheduling attempt.
 
         Refused (False) for an identity already seen gone: its GET may have been answered just
-        before the delete, and the DELETED event may have arrived before this call.
+        before the delete, and the DELETED event may have arrived before this call. Refused as well
+        for one a scheduler has asked about already: that first attempt shared this GET, and a
+        later attempt must read etcd again (a failed bind may be what sends it back).
         """
         with self._prepared_lock:
-            if pod in self._gone:
+            if pod in self._gone or pod in self._asked:
                 return False
             self._prepared[pod] = _Prepared(decision)
             return True
@@ -251,6 +262,18 @@ class VerdictCache:
                 del self._flights[key]
                 flight.valid = False
 
+    def join(self, namespace: str, name: str, wake: Callable[[], None]) -> Flight | None:
+        """Join the quorum GET in flight for namespace/name without waiting for it: ``wake`` is called
+        once, on the GET's own thread, right after it lands (it must be quick and must not raise).
+        None, with nothing joined, when no GET of the name is in flight (or the watch has invalidated
+        the one that is: a read begun before a change the guard saw is not worth joining)."""
+        with self._read_lock:
+            flight = self._flights.get((namespace, name))
+            if flight is None:
+                return None
+            flight.wakes.append(wake)
+            return flight
+
     def read(self, namespace: str, name: str, *, timeout: float, not_before: int = 0) -> Read:
         """The quorum read of namespace/name: a cached one, one in flight (waited for, at most
         ``timeout`` seconds), or a GET of this caller's own (single flight per name).
@@ -266,7 +289,7 @@ class VerdictCache:
             flight = self._flights.get(key)
             own = flight is None or flight.started <= not_before
             if own:
-                flight = _Flight(self.tick())
+                flight = Flight(self.tick())
                 self._flights[key] = flight
         assert flight is not None
         if not own:
@@ -285,5 +308,11 @@ class VerdictCache:
                 stored = self._reads.get(key)
                 if stored is None or stored.started < flight.started:
                     self._reads[key] = _Stored(result, flight.started)
+            wakes, flight.wakes = flight.wakes, []
         flight.done.set()
+        for wake in wakes:
+            try:
+                wake()
+            except Exception:  # a closed event loop: its parked call is gone with it
+                pass
         return Read(result, flight.started, True)

@@ -16,9 +16,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from guard import metrics
-from guard.cache import Read, VerdictCache
+from guard.cache import Flight, Read, VerdictCache
 from guard.settings import Settings
 from guard.verdict import Decision, PodRef, QuorumRead, Verdict, decide
 
@@ -34,6 +35,14 @@ SightingListener = Callable[[PodRef, Decision], None]
 # Called on the request path for every block of a ghost (the first one with its read, later ones with
 # None): only for work that takes microseconds and never waits (queueing an audit record in memory).
 BlockRecorder = Callable[[PodRef, Decision, "QuorumRead | None"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """A call that joined its pod's quorum GET in flight instead of waiting for it (Checker.join_flight)."""
+
+    pod: PodRef
+    flight: Flight
 
 
 class Checker:
@@ -97,6 +106,10 @@ class Checker:
             metrics.labelled(metrics.VERDICTS, decision.verdict.value).inc()
             self._count_undecided("internal-error")
             return decision
+        return self._handed_out(decision, deadline)
+
+    def _handed_out(self, decision: Decision, deadline: float) -> Decision:
+        """Count (and for ``unknown``, log) a verdict handed to a caller whose budget ends at ``deadline``."""
         metrics.labelled(metrics.VERDICTS, decision.verdict.value).inc()
         if decision.verdict is Verdict.UNKNOWN:
             self._count_undecided("budget" if self._timer() >= deadline else "apiserver")
@@ -119,6 +132,47 @@ class Checker:
         metrics.VERDICTS_PREPARED.inc()
         metrics.labelled(metrics.VERDICTS, prepared.verdict.value).inc()
         return prepared
+
+    def join_flight(self, pod: PodRef, wake: Callable[[], None]) -> Joined | None:
+        """For the worker's event loop, after :meth:`answer_prepared` found nothing: when this pod's
+        quorum GET is already in flight (a background verification's, or another call's), join it
+        without waiting. ``wake`` is called, on the GET's thread, when it lands; then
+        :meth:`answer_joined` gives the verdict. This is the start of :meth:`check` for a call that
+        would wait for that GET (the call hooks run, the pod is marked asked); nothing is counted
+        until the answer. None, with nothing done, when there is no such GET or a ghost is cached:
+        the caller goes through :meth:`check`."""
+        if self.cache.ghost(pod) is not None:
+            return None
+        flight = self.cache.join(pod.namespace, pod.name, wake)
+        if flight is None:
+            return None
+        for hook in self.call_hooks:
+            hook()
+        self.cache.mark_asked(pod)
+        return Joined(pod, flight)
+
+    def answer_joined(self, joined: Joined, deadline: float) -> Decision | None:
+        """The verdict of a call that joined a GET (:meth:`join_flight`), once it has landed, exactly
+        as :meth:`check` gives it to a call that waited for the same GET, counted the same way:
+        ``alive``, or ``unknown`` when the GET failed (fail open, or closed, as the settings say).
+        None, with nothing counted, when the read alone cannot answer: a ghost (only a read begun after
+        the call may condemn, and the first sighting is recorded; :meth:`check` does both), a pod a
+        watch showed gone since before the read began, or a GET that has not landed. The caller then
+        goes through :meth:`check`, within the same ``deadline``."""
+        read = joined.flight.landed()
+        if read is None:
+            return None
+        decision = decide(joined.pod, read.read)
+        if decision.verdict is Verdict.ALIVE:
+            gone_at = self.cache.gone_since(joined.pod)
+            if gone_at and read.started <= gone_at:
+                return None
+        elif decision.verdict is not Verdict.UNKNOWN:
+            return None
+        metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "miss").inc()
+        metrics.labelled(metrics.CACHE_LOOKUPS, "reads", "hit").inc()
+        metrics.VERDICTS_SHARED.inc()
+        return self._handed_out(decision, deadline)
 
     def blocks(self, decision: Decision) -> bool:
         """Whether the scheduler must keep this pod off every node."""

@@ -3,7 +3,9 @@ healthy replica.
 
 Random sequences of: create / delete / recreate-same-name / bind pods in etcd; scheduler calls
 (/filter, /preempt and binding reviews all call ``Checker.check``; dry-run reviews with
-``record=False``) for any UID a name ever had, or a UID of another name; background
+``record=False``) for any UID a name ever had, or a UID of another name; the same calls as the
+worker's event loop takes them (a prepared verdict, or parked on the pod's GET in flight and
+answered when it lands, or handed to ``Checker.check`` then or when the budget nearly runs out); background
 verifications (and the takeover of the backlog after an idle spell); quorum GETs held in flight
 and answered as of their start or as of now; watch events delivered late, or dropped, per replica;
 replica restarts; the incident recorder's confirmation rounds; clock steps; idle spells (no call
@@ -35,7 +37,9 @@ from guard.incident import IncidentRecorder
 from guard.prepare import Preparer
 
 NAMES = ("web-0", "web-1")
-STEPS = {"run": 0}  # rule steps taken by every example, in this process
+# Rule steps taken by every example, in this process; loop calls parked on a GET in flight, and those
+# the loop answered itself when it landed.
+STEPS = {"run": 0, "parked": 0, "landed": 0}
 FAR = 3600.0  # the machine is about verdicts, not budgets: calls get a deadline far away
 
 
@@ -73,6 +77,7 @@ class VerdictMachine(RuleBasedStateMachine):
                                          later=lambda delay, fn, *args: self.confirms.append((fn, args)))
         self.recorder.attach(self.checker)
         self.calls: list[tuple[Call, object]] = []
+        self.parked: list[tuple[object, list, object]] = []  # (Joined, landed flag, pod): loop calls waiting
         self.answers = 0
 
     # -- etcd ------------------------------------------------------------------------------------
@@ -114,6 +119,59 @@ class VerdictMachine(RuleBasedStateMachine):
         call = Call(lambda: self.checker.check(p, deadline=self.clock() + FAR, record=not dry_run), f"{p}:{uid}")
         self.gets.hold = True
         self.calls.append((call, p))
+
+    @precondition(lambda self: self.etcd.history)
+    @rule(data=st.data(), cross=st.booleans())
+    def loop_call(self, data, cross):
+        """A /filter or /preempt as the worker's event loop takes it (guard.worker._answer_now): a
+        prepared verdict at once; else parked on the pod's GET in flight (answered when it lands,
+        see ``land``); else handed to a pool thread, which calls ``Checker.check``."""
+        name = data.draw(st.sampled_from(sorted(self.etcd.history)))
+        uids = self.etcd.history[name]
+        if cross:
+            others = [u for n, us in self.etcd.history.items() if n != name for u in us]
+            uids = others or uids
+        p = pod(name, data.draw(st.sampled_from(uids)))
+        decision = self.checker.answer_prepared(p)
+        if decision is not None:
+            self._answered(decision, p)
+            return
+        landed: list = []
+        joined = self.checker.join_flight(p, lambda: landed.append(True))
+        if joined is None:
+            self._to_pool(p)
+        else:
+            STEPS["parked"] += 1
+            self.parked.append((joined, landed, p))
+
+    @rule(pick=st.integers(0, 7))
+    def budget_nearly_out(self, pick):
+        """A parked call's GET has not landed with PARK_MARGIN of its budget left: a pool thread takes it."""
+        waiting = [entry for entry in self.parked if not entry[1]]
+        if waiting:
+            entry = waiting[pick % len(waiting)]
+            self.parked.remove(entry)
+            self._to_pool(entry[2])
+
+    def land(self):
+        """The loop's side of a landed GET (guard.worker._landed): answer, or hand to a pool thread."""
+        for entry in [e for e in self.parked if e[1]]:
+            self.parked.remove(entry)
+            joined, _, p = entry
+            decision = self.checker.answer_joined(joined, self.clock() + FAR)
+            if decision is None:
+                self._to_pool(p)
+            else:
+                STEPS["landed"] += 1
+                self._answered(decision, p)
+
+    def _to_pool(self, p):
+        self.calls.append((Call(lambda: self.checker.check(p, deadline=self.clock() + FAR), f"pool-{p}:{p.uid}"), p))
+
+    def _answered(self, decision, p):
+        self.answers += 1
+        if decision.is_ghost:
+            assert not self.etcd.pending(p.name, p.uid), f"live pod {p} uid {p.uid} answered {decision} by the loop"
 
     @rule(held=st.booleans())
     def background_verification(self, held):
@@ -177,6 +235,8 @@ class VerdictMachine(RuleBasedStateMachine):
     def no_live_pod_is_answered_as_a_ghost(self):
         STEPS["run"] += 1
         settle()
+        self.land()
+        settle()
         still = []
         for call, p in self.calls:
             if not call.done:
@@ -211,9 +271,12 @@ class VerdictMachine(RuleBasedStateMachine):
             for get in list(self.gets.held):
                 self.gets.release(get)
             settle()
+            self.land()
+            settle()
             if not self.gets.held:
                 break
         self.no_live_pod_is_answered_as_a_ghost()
+        assert not self.parked, "a parked call was never woken"
         self.recorder.close()
         self.pv.close()
         self.audit.close()
@@ -231,3 +294,5 @@ def test_the_machine_took_at_least_ten_thousand_steps():
     if STEPS["run"] == 0:
         pytest.skip("the state machine did not run in this session (deselected)")
     assert STEPS["run"] >= 10_000, STEPS["run"]
+    # The loop's path was taken, both ways: answered where the GET landed, and handed over.
+    assert STEPS["parked"] >= 100 and 20 <= STEPS["landed"] < STEPS["parked"], STEPS
