@@ -70,6 +70,9 @@ CONNECTIONS_REJECTED = Counter("ghost_guard_connections_rejected", "Client conne
                                "body-too-large, body-incomplete, bad-framing, over-buffer-limit).", ["reason"])
 CONNECTIONS_OPEN = Gauge("ghost_guard_connections_open", "Client connections open (sampled every second), "
                          "summed over the live worker processes.", multiprocess_mode="livesum")
+CALLS_PARKED = Gauge("ghost_guard_calls_parked", "Scheduler calls waiting, without a thread, for their pod's quorum "
+                     "GET already in flight (sampled every second), summed over the live worker processes.",
+                     multiprocess_mode="livesum")
 REQUESTS_FORBIDDEN = Counter("ghost_guard_requests_forbidden", "Requests refused with 403 because the client "
                              "certificate is not of the endpoint's role, by endpoint and required role.",
                              ["endpoint", "role"])

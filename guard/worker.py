@@ -40,7 +40,14 @@ can stall into its single event-loop thread, on non-blocking sockets:
    answers it itself, with no hand-off to a pool thread and back; that is
    bounded CPU work with no waiting on the apiserver or the client (the reply is
    written non-blocking; the access-log line, when on, goes to stderr as the
-   loop's own log lines do). Everything
+   loop's own log lines do). When the pod's quorum GET is already in flight (a
+   background verification not landed yet), the call is **parked** (state
+   PARKED, no thread, the socket unwatched): the GET's thread wakes the loop
+   when it lands (``method_queue``), and the loop answers from that read
+   (the lane's ``answer_landed``) or, when the read alone cannot answer (a
+   ghost, a pod gone since), hands the call to a pool thread. A call still
+   parked ``PARK_MARGIN`` before its budget ends goes to a pool thread too,
+   which waits out the rest of the same budget. Everything
    else, well-formed or not, takes a pool thread and the WSGI path, which answers
    it or refuses it with the reason.
 6. The loop **writes the rest of the reply** within ``--write-timeout`` (a reader too
@@ -62,6 +69,7 @@ import ssl
 import time
 from collections import Counter as _Tally
 from email.utils import formatdate
+from functools import partial
 from http import HTTPStatus
 from typing import Any
 
@@ -81,6 +89,11 @@ TICK = 0.05
 PEER_CERT = "ghost_guard.peer_cert"
 
 HANDSHAKE, HEAD, BODY, BUSY, WRITE, IDLE, LINGER = "handshake", "head", "body", "busy", "write", "idle", "linger"
+# A call waiting, without a thread, for its pod's quorum GET in flight (the direct lane's Waiting).
+PARKED = "parked"
+# A parked call still waiting this long before its budget runs out goes to a pool thread, which waits
+# out the rest (the loop checks deadlines once a TICK, so it may see this one up to a TICK late).
+PARK_MARGIN = 2 * TICK
 # What a missed deadline means, per state (None: a normal close, not counted).
 EXPIRED = {HANDSHAKE: "tls-handshake-timeout", HEAD: "header-timeout", BODY: "body-timeout", WRITE: "write-timeout",
            IDLE: None, LINGER: None}
@@ -269,7 +282,7 @@ class Conn:
 
     __slots__ = ("sock", "addr", "ip", "server", "tls", "state", "deadline", "buf", "events", "peer_cert",
                  "head", "head_len", "kind", "need", "body_start", "chunk_pos", "chunk_bytes", "in_trailer",
-                 "out", "keep", "reject", "closed", "reserved", "counted")
+                 "out", "keep", "reject", "closed", "reserved", "counted", "parked")
 
     def __init__(self, sock, addr, server, tls: bool) -> None:
         self.sock = sock
@@ -288,6 +301,7 @@ class Conn:
         self.closed = False
         self.reserved = 0  # bytes of --max-buffered-bytes held by this connection's request and reply
         self.counted = False  # counted towards the connection limits (admitted, not refused, not closing)
+        self.parked: _Parked | None = None  # the call waiting for its GET (state PARKED)
         self.reset()
 
     def reset(self) -> None:
@@ -299,6 +313,17 @@ class Conn:
         self.chunk_pos = 0
         self.chunk_bytes = 0
         self.in_trailer = False
+
+
+class _Parked:
+    """A parked call: the direct lane's Waiting, and what a pool thread needs if it takes the call over."""
+
+    __slots__ = ("waiting", "request", "keep")
+
+    def __init__(self, request: bytes, keep: bool) -> None:
+        self.waiting: Any = None
+        self.request = request
+        self.keep = keep
 
 
 class _Capture:
@@ -328,6 +353,7 @@ class GuardWorker(ThreadWorker):
         self.settings = s
         self.rejected = metrics.CONNECTIONS_REJECTED
         self.open_gauge = metrics.CONNECTIONS_OPEN
+        self.parked_gauge = metrics.CALLS_PARKED
         self.next_sample = 0.0
         self.tls = getattr(self.app, "tls", None)
         self.conns: set[Conn] = set()
@@ -622,37 +648,80 @@ class GuardWorker(ThreadWorker):
         # A verb call whose answer is ready (an alive verdict verified ahead) is answered here in the
         # loop: no hand-off to a pool thread and back. Not while another request waits behind it on
         # the connection (pipelined), nor from within such an answer (its reply's write may read on).
+        # A call whose pod's quorum GET is in flight already is parked, without a thread, until it lands.
         if self.direct is not None and not conn.buf and not self._answering:
             self._answering = True
             try:
                 now = self._answer_now(conn, request)
-                if now is not None:
+                if isinstance(now, tuple):
                     self._send_reply(conn, now[0], keep=now[1])
+                if now is not None:
                     return
             finally:
                 self._answering = False
+        self._to_pool(conn, request)
+
+    def _to_pool(self, conn: Conn, request: bytes, arrived: float | None = None) -> None:
         conn.state, conn.deadline = BUSY, 0.0
         self._unwatch(conn)
-        future = self.tpool.submit(self._serve_and_send, conn, request)
+        future = self.tpool.submit(self._serve_and_send, conn, request, arrived)
         future.add_done_callback(lambda f: self.method_queue.defer(self._served, conn, f))
 
-    def _answer_now(self, conn: Conn, request: bytes) -> tuple[bytes, bool] | None:
+    def _answer_now(self, conn: Conn, request: bytes) -> tuple[bytes, bool] | str | None:
         """(reply, keep-alive) when the app's direct lane can answer at once without waiting (its
-        ``answer_now``), else None: the request goes to a pool thread as any other."""
+        ``answer_now``); PARKED when the call waits for its pod's GET in flight (answered by
+        :meth:`_landed`); else None: the request goes to a pool thread as any other."""
         call = plain_call(request, self.direct_paths, self.direct_max_body)
         if call is None:
             return None
         path, body, keep = call
+        parked = _Parked(request, keep)
         try:
-            answered = self.direct.answer_now(path, body, conn.ip, conn.peer_cert)
+            answered = self.direct.answer_now(path, body, conn.ip, conn.peer_cert,
+                                              partial(self.method_queue.defer, self._landed, conn, parked))
         except Exception:
             self.log.exception("answering %s in the event loop failed; a pool thread answers it", path)
             return None
         if answered is None:
             return None
+        if not isinstance(answered, tuple):
+            parked.waiting = answered
+            conn.parked = parked
+            conn.state, conn.deadline = PARKED, answered.arrived + self.settings.request_budget - PARK_MARGIN
+            self._unwatch(conn)
+            return PARKED
         status, payload = answered
         keep = keep and self.alive
         return plain_reply(status, _reason(status), payload, keep), keep
+
+    def _landed(self, conn: Conn, parked: _Parked) -> None:
+        """The GET a parked call waits for has landed (deferred to the loop by the GET's thread):
+        answer the call here, or hand it to a pool thread when the read alone cannot answer it."""
+        if conn.closed or conn.state != PARKED or conn.parked is not parked:
+            return  # taken over by a pool thread at its deadline already
+        conn.parked = None
+        try:
+            answered = self.direct.answer_landed(parked.waiting)
+        except Exception:
+            self.log.exception("answering a parked call in the event loop failed; a pool thread answers it")
+            answered = None
+        if answered is None:
+            self._to_pool(conn, parked.request, parked.waiting.arrived)
+            return
+        status, payload = answered
+        keep = parked.keep and self.alive
+        self._answering = True
+        try:
+            self._send_reply(conn, plain_reply(status, _reason(status), payload, keep), keep=keep)
+        finally:
+            self._answering = False
+
+    def _unpark(self, conn: Conn) -> None:
+        """A parked call's GET has not landed with PARK_MARGIN of its budget left: a pool thread
+        takes it over and waits out the rest (Checker.check, the same budget)."""
+        parked, conn.parked = conn.parked, None
+        assert parked is not None
+        self._to_pool(conn, parked.request, parked.waiting.arrived)
 
     def load_wsgi(self) -> None:
         super().load_wsgi()
@@ -662,13 +731,14 @@ class GuardWorker(ThreadWorker):
             self.direct_paths = frozenset(p.encode("ascii") for p in lane.paths)
             self.direct_max_body = lane.max_body
 
-    def _serve(self, conn: Conn, request: bytes) -> tuple[bytes, bool]:
-        """In a pool thread: parse the complete request from memory, run the app, collect the reply."""
+    def _serve(self, conn: Conn, request: bytes, arrived: float | None = None) -> tuple[bytes, bool]:
+        """In a pool thread: parse the complete request from memory, run the app, collect the reply.
+        ``arrived``: when the call's budget began, if it was parked first (default: now)."""
         if self.direct is not None:
             call = plain_call(request, self.direct_paths, self.direct_max_body)
             if call is not None:
                 path, body, keep = call
-                status, payload = self.direct(path, body, conn.ip, conn.peer_cert)
+                status, payload = self.direct(path, body, conn.ip, conn.peer_cert, arrived)
                 keep = keep and self.alive
                 return plain_reply(status, _reason(status), payload, keep), keep
         out = _Capture()
@@ -699,14 +769,14 @@ class GuardWorker(ThreadWorker):
             self.handle_error(req, out, conn.addr, e)
             return out.getvalue(), False
 
-    def _serve_and_send(self, conn: Conn, request: bytes) -> tuple[memoryview, bool, bool]:
+    def _serve_and_send(self, conn: Conn, request: bytes, arrived: float | None = None) -> tuple[memoryview, bool, bool]:
         """In a pool thread: the reply, and as much of it as the socket takes right now (never waiting).
 
         The loop does not touch a connection while its request runs, so the thread may write
         to it; whatever does not fit at once is left to the loop and its write deadline.
         Returns (the rest of the reply, keep-alive, the connection broke).
         """
-        data, keep = self._serve(conn, request)
+        data, keep = self._serve(conn, request, arrived)
         rest = memoryview(data)
         try:
             while rest:
@@ -778,6 +848,9 @@ class GuardWorker(ThreadWorker):
 
     def _expire(self, now: float) -> None:
         for conn in [c for c in self.conns if c.deadline and now >= c.deadline]:
+            if conn.state == PARKED:
+                self._unpark(conn)
+                continue
             reason = EXPIRED.get(conn.state)
             if conn.reject is not None and reason:
                 reason = None  # already counted as over a limit
@@ -819,6 +892,7 @@ class GuardWorker(ThreadWorker):
             if now >= self.next_sample:
                 self.next_sample = now + 1.0
                 self.open_gauge.set(len(self.conns))
+                self.parked_gauge.set(sum(1 for c in self.conns if c.state == PARKED))
 
         # Graceful stop: no new connections; idle ones close now; requests being read, run or
         # written finish (with "Connection: close") within gunicorn's graceful timeout.

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -35,6 +36,7 @@ from flask import Blueprint, Response, g, request
 from werkzeug.wsgi import ClosingIterator
 
 from guard import extender
+from guard.check import Joined
 from guard.extender import ProtocolError
 from guard.http.exchange import BodyBudget, acquire_room, read_json_body, record_request
 from guard.verdict import Decision, PodRef
@@ -149,6 +151,20 @@ class FastLane:
 NOW_MAX_BODY = 128 * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """A verb call that joined its pod's quorum GET in flight (DirectLane.answer_now), to be answered
+    when it lands (DirectLane.answer_landed). ``start`` is time.perf_counter at arrival (the request's
+    duration), ``arrived`` time.monotonic at arrival (its budget)."""
+
+    path: str
+    args: Any
+    joined: Joined
+    remote: str | None
+    start: float
+    arrived: float
+
+
 class DirectLane:
     """The verb calls the worker hands over without WSGI (guard.worker.plain_call): the same answers
     as :class:`FastLane`, and with mTLS the same role check as the WSGI lanes (``refuse``, and
@@ -165,30 +181,61 @@ class DirectLane:
         self.allowed = allowed
         self.max_body = min(fast.bodies.small, fast.limit)
 
-    def answer_now(self, path: str, body: bytes, remote: str | None, peer_cert: Any) -> tuple[int, bytes] | None:
+    def answer_now(self, path: str, body: bytes, remote: str | None, peer_cert: Any,
+                   wake: Callable[[], None] | None = None) -> tuple[int, bytes] | Waiting | None:
         """The answer when it needs no waiting (no GET, no lock held across I/O): a permitted caller,
         a body that decodes (at most NOW_MAX_BODY bytes) and a pod whose ``alive`` verdict was
-        verified ahead (Checker.answer_prepared). Else None, with nothing done or counted: the worker then hands
-        the call to a pool thread (:meth:`__call__`), which answers everything else."""
+        verified ahead (Checker.answer_prepared).
+
+        With ``wake``, a call whose pod's quorum GET is already in flight joins it
+        (Checker.join_flight) and comes back :class:`Waiting`: ``wake`` is called, on another
+        thread, when the GET lands, and the caller then asks :meth:`answer_landed`.
+
+        Else None, with nothing done or counted: the worker then hands the call to a pool thread
+        (:meth:`__call__`), which answers everything else."""
         if len(body) > NOW_MAX_BODY or (self.allowed is not None and not self.allowed(path, peer_cert)):
             return None
         start = time.perf_counter()
+        arrived = time.monotonic()
         guard = self.fast.guard
         try:
             args = _parse(guard, path, body)
         except ProtocolError:
             return None
         decision = guard.checker.answer_prepared(args.pod)
-        if decision is None or guard.checker.blocks(decision):
+        if decision is None:
+            if wake is None:
+                return None
+            joined = guard.checker.join_flight(args.pod, wake)
+            return None if joined is None else Waiting(path, args, joined, remote, start, arrived)
+        if guard.checker.blocks(decision):
             return None
         payload = VERBS[path][2](args)
         record_request(self.fast.settings, "POST", path, 200, time.perf_counter() - start, remote, args.pod,
                        decision.verdict.value)
         return 200, payload
 
-    def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: Any) -> tuple[int, bytes]:
+    def answer_landed(self, waiting: Waiting) -> tuple[int, bytes] | None:
+        """The answer of a :class:`Waiting` call once its GET has landed (Checker.answer_joined), or
+        None, with nothing counted: the worker hands the call to a pool thread, which goes through
+        Checker.check within the same budget (``arrived``)."""
+        checker = self.fast.guard.checker
+        decision = checker.answer_joined(waiting.joined, checker.deadline(waiting.arrived))
+        if decision is None:
+            return None
+        _, block, allow = VERBS[waiting.path]
+        payload = block(waiting.args, decision) if checker.blocks(decision) else allow(waiting.args)
+        record_request(self.fast.settings, "POST", waiting.path, 200, time.perf_counter() - waiting.start,
+                       waiting.remote, waiting.args.pod, decision.verdict.value)
+        return 200, payload
+
+    def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: Any,
+                 arrived: float | None = None) -> tuple[int, bytes]:
+        """The answer, from a pool thread. ``arrived`` (time.monotonic) is when the call's budget
+        began, if it waited before this (a :class:`Waiting` call handed over); default now."""
         start = time.perf_counter()
-        arrived = time.monotonic()
+        if arrived is None:
+            arrived = time.monotonic()
         if self.refuse is not None:
             refused = self.refuse("POST", path, peer_cert, remote)
             if refused is not None:

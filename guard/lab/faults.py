@@ -23,7 +23,11 @@ class FaultError(ValueError):
 @dataclass
 class FaultRule:
     """A request fault: requests whose method, path and raw query string (regexes, full match) match it
-    are delayed, failed or hung (``query="resourceVersion=0.*"``; ``query=""`` only requests without one)."""
+    are delayed, failed or hung (``query="resourceVersion=0.*"``; ``query=""`` only requests without one).
+
+    ``latency``: served after ``seconds``, or as soon as the rule is removed or the faults cleared
+    (a slow apiserver that recovers). ``hang``: no answer; the connection is closed when ``seconds``
+    pass or the rule goes."""
 
     id: int
     action: str
@@ -115,7 +119,8 @@ class Faults:
 
     def add(self, action: str, *, method: str | None = None, path: str | None = None, status: int | None = None,
             seconds: float | None = None, count: int | None = None, query: str | None = None) -> FaultRule:
-        """Add a request fault. ``action``: "latency" (``seconds``), "status" (``status``, e.g. 429/500), "hang"."""
+        """Add a request fault. ``action``: "latency" (``seconds``; a removal lets delayed requests go at once),
+        "status" (``status``, e.g. 429/500), "hang"."""
         if action not in ACTIONS:
             raise FaultError(f"action must be one of {', '.join(ACTIONS)}, not {action!r}")
         if action == "latency" and (seconds is None or seconds < 0):
@@ -159,7 +164,7 @@ class Faults:
         return None
 
     def hang(self, rule: FaultRule, stopping: threading.Event) -> None:
-        """Block until a fault is removed or cleared, ``seconds`` pass, or the replica stops."""
+        """Block until a fault is removed or cleared, ``seconds`` pass, or the replica stops (a hung or delayed request)."""
         deadline = time.monotonic() + rule.seconds if rule.seconds is not None else None
         with self._lock:
             gen = self._generation

@@ -443,7 +443,7 @@ class ApiserverReplica:
         if rule is None:
             return
         if rule.action == "latency":
-            self._stopping.wait(rule.seconds or 0)
+            self.faults.hang(rule, self._stopping)  # then served: a slow apiserver, let go early when the rule goes
         elif rule.action == "status":
             ctx.source = "fault"
             code = rule.status or 500

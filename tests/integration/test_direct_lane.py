@@ -18,9 +18,10 @@ import pytest
 from guard.lab.harness import GuardProcess, eventually, make_ghost, pod_manifest
 
 
-def exchange(port: int, raw: bytes) -> tuple[bytes, bytes, bool]:
+def exchange(port: int, raw: bytes, *, closed: bool = True) -> tuple[bytes, bytes, bool]:
     """(status line, body, whether the guard closed the connection after the reply) of one raw request;
-    the status line ends in " [wsgi]" when gunicorn's response object wrote the reply."""
+    the status line ends in " [wsgi]" when gunicorn's response object wrote the reply. ``closed=False``
+    returns as soon as the reply is in, without waiting up to a second to see the connection closed."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(raw)
         data = b""
@@ -30,11 +31,12 @@ def exchange(port: int, raw: bytes) -> tuple[bytes, bytes, bool]:
         length = next(int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:"))
         while len(body) < length:
             body += s.recv(65536)
-        s.settimeout(1.0)
-        try:
-            closed = s.recv(1) == b""
-        except TimeoutError:
-            closed = False
+        if closed:
+            s.settimeout(1.0)
+            try:
+                closed = s.recv(1) == b""
+            except TimeoutError:
+                closed = False
     lines = head.split(b"\r\n")
     # gunicorn's Response names itself; the direct lane's reply does not: which lane answered.
     status = lines[0] + (b" [wsgi]" if any(l.lower().startswith(b"server: gunicorn") for l in lines) else b"")
@@ -122,3 +124,106 @@ def test_a_prepared_verdict_is_answered_while_every_pool_thread_waits_on_etcd(st
     assert status == b"HTTP/1.1 200 OK" and orjson.loads(body)["NodeNames"] == ["a"]
     assert g.metric("ghost_guard_verdicts_prepared_total") == before + 1
     assert finished["ready"] < finished["slow"]  # not queued behind the one pool thread
+
+
+# --- parked calls -----------------------------------------------------------------------------------
+# A scheduler call whose pod's quorum GET is already in flight (the guard's background verification
+# of a pod it has just seen) is parked in the worker's event loop, without a pool thread, and answered
+# there when the GET lands (guard.worker._landed; Checker.join_flight / answer_joined). The GET is
+# held in the lab replica (a "latency" fault) until the test lets it land. With --threads 1, the one
+# pool thread still answers /metrics while the call is parked, and /metrics shows it parked.
+
+BUDGET = 3.0
+
+
+@pytest.fixture
+def parked_guard(start_guard, shared_lab, lab_namespace):
+    g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--threads", "1", "--get-timeout", str(BUDGET),
+                     "--request-budget", str(BUDGET), "--no-events"])
+    warm = {"Pod": {"metadata": {"name": "warm", "namespace": lab_namespace, "uid": "w"}}, "NodeNames": ["a"]}
+    exchange(g.port, call("/filter", orjson.dumps(warm)))  # a scheduler call: the guard verifies new pods ahead
+    return g
+
+
+class Parked:
+    """A pod created with its quorum GET held in the lab replica, and a /filter call for it on a thread."""
+
+    def __init__(self, guard, lab, ns: str, name: str) -> None:
+        self.guard, self.ns, self.name = guard, ns, name
+        self.faults = lab.replicas[0].faults
+        # Delayed past the budget unless the test lets it go (land), then served from etcd as it is then.
+        self.rule = self.faults.add("latency", seconds=30, method="GET", path=f"/api/v1/namespaces/{ns}/pods/{name}")
+        self.uid = lab.core_v1(0).create_namespaced_pod(ns, pod_manifest(name), _request_timeout=5).metadata.uid
+        eventually(lambda: self.rule.hits >= 1, 20, what="the background verification's GET held in the apiserver")
+        self.answer: tuple[bytes, dict] | None = None
+        self.elapsed = 0.0
+        self.thread = threading.Thread(target=self._call, daemon=True)
+
+    def _call(self) -> None:
+        body = orjson.dumps({"Pod": {"metadata": {"name": self.name, "namespace": self.ns, "uid": self.uid}},
+                             "NodeNames": ["a", "b"]})
+        start = time.monotonic()
+        status, payload, _ = exchange(self.guard.port, call("/filter", body), closed=False)
+        self.elapsed = time.monotonic() - start
+        self.answer = status, orjson.loads(payload)
+
+    def start(self) -> None:
+        self.thread.start()
+        eventually(lambda: self.guard.metric("ghost_guard_calls_parked") >= 1, 10,
+                   what="the call parked in the event loop (its GET in flight; /metrics answered by the one pool thread)")
+
+    def land(self) -> None:
+        self.faults.remove(self.rule.id)
+
+    def result(self) -> tuple[bytes, dict]:
+        self.thread.join(10)
+        assert self.answer is not None, "no answer"
+        return self.answer
+
+
+def test_a_parked_call_is_answered_alive_when_its_get_lands(parked_guard, shared_lab, lab_namespace):
+    g = parked_guard
+    before = {k: g.metric(k) for k in ("ghost_guard_verdicts_shared_read_total", "ghost_guard_verdicts_prepared_total",
+                                       "ghost_guard_verdicts_inline_total")}
+    alive = g.metric("ghost_guard_verdicts_total", verdict="alive")
+    p = Parked(g, shared_lab, lab_namespace, "parked-alive")
+    p.start()
+    p.land()
+    status, answer = p.result()
+    assert status == b"HTTP/1.1 200 OK"
+    assert answer["NodeNames"] == ["a", "b"] and not answer["FailedAndUnresolvableNodes"]
+    assert g.metric("ghost_guard_verdicts_shared_read_total") == before["ghost_guard_verdicts_shared_read_total"] + 1
+    assert g.metric("ghost_guard_verdicts_total", verdict="alive") == alive + 1
+    for k in ("ghost_guard_verdicts_prepared_total", "ghost_guard_verdicts_inline_total"):
+        assert g.metric(k) == before[k], k  # no verdict ahead was used, and no GET of its own
+    eventually(lambda: g.metric("ghost_guard_calls_parked") == 0, 10, what="no call parked any more")
+
+
+def test_a_parked_call_whose_pod_was_deleted_meanwhile_is_rejected_as_a_ghost(parked_guard, shared_lab, lab_namespace):
+    g = parked_guard
+    blocked = g.metric("ghost_guard_ghosts_blocked_total")
+    p = Parked(g, shared_lab, lab_namespace, "parked-gone")
+    p.start()
+    shared_lab.core_v1(0).delete_namespaced_pod(p.name, lab_namespace, grace_period_seconds=0, _request_timeout=5)
+    p.land()  # the GET reads etcd now: 404. The loop hands the call to a pool thread, which decides and records it
+    status, answer = p.result()
+    assert status == b"HTTP/1.1 200 OK"
+    assert answer["NodeNames"] == [] and set(answer["FailedAndUnresolvableNodes"]) == {"a", "b"}
+    assert g.metric("ghost_guard_ghosts_blocked_total") == blocked + 1
+
+
+def test_a_parked_call_whose_get_never_lands_is_answered_within_its_budget(parked_guard, shared_lab, lab_namespace):
+    """The GET hangs past the call's budget: a pool thread takes the call over just before the budget
+    runs out, or the GET's own timeout lands first; either way the answer is a pass (fail open, counted)
+    within the budget."""
+    g = parked_guard
+    failed_open = g.metric("ghost_guard_fail_open_total")
+    p = Parked(g, shared_lab, lab_namespace, "parked-hung")
+    try:
+        p.start()
+        status, answer = p.result()
+    finally:
+        p.land()
+    assert status == b"HTTP/1.1 200 OK" and answer["NodeNames"] == ["a", "b"]
+    assert p.elapsed < BUDGET + 0.5
+    assert g.metric("ghost_guard_fail_open_total") == failed_open + 1
