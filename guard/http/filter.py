@@ -232,10 +232,13 @@ class DirectLane:
     def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: Any,
                  arrived: float | None = None) -> tuple[int, bytes]:
         """The answer, from a pool thread. ``arrived`` (time.monotonic) is when the call's budget
-        began, if it waited before this (a :class:`Waiting` call handed over); default now."""
+        began, if it waited before this (a :class:`Waiting` call handed over); default now. The
+        request's recorded duration counts from then too."""
         start = time.perf_counter()
         if arrived is None:
             arrived = time.monotonic()
+        else:
+            start -= time.monotonic() - arrived
         if self.refuse is not None:
             refused = self.refuse("POST", path, peer_cert, remote)
             if refused is not None:

@@ -202,6 +202,7 @@ def test_a_parked_call_is_answered_alive_when_its_get_lands(parked_guard, shared
 def test_a_parked_call_whose_pod_was_deleted_meanwhile_is_rejected_as_a_ghost(parked_guard, shared_lab, lab_namespace):
     g = parked_guard
     blocked = g.metric("ghost_guard_ghosts_blocked_total")
+    took = g.metric("ghost_guard_request_duration_seconds_sum", endpoint="/filter")
     p = Parked(g, shared_lab, lab_namespace, "parked-gone")
     p.start()
     shared_lab.core_v1(0).delete_namespaced_pod(p.name, lab_namespace, grace_period_seconds=0, _request_timeout=5)
@@ -210,6 +211,8 @@ def test_a_parked_call_whose_pod_was_deleted_meanwhile_is_rejected_as_a_ghost(pa
     assert status == b"HTTP/1.1 200 OK"
     assert answer["NodeNames"] == [] and set(answer["FailedAndUnresolvableNodes"]) == {"a", "b"}
     assert g.metric("ghost_guard_ghosts_blocked_total") == blocked + 1
+    # The request's recorded duration counts the time it was parked, not only the pool thread's part.
+    assert g.metric("ghost_guard_request_duration_seconds_sum", endpoint="/filter") - took >= 0.5 * p.elapsed
 
 
 def test_a_parked_call_whose_get_never_lands_is_answered_within_its_budget(parked_guard, shared_lab, lab_namespace):
