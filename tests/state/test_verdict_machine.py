@@ -97,6 +97,18 @@ class VerdictMachine(RuleBasedStateMachine):
         self.etcd.create(name)
 
     @rule(name=st.sampled_from(NAMES))
+    def recreate_while_read_in_flight(self, name):
+        """The StatefulSet race in one step (issue 11): a scheduler call's GET of the name is in flight
+        when the controller deletes the pod and creates it again under the same name. A call for the
+        new UID may then share or join a read that began before the UID existed."""
+        if name not in self.etcd.pods:
+            self.etcd.create(name)
+        p = pod(name, self.etcd.pods[name].uid)
+        self.gets.hold = True
+        self.calls.append((Call(lambda: self.checker.check(p, deadline=self.clock() + FAR), f"{p}:{p.uid}"), p))
+        self.recreate_same_name(name)
+
+    @rule(name=st.sampled_from(NAMES))
     def bind(self, name):
         self.etcd.bind(name)
 
