@@ -697,7 +697,7 @@ class GuardWorker(ThreadWorker):
     def _landed(self, conn: Conn, parked: _Parked) -> None:
         """The GET a parked call waits for has landed (deferred to the loop by the GET's thread):
         answer the call here, or hand it to a pool thread when the read alone cannot answer it."""
-        if conn.closed or conn.state != PARKED or conn.parked is not parked:
+        if conn.closed or conn.parked is not parked:  # conn.parked is set only while PARKED
             return  # taken over by a pool thread at its deadline already
         conn.parked = None
         try:

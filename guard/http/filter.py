@@ -70,11 +70,15 @@ def answer(guard: Guard, path: str, body: bytes, arrived: float) -> tuple[bytes,
 
     ``arrived`` (time.monotonic) starts the request budget: the answer is ready within
     ``--request-budget`` of it, whatever the apiserver does."""
-    _, block, allow = VERBS[path]
     args = _parse(guard, path, body)
     decision = guard.checker.check(args.pod, deadline=guard.checker.deadline(arrived))
-    payload = block(args, decision) if guard.checker.blocks(decision) else allow(args)
-    return payload, args.pod, decision
+    return _encode(guard, path, args, decision), args.pod, decision
+
+
+def _encode(guard: Guard, path: str, args: Any, decision: Decision) -> bytes:
+    """The verb's answer for this decision: blocked (a ghost, or fail-closed) or allowed."""
+    _, block, allow = VERBS[path]
+    return block(args, decision) if guard.checker.blocks(decision) else allow(args)
 
 
 # --- the fast lane ---------------------------------------------------------------------------------
@@ -219,12 +223,11 @@ class DirectLane:
         """The answer of a :class:`Waiting` call once its GET has landed (Checker.answer_joined), or
         None, with nothing counted: the worker hands the call to a pool thread, which goes through
         Checker.check within the same budget (``arrived``)."""
-        checker = self.fast.guard.checker
-        decision = checker.answer_joined(waiting.joined, checker.deadline(waiting.arrived))
+        guard = self.fast.guard
+        decision = guard.checker.answer_joined(waiting.joined, guard.checker.deadline(waiting.arrived))
         if decision is None:
             return None
-        _, block, allow = VERBS[waiting.path]
-        payload = block(waiting.args, decision) if checker.blocks(decision) else allow(waiting.args)
+        payload = _encode(guard, waiting.path, waiting.args, decision)
         record_request(self.fast.settings, "POST", waiting.path, 200, time.perf_counter() - waiting.start,
                        waiting.remote, waiting.args.pod, decision.verdict.value)
         return 200, payload
