@@ -103,9 +103,8 @@ class VerdictMachine(RuleBasedStateMachine):
         new UID may then share or join a read that began before the UID existed."""
         if name not in self.etcd.pods:
             self.etcd.create(name)
-        p = pod(name, self.etcd.pods[name].uid)
         self.gets.hold = True
-        self.calls.append((Call(lambda: self.checker.check(p, deadline=self.clock() + FAR), f"{p}:{p.uid}"), p))
+        self._check_on_thread(pod(name, self.etcd.pods[name].uid))
         self.recreate_same_name(name)
 
     @rule(name=st.sampled_from(NAMES))
@@ -120,17 +119,24 @@ class VerdictMachine(RuleBasedStateMachine):
     @rule(data=st.data(), dry_run=st.booleans(), cross=st.booleans(), held=st.booleans())
     def scheduler_call(self, data, dry_run, cross, held):
         """A /filter, /preempt or binding review (dry run or not) for a UID the scheduler may hold."""
+        p = self._draw_pod(data, cross)
+        self.gets.hold = held  # a GET it makes stays in flight until answer_get, or is answered at once
+        self._check_on_thread(p, record=not dry_run)
+        self.gets.hold = True
+
+    def _draw_pod(self, data, cross):
+        """A name etcd has had, and a UID it had, or with ``cross`` a UID of another name (a forged call)."""
         name = data.draw(st.sampled_from(sorted(self.etcd.history)))
         uids = self.etcd.history[name]
-        if cross:  # the same UID under another name (a forged call)
+        if cross:
             others = [u for n, us in self.etcd.history.items() if n != name for u in us]
             uids = others or uids
-        uid = data.draw(st.sampled_from(uids))
-        p = pod(name, uid)
-        self.gets.hold = held  # a GET it makes stays in flight until answer_get, or is answered at once
-        call = Call(lambda: self.checker.check(p, deadline=self.clock() + FAR, record=not dry_run), f"{p}:{uid}")
-        self.gets.hold = True
-        self.calls.append((call, p))
+        return pod(name, data.draw(st.sampled_from(uids)))
+
+    def _check_on_thread(self, p, *, record=True):
+        """Checker.check for ``p`` on its own thread (a pool thread's call), its answer checked once done."""
+        self.calls.append((Call(lambda: self.checker.check(p, deadline=self.clock() + FAR, record=record),
+                                f"{p}:{p.uid}"), p))
 
     @precondition(lambda self: self.etcd.history)
     @rule(data=st.data(), cross=st.booleans())
@@ -138,12 +144,7 @@ class VerdictMachine(RuleBasedStateMachine):
         """A /filter or /preempt as the worker's event loop takes it (guard.worker._answer_now): a
         prepared verdict at once; else parked on the pod's GET in flight (answered when it lands,
         see ``land``); else handed to a pool thread, which calls ``Checker.check``."""
-        name = data.draw(st.sampled_from(sorted(self.etcd.history)))
-        uids = self.etcd.history[name]
-        if cross:
-            others = [u for n, us in self.etcd.history.items() if n != name for u in us]
-            uids = others or uids
-        p = pod(name, data.draw(st.sampled_from(uids)))
+        p = self._draw_pod(data, cross)
         decision = self.checker.answer_prepared(p)
         if decision is not None:
             self._answered(decision, p)
@@ -151,7 +152,7 @@ class VerdictMachine(RuleBasedStateMachine):
         landed: list = []
         joined = self.checker.join_flight(p, lambda: landed.append(True))
         if joined is None:
-            self._to_pool(p)
+            self._check_on_thread(p)
         else:
             STEPS["parked"] += 1
             self.parked.append((joined, landed, p))
@@ -163,7 +164,7 @@ class VerdictMachine(RuleBasedStateMachine):
         if waiting:
             entry = waiting[pick % len(waiting)]
             self.parked.remove(entry)
-            self._to_pool(entry[2])
+            self._check_on_thread(entry[2])
 
     def land(self):
         """The loop's side of a landed GET (guard.worker._landed): answer, or hand to a pool thread."""
@@ -172,13 +173,10 @@ class VerdictMachine(RuleBasedStateMachine):
             joined, _, p = entry
             decision = self.checker.answer_joined(joined, self.clock() + FAR)
             if decision is None:
-                self._to_pool(p)
+                self._check_on_thread(p)
             else:
                 STEPS["landed"] += 1
                 self._answered(decision, p)
-
-    def _to_pool(self, p):
-        self.calls.append((Call(lambda: self.checker.check(p, deadline=self.clock() + FAR), f"pool-{p}:{p.uid}"), p))
 
     def _answered(self, decision, p):
         self.answers += 1
