@@ -167,6 +167,15 @@ def main() -> None:
          help="Heal automatically: once a replica is confirmed to serve a ghost, write under its name as "
               "`ghost-guard heal` does (placeholder or one annotation), one heal at a time. Needs create, delete and "
               "patch on pods (the opt-in manifests/heal).")
+@setting("--unsighted-ghost-rate", type=float,
+         help="First sightings per second, per namespace, of ghosts no apiserver replica ever listed to this guard "
+              "(a forged /filter for a pod that never existed, mostly) that get an audit record, a GhostPodBlocked "
+              "Event and replica probes; all namespaces together get 10 times this. Beyond, they are still blocked "
+              "but shed (ghost_guard_flood_shed_total) and asked again at their next call. Ghosts a replica listed or "
+              "was seen serving are never budgeted.")
+@setting("--unsighted-ghost-burst", type=int,
+         help="Such first sightings at once, per namespace, before --unsighted-ghost-rate applies (10 times this "
+              "for all namespaces together).")
 @setting("--heal-rate", type=float, help="Automatic heals per second at most, on average (with --heal).")
 @setting("--heal-burst", type=int, help="Automatic heals at once at most before --heal-rate applies.")
 @setting("--heal-timeout", type=float, help="Seconds one automatic heal may take until every replica agrees with etcd.")

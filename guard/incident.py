@@ -343,6 +343,10 @@ class IncidentRecorder:
         with self._lock:
             self._last_probes[obs.replica] = {"outcome": outcome, "at": format_time(obs.checked_at), "error": obs.error}
 
+    def confirmed(self, pod: PodRef) -> bool:
+        """Whether a probe confirmed some replica serving this ghost (and no later probe saw it healed)."""
+        return pod in self._stale_pods
+
     def probe_status(self) -> dict[str, dict]:
         """Per replica, the newest cache probe's outcome (stale, consistent, not-ready, unreachable, error)."""
         with self._lock:
