@@ -74,8 +74,8 @@ class Checker:
         self._overflow: collections.OrderedDict[tuple[str, PodRef], tuple[Sequence[Callable[..., None]], tuple[object, ...]]] = (
             collections.OrderedDict())
         self._overflow_lock = threading.Lock()
-        # Sighting follow-ups queued or running, by pod: one at a time per pod, the rest coalesced, so a
-        # caller repeating a known ghost's identity cannot fill the queue ahead of other ghosts.
+        # Sighting follow-ups queued or running, by pod: for a ghost no replica ever listed, one at a time,
+        # the rest coalesced (counted), so a caller repeating a forged identity cannot fill the queue.
         self._sightings_pending: set[PodRef] = set()
         self._lanes: tuple[collections.deque[tuple[Sequence[Callable[..., None]], PodRef, tuple[object, ...]]], ...] = (
             collections.deque(), collections.deque())
@@ -333,7 +333,7 @@ class Checker:
         sighting = listeners is not self.listeners
         if sighting:
             with self._overflow_lock:
-                if pod in self._sightings_pending:
+                if pod in self._sightings_pending and self.tier is not None and self.tier(pod) == flood.UNSIGHTED:
                     metrics.FOLLOWUPS_COALESCED.inc()
                     return
                 self._sightings_pending.add(pod)

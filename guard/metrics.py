@@ -102,7 +102,8 @@ for _reason in ("namespace-budget", "global-budget", "queue-full"):  # guard.flo
     FLOOD_SHED.labels(_reason)
 FOLLOWUPS_COALESCED = Counter("ghost_guard_followups_coalesced", "Ghost follow-ups merged into one already waiting "
                               "for the same pod identity because more than 1,000 were pending (a repeated sighting "
-                              "of a looping ghost; its extra blocks are not counted in the audit).")
+                              "of a looping ghost), or, for a ghost no replica ever listed, because one sighting of "
+                              "it was pending; its extra blocks are not counted in the audit.")
 REPLICA_WATCH_UP = Gauge("ghost_guard_replica_watch_up", "1 while the guard's view of an apiserver replica's "
                          "unscheduled pods (its last listing, or the watch on it) is synced, 0 while it is retrying.", ["replica"], multiprocess_mode="livemin")
 WATCH_FALLBACK = Gauge("ghost_guard_watch_fallback", "1 while no apiserver replica answers and pre-verification "
