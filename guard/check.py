@@ -85,7 +85,7 @@ class Checker:
         # ghost is in; None: every ghost is treated as sighted (nothing budgeted).
         self.tier: Callable[[PodRef], str] | None = None
         self.budget = flood.FloodBudget(settings.unsighted_ghost_rate, settings.unsighted_ghost_burst, timer)
-        self._shed: collections.OrderedDict[PodRef, QuorumRead | None] = collections.OrderedDict()
+        self._shed: collections.OrderedDict[PodRef, None] = collections.OrderedDict()
         self._shed_lock = threading.Lock()
 
     def _timed_get(self, namespace: str, name: str, timeout: float) -> QuorumRead:
@@ -295,7 +295,7 @@ class Checker:
             if self.sighting_listeners:
                 self._followup(self.sighting_listeners, pod, entry.decision)
 
-    def _admitted(self, pod: PodRef, read: QuorumRead | None) -> bool:
+    def _admitted(self, pod: PodRef) -> bool:
         """Whether this first sighting gets its record, Event and follow-up: always for a ghost some
         replica listed or served; for one no replica ever showed, if the flood budget has a token for
         its namespace (guard/flood.py). A shed one is remembered, so its next call asks again."""
@@ -305,7 +305,7 @@ class Checker:
             if reason is None:
                 self._shed.pop(pod, None)
                 return True
-            self._shed[pod] = read
+            self._shed[pod] = None
             if len(self._shed) > MAX_SHED:
                 self._shed.popitem(last=False)
         metrics.labelled(metrics.FLOOD_SHED, reason).inc()
@@ -313,7 +313,7 @@ class Checker:
         return False
 
     def _first_sighting(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
-        if not self._admitted(pod, read):
+        if not self._admitted(pod):
             return
         metrics.labelled(metrics.GHOSTS_BLOCKED, decision.verdict.value).inc()
         log.warning("%s", decision.reason)
