@@ -669,7 +669,7 @@ def test_prometheus_rules_use_real_metrics(rendered):
     assert set(alerts) == {"GhostGuardGhostsBlocked", "GhostGuardStaleApiserverReplica", "GhostGuardFailingOpen",
                            "GhostGuardDown", "GhostGuardPodsMissingFromReplica", "GhostGuardApiserverReplicaFrozen",
                            "GhostGuardReplicaWatchDown", "GhostGuardAuditStoreUnwritable", "GhostGuardHealFailing",
-                           "GhostGuardAuditRecordsDropped"}
+                           "GhostGuardAuditRecordsDropped", "GhostGuardForgedGhosts"}
     used = set()
     for a in alerts.values():
         assert set(a) == {"alert", "expr", "for", "labels", "annotations"}
