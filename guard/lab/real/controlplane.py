@@ -267,7 +267,7 @@ def render_scheduler_config(kubeconfig: str, extender: ExtenderConfig | None, *,
     its kubeconfig, leader election off, the extender entry's ``urlPrefix`` and ``tlsConfig`` files from
     ``extender`` (everything else as shipped, ``serverName`` included); ``extender=None``: no extender at all.
     ``initial_backoff``/``max_backoff``: ``podInitialBackoffSeconds``/``podMaxBackoffSeconds`` (real fields)."""
-    import yaml  # type: ignore[import-untyped]  # PyYAML: a dependency of the kubernetes client
+    import yaml  # PyYAML: a dependency of the kubernetes client
 
     cfg = yaml.safe_load(source.read_text())
     cfg = copy.deepcopy(cfg)

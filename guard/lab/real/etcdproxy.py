@@ -400,7 +400,7 @@ class _Generic(grpc.GenericRpcHandler):
         self._proxy = proxy
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         return self._proxy._handler(method)
 
 
