@@ -678,3 +678,10 @@ class RealLab:
 def _close_all() -> None:
     for lab in list(_live):
         lab.close()
+
+
+if TYPE_CHECKING:
+    from guard.lab.backend import LabBackend
+
+    def _is_a_lab_backend(lab: RealLab) -> LabBackend:  # mypy checks that RealLab has the shared surface
+        return lab
