@@ -227,10 +227,11 @@ class RealReplica:
                 raise RealLabError(f"kube-apiserver {self.index} not ready after {timeout}s ({last}):\n{self._proc.tail()}")
             time.sleep(0.1)
 
-    def start(self, wait_ready: float = 60.0) -> None:
-        """(Re)start this replica and wait until it is ready; its cache is rebuilt from etcd (a LIST)."""
+    def start(self, wait_ready: float | None = None) -> None:
+        """(Re)start this replica and wait until it is ready (default: the lab's ``startup_timeout``);
+        its cache is rebuilt from etcd (a LIST)."""
         self.launch()
-        self.wait_ready(wait_ready)
+        self.wait_ready(self.lab.startup_timeout if wait_ready is None else wait_ready)
 
     def stop(self, graceful: bool = True) -> None:
         """Stop this replica (SIGTERM, SIGKILL after 10 s; ``graceful=False``: SIGKILL at once)."""
