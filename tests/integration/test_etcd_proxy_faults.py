@@ -114,6 +114,18 @@ def test_unary_calls_forward_answers_status_codes_and_messages(etcd, proxy):
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def test_a_unary_method_answers_a_stream_stream_call(etcd, proxy):
+    """What the proxy's stream path relies on: on the wire a unary call is a stream of one message each
+    way, so etcd answers a stream-stream call of Range as the unary call (and the proxy's stream-stream
+    handler serves unary callers: an unknown method above got etcd's own UNIMPLEMENTED through it)."""
+    direct = channel(etcd.url)
+    put(direct, "/registry/pods/default/wire", b"w")
+    rng = w.encode_field(1, b"/registry/pods/default/wire")
+    unary = direct.unary_unary("/etcdserverpb.KV/Range")(rng, timeout=10)
+    streamed = list(direct.stream_stream("/etcdserverpb.KV/Range")(iter([rng]), timeout=10))
+    assert streamed == [unary]
+
+
 def test_metadata_and_deadlines_reach_the_upstream():
     """A small upstream that answers with the metadata and deadline it was called with."""
     seen: dict = {}
