@@ -33,9 +33,11 @@ from guard.lab.real.etcdproxy import EtcdProxy  # noqa: E402
 
 
 def _kube_apiserver() -> str | None:
-    """GHOST_GUARD_KUBE_BIN, then KUBEBUILDER_ASSETS, then this machine's /work/kube-bin."""
-    for d in (os.environ.get("GHOST_GUARD_KUBE_BIN"), os.environ.get("KUBEBUILDER_ASSETS"), "/work/kube-bin"):
-        if d and os.access(os.path.join(d, "kube-apiserver"), os.X_OK):
+    """GHOST_GUARD_KUBE_BIN, then KUBEBUILDER_ASSETS; with neither set, this machine's /work/kube-bin
+    (until tests/real/conftest.py's binary lookup, guard/lab/real/binaries.py, replaces this)."""
+    dirs = [d for d in (os.environ.get("GHOST_GUARD_KUBE_BIN"), os.environ.get("KUBEBUILDER_ASSETS")) if d]
+    for d in dirs or ["/work/kube-bin"]:
+        if os.access(os.path.join(d, "kube-apiserver"), os.X_OK):
             return os.path.join(d, "kube-apiserver")
     return None
 
