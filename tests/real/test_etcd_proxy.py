@@ -43,11 +43,10 @@ def _kube_apiserver() -> str | None:
 
 
 KUBE_APISERVER = _kube_apiserver()
-pytestmark = [
-    pytest.mark.real,
-    pytest.mark.skipif(KUBE_APISERVER is None,
-                       reason="real tier: no kube-apiserver binary (set GHOST_GUARD_KUBE_BIN or KUBEBUILDER_ASSETS)"),
-]
+if KUBE_APISERVER is None:
+    pytest.skip("real tier: no kube-apiserver binary (set GHOST_GUARD_KUBE_BIN or KUBEBUILDER_ASSETS)",
+                allow_module_level=True)
+pytestmark = pytest.mark.real
 
 TOKEN = "ghost-proxy-test-admin-token"
 
