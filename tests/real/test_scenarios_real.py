@@ -20,7 +20,6 @@ import contextlib
 import copy
 import json
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
+from clirun import ghost_guard
 
 from guard import certs as guard_certs
 from guard.lab.harness import (GuardProcess, create, eventually, free_port, make_ghost, metric_sum, node_manifest,
@@ -194,11 +194,10 @@ class Scenario:
         self.lab.start_scheduler(self.guard.extender() if guarded else None, replica=STALE)
 
     def heal(self, *args: str) -> tuple[int, dict[str, Any], str]:
+        """``ghost-guard heal ARGS -o json`` (in-process, tests/clirun.py): (exit status, output, stderr)."""
         # --probe-timeout 10: a replica's read may take seconds on a loaded machine (2 cores, many engineers)
-        r = subprocess.run([sys.executable, "-m", "guard", "heal", "--kubeconfig", self.lab.kubeconfig(0),
-                            "--apiserver-replicas", self.world.replicas_flag, "--probe-timeout", "10", "-o", "json",
-                            *args],
-                           capture_output=True, text=True, timeout=120)
+        r = ghost_guard("heal", "--kubeconfig", self.lab.kubeconfig(0), "--apiserver-replicas",
+                        self.world.replicas_flag, "--probe-timeout", "10", "-o", "json", *args)
         try:
             doc = json.loads(r.stdout)
         except ValueError:
@@ -306,6 +305,18 @@ def test_a_live_high_priority_pod_still_preempts_with_the_guard(t):
     assert all(e["status"] == 200 and e.get("verdict") not in BLOCKING for e in preempts), preempts
     assert t.blocked(uid) == []
     eventually(lambda: t.events("Preempted", victim["metadata"]["uid"]), WAIT, what="the victim's Preempted Event")
+
+
+def test_the_real_apiserver_refuses_a_pod_priority_that_no_priority_class_gives(t):
+    """Why the scenarios name PriorityClasses: the Priority admission plugin computes ``spec.priority`` from
+    ``priorityClassName`` and refuses a pod that sets another (the Python lab takes any ``priority``)."""
+    from kubernetes.client.exceptions import ApiException
+
+    with pytest.raises(ApiException) as refused:
+        create(t.api, pod_manifest("bare", namespace=t.ns, priority=1000))
+    assert refused.value.status == 403, refused.value
+    assert "priority" in json.loads(refused.value.body)["message"]
+    assert t.pod("named", priority_class=HIGH, priority=1000)["spec"]["priority"] == 1000
 
 
 # --- the StatefulSet recreate race --------------------------------------------------------------------------
