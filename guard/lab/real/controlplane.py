@@ -169,6 +169,11 @@ class RealReplica:
     def running(self) -> bool:
         return self._proc is not None and self._proc.running
 
+    @property
+    def pid(self) -> int | None:
+        """The kube-apiserver process id while running (a restart changes it)."""
+        return self._proc.proc.pid if self._proc is not None and self._proc.proc is not None and self.running else None
+
     def _command(self) -> list[str]:
         lab = self.lab
         return [
@@ -673,3 +678,10 @@ class RealLab:
 def _close_all() -> None:
     for lab in list(_live):
         lab.close()
+
+
+if TYPE_CHECKING:
+    from guard.lab.backend import LabBackend
+
+    def _is_a_lab_backend(lab: RealLab) -> LabBackend:  # mypy checks that RealLab has the shared surface
+        return lab
