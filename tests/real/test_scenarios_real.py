@@ -146,8 +146,8 @@ class Scenario:
         self.api = world.lab.core_v1(0)  # the test's own writes and quorum reads go through the healthy replica
 
     def node(self, name: str, **resources: str) -> str:
-        """A Node only this test's pods select; schedulable (the not-ready taint the NodeLifecycle admission
-        adds at creation is taken off: no kubelet will)."""
+        """A Node only this test's pods select; schedulable (``harness.create`` takes off the not-ready taint
+        the TaintNodesByCondition admission plugin adds: no kubelet will)."""
         name = f"{self.ns}-{name}"
         create(self.api, node_manifest(name, labels={LABEL: self.ns}, **resources))
         return name
