@@ -312,8 +312,12 @@ def node_manifest(name: str, *, cpu: str = "4", memory: str = "8Gi", pods: str =
 def pod_manifest(name: str, *, namespace: str | None = None, labels: dict[str, str] | None = None,
                  cpu: str | None = "100m", memory: str | None = "64Mi", priority: int | None = None,
                  scheduler_name: str = "default-scheduler", node_selector: dict[str, str] | None = None,
-                 node_name: str = "", finalizers: list[str] | None = None) -> dict[str, Any]:
+                 node_name: str = "", finalizers: list[str] | None = None,
+                 priority_class: str | None = None) -> dict[str, Any]:
     """A one-container pod with requests, pending unless ``node_name`` binds it.
+
+    ``priority_class``: ``spec.priorityClassName`` (a real apiserver's Priority admission plugin refuses a
+    ``priority`` that no class gives: there, name a PriorityClass instead of, or matching, ``priority``).
 
     ``namespace``: written into ``metadata`` (None: left out; :func:`create` then uses ``default``).
     ``cpu``, ``memory``: the container's requests (None: not requested; both None: no ``resources``).
@@ -325,6 +329,8 @@ def pod_manifest(name: str, *, namespace: str | None = None, labels: dict[str, s
     spec: dict[str, Any] = {"schedulerName": scheduler_name, "containers": [container]}
     if priority is not None:
         spec["priority"] = priority
+    if priority_class is not None:
+        spec["priorityClassName"] = priority_class
     if node_selector:
         spec["nodeSelector"] = dict(node_selector)
     if node_name:
