@@ -574,6 +574,22 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
 # --- lab, demo (guard/lab/): imported lazily, never on the serving path ------
 
 
+KUBE_BIN_HELP = ("Real control-plane binaries: a directory holding kube-apiserver (kube-scheduler, "
+                 "kube-controller-manager) or a Kubernetes release tarball (unpacked once to a cache). Default: "
+                 "$GHOST_GUARD_KUBE_BIN, then $KUBEBUILDER_ASSETS; none: the Python lab.")
+
+
+def _kube_binaries(command: str, kube_bin: str | None):
+    """The binaries named by --kube-bin or the environment (None: the Python lab); exit 2 when unusable."""
+    from guard.lab.real.binaries import BinariesError, find
+
+    try:
+        return find(kube_bin)
+    except BinariesError as e:
+        click.echo(f"ghost-guard {command}: {e}", err=True)
+        sys.exit(2)
+
+
 @main.command("lab")
 @option("--replicas", type=int, default=3, help="apiserver replicas (127.0.0.1, 127.0.0.2, ... on one port).")
 @option("--drop-deletes", default=None, metavar="[N:]NAMESPACE[/NAME]",
@@ -581,14 +597,24 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
 @option("--port", type=int, default=None, help="Port shared by the replicas (default: a free one).")
 @option("--out-dir", type=click.Path(file_okay=False), default=None,
         help="Where to write the kubeconfigs and CA (default: a temporary directory).")
-def lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str | None) -> None:
+@click.option("--kube-bin", default=None, metavar="DIR|TARBALL", help=KUBE_BIN_HELP)
+@click.option("--scheduler", is_flag=True, default=False,
+              help="Real backend only: also run kube-scheduler (on replica 1, no extender).")
+@click.option("--controller-manager", is_flag=True, default=False,
+              help="Real backend only: also run kube-controller-manager (on replica 1, --controllers=*,-nodelifecycle).")
+def lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str | None, kube_bin: str | None,
+        scheduler: bool, controller_manager: bool) -> None:
     """Run a local lab: real etcd and apiserver replicas with their own watch caches, until Ctrl-C.
 
     Prints one kubeconfig per replica. Needs the `lab` extra (pip install 'kube-ghost-guard[lab]').
+    With --kube-bin (or $GHOST_GUARD_KUBE_BIN, $KUBEBUILDER_ASSETS) the replicas are real kube-apiservers,
+    each reaching etcd through its own fault proxy (see docs/LAB.md).
     """
     from guard.lab.commands import run_lab
 
-    sys.exit(run_lab(replicas, drop_deletes, port, out_dir))
+    binaries = _kube_binaries("lab", kube_bin)
+    sys.exit(run_lab(replicas, drop_deletes, port, out_dir, kube_bin=binaries, scheduler=scheduler,
+                     controller_manager=controller_manager))
 
 
 @main.command("demo")
