@@ -2,7 +2,8 @@
 fidelity"). Every expected status and message below was recorded from a real v1.36.2 kube-apiserver; the lab runs
 them in tests/integration/test_lab_fidelity.py, the real apiserver in tests/real/test_lab_fidelity_real.py.
 
-``run(base_url, token, ca_path, namespace)`` sets up three pods in ``namespace`` (which must exist, with a
+Errors are compared whole: the Status body but ``kind``, ``apiVersion`` and ``metadata`` (message, reason,
+details with their causes, code). ``run(base_url, token, ca_path, namespace)`` sets up three pods in ``namespace`` (which must exist, with a
 ``default`` ServiceAccount on a real apiserver) and answers ``(case, got)`` pairs; ``expected(case)`` is what to
 compare ``got`` with.
 """
@@ -38,15 +39,41 @@ class Case:
     method: str
     path: str  # after /api/v1/namespaces/{ns}
     status: int
-    message: str | None = None  # a Status's message ({ns} filled in)
+    error: dict[str, Any] | None = None  # the whole Status body but kind/apiVersion/metadata ({ns} filled in)
     names: tuple[str, ...] | None = None  # a list's item names, sorted
     pages: tuple[tuple[str, ...], ...] | None = None  # following `continue` to the end: each page's names
     body: dict[str, Any] | None = field(default=None, compare=False)
 
 
-def _invalid_name(name: str, why: str) -> str:
+def _status(code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"status": "Failure", "message": message}
+    if reason:
+        out["reason"] = reason
+    if details is not None:
+        out["details"] = details
+    out["code"] = code
+    return out
+
+
+def _bad(message: str) -> dict[str, Any]:
+    return _status(400, "BadRequest", message)
+
+
+def _invalid_name(name: str, why: str) -> dict[str, Any]:
     q = json.dumps(name)
-    return f"Pod {q} is invalid: metadata.name: Invalid value: {q}: {why}"
+    return _status(422, "Invalid", f"Pod {q} is invalid: metadata.name: Invalid value: {q}: {why}",
+                   {"name": name, "kind": "Pod",
+                    "causes": [{"reason": "FieldValueInvalid", "message": f"Invalid value: {q}: {why}", "field": "metadata.name"}]})
+
+
+def _not_found(name: str) -> dict[str, Any]:
+    return _status(404, "NotFound", f'pods "{name}" not found', {"name": name, "kind": "pods"})
+
+
+def _list_options(reason: str, kind: str, detail: str) -> dict[str, Any]:
+    return _status(422, "Invalid", f'ListOptions.meta.k8s.io "" is invalid: resourceVersionMatch: {kind}: {detail}',
+                   {"group": "meta.k8s.io", "kind": "ListOptions",
+                    "causes": [{"reason": reason, "message": f"{kind}: {detail}", "field": "resourceVersionMatch"}]})
 
 
 def _fs(selector: str, extra: str = "") -> str:
@@ -67,72 +94,91 @@ CASES: list[Case] = [
     Case("name-empty-label", "POST", "/pods", 422, _invalid_name("a..b", SUBDOMAIN), body=pod("a..b")),
     Case("name-254", "POST", "/pods", 422, _invalid_name("a" * 254, "must be no more than 253 characters"),
          body=pod("a" * 254)),
+    Case("name-missing", "POST", "/pods", 422, _status(
+        422, "Invalid", 'Pod "" is invalid: metadata.name: Required value: name or generateName is required',
+        {"kind": "Pod", "causes": [{"reason": "FieldValueRequired", "message": "Required value: name or generateName is required",
+                                    "field": "metadata.name"}]}), body=pod("")),
     Case("name-253-ok", "POST", "/pods", 201, body=pod("b" * 253)),
-    Case("already-exists", "POST", "/pods", 409, 'pods "web-0" already exists', body=pod("web-0")),
-    Case("get-404", "GET", "/pods/nope", 404, 'pods "nope" not found'),
-    Case("get-404-cache", "GET", "/pods/nope?resourceVersion=0", 404, 'pods "nope" not found'),
-    Case("delete-404", "DELETE", "/pods/nope", 404, 'pods "nope" not found'),
+    Case("already-exists", "POST", "/pods", 409, _status(409, "AlreadyExists", 'pods "web-0" already exists',
+                                                          {"name": "web-0", "kind": "pods"}), body=pod("web-0")),
+    Case("get-404", "GET", "/pods/nope", 404, _not_found("nope")),
+    Case("get-404-cache", "GET", "/pods/nope?resourceVersion=0", 404, _not_found("nope")),
+    Case("delete-404", "DELETE", "/pods/nope", 404, _not_found("nope")),
+    # a DELETE's precondition conflict (rest.BeforeDelete; {uid:NAME}/{rv:NAME}: that pod's, filled in by run)
+    Case("delete-uid-conflict", "DELETE", "/pods/web-1", 409, _status(
+        409, "Conflict", 'Operation cannot be fulfilled on Pod "web-1": the UID in the precondition '
+        "(00000000-0000-0000-0000-000000000000) does not match the UID in record ({uid:web-1}). The object might have "
+        "been deleted and then recreated", {"name": "web-1", "kind": "Pod"}),
+        body={"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": "00000000-0000-0000-0000-000000000000"}}),
+    Case("delete-rv-conflict", "DELETE", "/pods/web-1", 409, _status(
+        409, "Conflict", 'Operation cannot be fulfilled on Pod "web-1": the ResourceVersion in the precondition (1) '
+        "does not match the ResourceVersion in record ({rv:web-1}). The object might have been modified",
+        {"name": "web-1", "kind": "Pod"}),
+        body={"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"resourceVersion": "1"}}),
     # field selectors (fields.ParseSelector): nothing trimmed, escapes, operators found at their first position
     Case("fs-name", "GET", _fs("metadata.name=web-0"), 200, names=("web-0",)),
     Case("fs-name-cache", "GET", _fs("metadata.name=web-0", "&resourceVersion=0"), 200, names=("web-0",)),
     Case("fs-double-equals", "GET", _fs("metadata.name==web-0"), 200, names=("web-0",)),
     Case("fs-not-equal", "GET", _fs("metadata.name!=web-0"), 200, names=("a.b", "b" * 253, "web-1")),
-    Case("fs-space-around-op", "GET", _fs("metadata.name = web-0"), 400, "field label not supported: metadata.name "),
+    Case("fs-space-around-op", "GET", _fs("metadata.name = web-0"), 400, _bad("field label not supported: metadata.name ")),
     Case("fs-space-after-comma", "GET", _fs("metadata.name=web-0, metadata.namespace={ns}"), 400,
-         "field label not supported:  metadata.namespace"),
+         _bad("field label not supported:  metadata.namespace")),
     Case("fs-space-after-comma-cache", "GET", _fs("metadata.name=web-0, metadata.namespace={ns}", "&resourceVersion=0"),
-         400, "field label not supported:  metadata.namespace"),
-    Case("fs-leading-space", "GET", _fs(" metadata.name=web-0"), 400, "field label not supported:  metadata.name"),
+         400, _bad("field label not supported:  metadata.namespace")),
+    Case("fs-leading-space", "GET", _fs(" metadata.name=web-0"), 400, _bad("field label not supported:  metadata.name")),
     Case("fs-trailing-space-is-value", "GET", _fs("metadata.name=web-0 "), 200, names=()),
     Case("fs-two-terms", "GET", _fs("metadata.name=web-0,metadata.namespace={ns}"), 200, names=("web-0",)),
     Case("fs-empty-terms", "GET", _fs(",metadata.name=web-0,,"), 200, names=("web-0",)),
     Case("fs-escaped-comma", "GET", _fs("metadata.name=a\\,b"), 200, names=()),
     Case("fs-unescaped-equals", "GET", _fs("metadata.name=a=b"), 400,
-         "invalid field selector: unescaped character in value: 61"),
-    Case("fs-bad-escape", "GET", _fs("metadata.name=web\\-0"), 400, "invalid field selector: invalid escape sequence: \\-"),
-    Case("fs-trailing-backslash", "GET", _fs("metadata.name=a\\"), 400, "invalid field selector: invalid escape sequence: \\"),
-    Case("fs-no-operator", "GET", _fs("metadata.name"), 400, "invalid selector: 'metadata.name'; can't understand 'metadata.name'"),
-    Case("fs-unknown-label", "GET", _fs("metadata.name=web-0,foo=bar"), 400, "field label not supported: foo"),
+         _bad("invalid field selector: unescaped character in value: 61")),
+    Case("fs-bad-escape", "GET", _fs("metadata.name=web\\-0"), 400, _bad("invalid field selector: invalid escape sequence: \\-")),
+    Case("fs-trailing-backslash", "GET", _fs("metadata.name=a\\"), 400, _bad("invalid field selector: invalid escape sequence: \\")),
+    Case("fs-no-operator", "GET", _fs("metadata.name"), 400, _bad("invalid selector: 'metadata.name'; can't understand 'metadata.name'")),
+    Case("fs-unknown-label", "GET", _fs("metadata.name=web-0,foo=bar"), 400, _bad("field label not supported: foo")),
     # label selectors (labels.Parse): whitespace between tokens is fine, an empty term is not, values are validated
     Case("ls-equals", "GET", _ls("app=web"), 200, names=("web-0", "web-1")),
     Case("ls-spaces", "GET", _ls("app = web, tier"), 200, names=("web-0",)),
     Case("ls-notin", "GET", _ls("app notin (web)"), 200, names=("a.b", "b" * 253)),
     Case("ls-not-exists", "GET", _ls("!tier"), 200, names=("a.b", "b" * 253, "web-1")),
-    Case("ls-trailing-comma", "GET", _ls("app=web,"), 400, "found '', expected: identifier after ','"),
-    Case("ls-double-comma", "GET", _ls("app=web,,tier"), 400, "found ',', expected: identifier after ','"),
-    Case("ls-leading-comma", "GET", _ls(",app"), 400, "found ',', expected: !, identifier, or 'end of string'"),
+    Case("ls-trailing-comma", "GET", _ls("app=web,"), 400, _bad("found '', expected: identifier after ','")),
+    Case("ls-double-comma", "GET", _ls("app=web,,tier"), 400, _bad("found ',', expected: identifier after ','")),
+    Case("ls-leading-comma", "GET", _ls(",app"), 400, _bad("found ',', expected: !, identifier, or 'end of string'")),
     Case("ls-bad-value", "GET", _ls("app=-web"), 400,
-         f'unable to parse requirement: values[0][app]: Invalid value: "-web": {LABEL_VALUE}'),
+         _bad(f'unable to parse requirement: values[0][app]: Invalid value: "-web": {LABEL_VALUE}')),
     Case("ls-long-value", "GET", _ls("app=" + "a" * 64), 400,
-         f'unable to parse requirement: values[0][app]: Invalid value: "{"a" * 64}": must be no more than 63 bytes'),
+         _bad(f'unable to parse requirement: values[0][app]: Invalid value: "{"a" * 64}": must be no more than 63 bytes')),
     # resourceVersion and resourceVersionMatch
     Case("list-rv-invalid", "GET", "/pods?resourceVersion=abc", 400,
-         'invalid resource version: resourceVersion: Invalid value: "abc": strconv.ParseUint: parsing "abc": invalid syntax'),
+         _bad('invalid resource version: resourceVersion: Invalid value: "abc": strconv.ParseUint: parsing "abc": invalid syntax')),
     Case("get-rv-invalid-is-500", "GET", "/pods/web-0?resourceVersion=abc", 500,
-         'resourceVersion: Invalid value: "abc": strconv.ParseUint: parsing "abc": invalid syntax'),
+         _status(500, "", 'resourceVersion: Invalid value: "abc": strconv.ParseUint: parsing "abc": invalid syntax')),
     Case("rvmatch-exact-0", "GET", "/pods?resourceVersion=0&resourceVersionMatch=Exact", 422,
-         'ListOptions.meta.k8s.io "" is invalid: resourceVersionMatch: Forbidden: resourceVersionMatch "exact" is '
-         'forbidden for resourceVersion "0"'),
+         _list_options("FieldValueForbidden", "Forbidden", 'resourceVersionMatch "exact" is forbidden for resourceVersion "0"')),
     Case("rvmatch-without-rv", "GET", "/pods?resourceVersionMatch=NotOlderThan", 422,
-         'ListOptions.meta.k8s.io "" is invalid: resourceVersionMatch: Forbidden: resourceVersionMatch is forbidden '
-         "unless resourceVersion is provided"),
+         _list_options("FieldValueForbidden", "Forbidden", "resourceVersionMatch is forbidden unless resourceVersion is provided")),
+    Case("rvmatch-unknown", "GET", "/pods?resourceVersion=1&resourceVersionMatch=Bogus", 422,
+         _list_options("FieldValueNotSupported", "Unsupported value", '"Bogus": supported values: "Exact", "NotOlderThan", ""')),
     # limit / continue: a quorum list is paged, a resourceVersion=0 list is served whole
     Case("pages-of-1", "GET", "/pods?limit=1", 200, pages=(("a.b",), ("b" * 253,), ("web-0",), ("web-1",))),
     Case("pages-of-3-selected", "GET", "/pods?limit=1&labelSelector=app%3Dweb", 200, pages=(("web-0",), ("web-1",))),
     Case("limit-ignored-at-rv-0", "GET", "/pods?limit=1&resourceVersion=0", 200,
          pages=(("a.b", "b" * 253, "web-0", "web-1"),)),
-    Case("limit-invalid", "GET", "/pods?limit=abc", 400, 'strconv.ParseInt: parsing "abc": invalid syntax'),
+    Case("limit-invalid", "GET", "/pods?limit=abc", 400, _bad('strconv.ParseInt: parsing "abc": invalid syntax')),
     Case("continue-with-rv", "GET", "/pods?continue=eyJ2IjoibWV0YS5rOHMuaW8vdjEiLCJydiI6MSwic3RhcnQiOiJhIn0"
-         "&resourceVersion=1", 400, "specifying resource version is not allowed when using continue"),
+         "&resourceVersion=1", 400, _bad("specifying resource version is not allowed when using continue")),
 ]
 
 
 def expected(case: Case, namespace: str) -> tuple[Any, ...]:
+    """What ``run`` must answer for ``case`` (its Status with ``{ns}`` filled in, or the names listed)."""
     if case.pages is not None:
         return case.status, case.pages
     if case.names is not None:
         return case.status, case.names
-    return case.status, (case.message or "").replace("{ns}", namespace) if case.message is not None else None
+    if case.error is None:
+        return case.status, None
+    return case.status, json.loads(json.dumps(case.error).replace("{ns}", namespace))
 
 
 def _request(http: urllib3.PoolManager, base: str, token: str, method: str, path: str,
@@ -152,17 +198,29 @@ def _answer(case: Case, status: int, doc: Any) -> tuple[Any, ...]:
     if case.names is not None:
         items = doc.get("items", []) if isinstance(doc, dict) else []
         return status, tuple(sorted(i["metadata"]["name"] for i in items)) if status == 200 else doc
-    if case.message is None:
-        return status, None
-    return status, doc.get("message") if isinstance(doc, dict) else doc
+    if case.error is None:
+        return status, None if status < 300 else doc
+    if not isinstance(doc, dict):
+        return status, doc
+    return status, {k: v for k, v in doc.items() if k not in ("kind", "apiVersion", "metadata")}
 
 
 def run(base: str, token: str, ca_path: str, namespace: str) -> list[tuple[Case, tuple[Any, ...]]]:
     http = urllib3.PoolManager(ca_certs=ca_path, cert_reqs="CERT_REQUIRED")
     prefix = f"/api/v1/namespaces/{namespace}"
+    created: dict[str, dict[str, Any]] = {}
     for name, labels in PODS.items():
         status, doc = _request(http, base, token, "POST", prefix + "/pods", pod(name, labels))
         assert status == 201, (status, doc)
+        created[name] = doc["metadata"]
+
+    def named(answer: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The created pods' UIDs and resourceVersions as {uid:NAME} and {rv:NAME}, as the cases spell them."""
+        text = json.dumps(answer)
+        for name, meta in created.items():
+            text = text.replace(meta["uid"], f"{{uid:{name}}}").replace(f"in record ({meta['resourceVersion']})",
+                                                                           f"in record ({{rv:{name}}})")
+        return tuple(json.loads(text))
     out = []
     for case in CASES:
         path = prefix + case.path.replace("{ns}", namespace).replace("%7Bns%7D", urllib.parse.quote(namespace))
@@ -179,5 +237,6 @@ def run(base: str, token: str, ca_path: str, namespace: str) -> list[tuple[Case,
             out.append((case, (status, tuple(pages))))
             continue
         status, doc = _request(http, base, token, case.method, path, case.body)
-        out.append((case, _answer(case, status, doc)))
+        answer = _answer(case, status, doc)
+        out.append((case, named(answer) if case.error is not None else answer))
     return out
