@@ -198,6 +198,14 @@ def _forbidden_creates() -> list[tuple[str, dict, str]]:
     b = _placeholder("other-account")
     b["spec"]["serviceAccountName"] = "other"
     out.append(("another ServiceAccount", b, "no service account token"))
+    b = _placeholder("quota-hog")
+    b["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "64", "memory": "256Gi"},
+                                               "limits": {"cpu": "64", "memory": "256Gi"}}
+    out.append(("requests that eat the namespace's quota", b, "cpu 1m and memory 8Mi only"))
+    b = _placeholder("gpu")
+    b["spec"]["containers"][0]["resources"]["limits"]["example.com/gpu"] = "8"
+    b["spec"]["containers"][0]["resources"]["requests"]["example.com/gpu"] = "8"
+    out.append(("an extended resource", b, "cpu 1m and memory 8Mi only"))
     b = _placeholder("command")
     b["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "id"]
     out.append(("a command", b, "no command"))
