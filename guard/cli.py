@@ -619,13 +619,23 @@ def lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str 
 
 @main.command("demo")
 @option("--seconds", type=float, default=6.0, help="How long each phase (without, then with the guard) runs.")
-def demo(seconds: float) -> None:
+@click.option("--kube-bin", default=None, metavar="DIR|TARBALL", help=KUBE_BIN_HELP)
+def demo(seconds: float, kube_bin: str | None) -> None:
     """Reproduce the ghost-pod incident on a local lab, then break the loop with the guard.
 
     Starts real etcd, 3 apiserver replicas (replica 2 loses a pod's delete) and a scheduler
     loop on replica 2; runs it without the guard, then with the guard registered as an
     extender over HTTPS. Prints a before/after table; exits 0 only if the guard broke the loop.
+
+    With --kube-bin (or $GHOST_GUARD_KUBE_BIN, $KUBEBUILDER_ASSETS): 2 real kube-apiserver replicas and
+    the real kube-scheduler (the product's KubeSchedulerConfiguration), binding 404s counted from the
+    apiserver's metrics, then `ghost-guard heal` clearing replica 2's stale cache without a restart.
     """
+    binaries = _kube_binaries("demo", kube_bin)
+    if binaries is not None:
+        from guard.lab.real.demo import run_real_demo
+
+        sys.exit(run_real_demo(binaries, seconds=seconds))
     from guard.lab.demo import run_demo
 
     sys.exit(run_demo(seconds=seconds))

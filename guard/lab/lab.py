@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from guard.lab.api import known_resource
 from guard.lab.etcd import Etcd, free_port
@@ -223,3 +223,10 @@ class Lab:
 def _close_all() -> None:
     for lab in list(_live):
         lab.close()
+
+
+if TYPE_CHECKING:
+    from guard.lab.backend import LabBackend
+
+    def _is_a_lab_backend(lab: Lab) -> LabBackend:  # mypy checks that Lab has the shared surface
+        return lab

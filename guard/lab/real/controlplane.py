@@ -169,6 +169,11 @@ class RealReplica:
     def running(self) -> bool:
         return self._proc is not None and self._proc.running
 
+    @property
+    def pid(self) -> int | None:
+        """The kube-apiserver process id while running (a restart changes it)."""
+        return self._proc.proc.pid if self._proc is not None and self._proc.proc is not None and self.running else None
+
     def _command(self) -> list[str]:
         lab = self.lab
         return [
@@ -222,10 +227,11 @@ class RealReplica:
                 raise RealLabError(f"kube-apiserver {self.index} not ready after {timeout}s ({last}):\n{self._proc.tail()}")
             time.sleep(0.1)
 
-    def start(self, wait_ready: float = 60.0) -> None:
-        """(Re)start this replica and wait until it is ready; its cache is rebuilt from etcd (a LIST)."""
+    def start(self, wait_ready: float | None = None) -> None:
+        """(Re)start this replica and wait until it is ready (default: the lab's ``startup_timeout``);
+        its cache is rebuilt from etcd (a LIST)."""
         self.launch()
-        self.wait_ready(wait_ready)
+        self.wait_ready(self.lab.startup_timeout if wait_ready is None else wait_ready)
 
     def stop(self, graceful: bool = True) -> None:
         """Stop this replica (SIGTERM, SIGKILL after 10 s; ``graceful=False``: SIGKILL at once)."""
@@ -406,8 +412,7 @@ class RealLab:
 
     def _bootstrap(self) -> None:
         """Without kube-controller-manager nothing creates ServiceAccounts: make ``default/default``."""
-        if not self._want_kcm:
-            self.ensure_namespace("default")
+        self.ensure_namespace("default")
 
     def close(self) -> None:
         """Stop the scheduler, controller-manager and replicas (in parallel), then the proxies and etcd."""
@@ -633,8 +638,8 @@ class RealLab:
         return self.etcd.client.get(f"/registry/{resource}/{namespace}/{name}")[0] is not None
 
     def ensure_namespace(self, namespace: str, replica: int = 0) -> None:
-        """Create ``namespace`` if missing and, when no controller-manager runs, its ``default`` ServiceAccount
-        (the ServiceAccount admission plugin refuses pods without it)."""
+        """Create ``namespace`` and its ``default`` ServiceAccount if missing (the ServiceAccount admission
+        plugin refuses pods without it; kube-controller-manager, when it runs, would make it a moment later)."""
         from kubernetes.client.exceptions import ApiException
 
         api = self.core_v1(replica)
@@ -643,12 +648,11 @@ class RealLab:
         except ApiException as e:
             if e.status != 409:
                 raise
-        if self.controller_manager is None:
-            try:
-                api.create_namespaced_service_account(namespace, {"metadata": {"name": "default"}}, _request_timeout=10)
-            except ApiException as e:
-                if e.status != 409:
-                    raise
+        try:
+            api.create_namespaced_service_account(namespace, {"metadata": {"name": "default"}}, _request_timeout=10)
+        except ApiException as e:
+            if e.status != 409:
+                raise
 
     def metrics(self, i: int) -> str:
         """Replica ``i``'s ``/metrics`` text."""
@@ -673,3 +677,10 @@ class RealLab:
 def _close_all() -> None:
     for lab in list(_live):
         lab.close()
+
+
+if TYPE_CHECKING:
+    from guard.lab.backend import LabBackend
+
+    def _is_a_lab_backend(lab: RealLab) -> LabBackend:  # mypy checks that RealLab has the shared surface
+        return lab
