@@ -27,7 +27,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from guard.attribution import ReplicaObservation, http_error, transport_error
 from guard.httpget import Connections, GetError
-from guard.names import namespace_problem, pod_identity_problem, pod_name_problem
+from guard.names import namespace_problem, pod_identity_problem, pod_name_problem, visible
 from guard.settings import Replica
 from guard.verdict import QuorumRead, shows_pending
 
@@ -580,7 +580,7 @@ def emit_event(kube: Kube, *, namespace: str, pod_name: str, pod_uid: str, reaso
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"name": name, "namespace": namespace},
         "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": pod_name, "uid": pod_uid},
-        "reason": reason, "message": message[:1024], "type": event_type,
+        "reason": reason, "message": visible(message)[:1024], "type": event_type,
         "source": {"component": "ghost-guard", "host": socket.gethostname()},
         "reportingComponent": "ghost-guard", "reportingInstance": socket.gethostname(),
         "firstTimestamp": now, "lastTimestamp": now, "count": 1,
@@ -593,7 +593,7 @@ def emit_event(kube: Kube, *, namespace: str, pod_name: str, pod_uid: str, reaso
             raise
     resp = kube.core.read_namespaced_event(name, namespace, _preload_content=False, _request_timeout=kube.timeout * 2)
     count = int((orjson.loads(resp.data).get("count") or 1)) + 1
-    kube.core.patch_namespaced_event(name, namespace, {"count": count, "lastTimestamp": now, "message": message[:1024]},
+    kube.core.patch_namespaced_event(name, namespace, {"count": count, "lastTimestamp": now, "message": visible(message)[:1024]},
                                      _content_type="application/merge-patch+json", _request_timeout=kube.timeout * 2)
 
 

@@ -124,3 +124,21 @@ def shell_line(argv: Sequence[str]) -> str:
         if not pastable(arg):
             raise ValueError(f"argument {visible(arg)!r} holds control or bidirectional characters")
     return " ".join(shlex.quote(arg) for arg in argv)
+
+
+def json_hidden_escaped(line: str) -> str:
+    """A JSON text with every :func:`hidden` character written as a ``\\uXXXX`` escape (a surrogate
+    pair beyond U+FFFF): the same JSON value, but a log line that shows what is there (orjson
+    writes U+202E and the like raw; control characters it escapes already)."""
+    if line.isascii():
+        return line
+    out = []
+    for c in line:
+        if not hidden(c):
+            out.append(c)
+        elif ord(c) < 0x10000:
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            v = ord(c) - 0x10000
+            out.append(f"\\u{0xD800 + (v >> 10):04x}\\u{0xDC00 + (v & 0x3FF):04x}")
+    return "".join(out)
