@@ -109,3 +109,24 @@ def test_shell_line_splits_back_to_exactly_the_argv_or_is_refused(argv):
 def test_valid_names_are_printed_as_they_are():
     assert shell_line(["ghost-guard", "heal", "default/web-0", "kube-system/a.b"]) == \
         "ghost-guard heal default/web-0 kube-system/a.b"
+
+
+def test_selectors_are_built_from_valid_names_only():
+    from guard.kube import name_selector
+
+    assert name_selector("default", "web-0") == "metadata.name=web-0"
+    for namespace, name in [("default", "live,metadata.namespace=default"), ("default", "a=b"), ("default", "a!=b"),
+                            ("default,x", "web-0"), ("default", ""), ("", "web-0"), ("default", "a b")]:
+        assert name_selector(namespace, name) is None, (namespace, name)
+
+
+def test_a_replica_answer_counts_only_for_the_object_asked_about():
+    from guard.kube import only_object
+
+    def pod(ns, name, uid="u"):
+        return {"metadata": {"namespace": ns, "name": name, "uid": uid}, "spec": {}}
+
+    items = [pod("default", "live"), pod("other", "web-0"), pod("default", "web-0", "u1"), {"metadata": None}, "x"]
+    assert only_object(items, "default", "web-0") == [pod("default", "web-0", "u1")]
+    assert only_object(items, "default", "live,metadata.namespace=default") == []
+    assert only_object(None, "default", "web-0") == [] and only_object({"a": 1}, "default", "web-0") == []
