@@ -23,6 +23,7 @@ from guard.http import binding, probes
 from guard.http import filter as filter_routes
 from guard.http.exchange import BodyBudget, json_error, record_request
 from guard.identity import ROLE_OF_ENDPOINT, ROLE_OF_PATH, RolePolicy, exact_route
+from guard.names import visible
 from guard.settings import Settings
 from guard.wiring import build_guard
 from guard.worker import DIRECT_LANE, PEER_CERT
@@ -150,7 +151,9 @@ class RouteGate:
         raw = environ.get("RAW_URI", environ.get("REQUEST_URI"))
         if exact_route(raw, environ.get("SCRIPT_NAME", ""), environ.get("PATH_INFO", "")) is not None:
             return self.app(environ, start_response)
-        record_request(self.settings, environ.get("REQUEST_METHOD", "")[:16], "other", 404, 0.0,
+        # The access log shows the target as sent (escaped, cut); the metrics count it as "other".
+        record_request(self.settings, visible(environ.get("REQUEST_METHOD", "")[:16]),
+                       visible(str(raw if raw is not None else environ.get("PATH_INFO", ""))[:200]), 404, 0.0,
                        environ.get("REMOTE_ADDR"))
         start_response("404 Not Found", [("Content-Type", "application/json"),
                                          ("Content-Length", str(len(self.PAYLOAD)))])
