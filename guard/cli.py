@@ -14,12 +14,20 @@ import sys
 import click
 
 from guard import __version__
+from guard.names import pod_identity_problem, visible
 from guard.settings import DEFAULT_AUDIT_DB, Settings
 
 # The default of every `serve` option, and of the options other commands share with it: the Settings
 # field's (guard/settings.py is the one place a default is written).
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 
+
+
+def _check_pod_arg(namespace: str, name: str, hint: str) -> None:
+    """A pod named on the command line is one the apiserver could hold (guard.names), else a usage error."""
+    problem = pod_identity_problem(namespace, name, "")
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint=hint)
 
 def option(flag: str, **kwargs):
     """A long kebab-case option with its ``GHOST_GUARD_<FLAG>`` environment variable, shown in --help."""
@@ -501,6 +509,7 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
     namespace, sep, name = pod.partition("/")
     if not sep or not namespace or not name or "/" in name:
         raise click.BadParameter("expected NAMESPACE/NAME", param_hint="POD")
+    _check_pod_arg(namespace, name, "POD")
     kube, pool = _cluster("diagnose", kubeconfig, apiserver_replicas, apiserver_server_name, probe_timeout, 4)
     clients = pool.clients()
     etcd = EtcdAccess(etcd_endpoint, etcd_ca, etcd_cert, etcd_key) if etcd_endpoint else None
@@ -553,7 +562,8 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     for pod in pods:
         namespace, sep, name = pod.partition("/")
         if not sep or not namespace or not name or "/" in name:
-            raise click.BadParameter(f"expected NAMESPACE/NAME, got {pod!r}", param_hint="NAMESPACE/NAME")
+            raise click.BadParameter(f"expected NAMESPACE/NAME, got {visible(pod)!r}", param_hint="NAMESPACE/NAME")
+        _check_pod_arg(namespace, name, "NAMESPACE/NAME")
         targets.append((namespace, name))
     if not timeout > 0:
         raise click.BadParameter("must be positive", param_hint="--timeout")
@@ -583,6 +593,22 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
 # --- lab, demo (guard/lab/): imported lazily, never on the serving path ------
 
 
+KUBE_BIN_HELP = ("Real control-plane binaries: a directory holding kube-apiserver (kube-scheduler, "
+                 "kube-controller-manager) or a Kubernetes release tarball (unpacked once to a cache). Default: "
+                 "$GHOST_GUARD_KUBE_BIN, then $KUBEBUILDER_ASSETS; none: the Python lab.")
+
+
+def _kube_binaries(command: str, kube_bin: str | None):
+    """The binaries named by --kube-bin or the environment (None: the Python lab); exit 2 when unusable."""
+    from guard.lab.real.binaries import BinariesError, find
+
+    try:
+        return find(kube_bin)
+    except BinariesError as e:
+        click.echo(f"ghost-guard {command}: {e}", err=True)
+        sys.exit(2)
+
+
 @main.command("lab")
 @option("--replicas", type=int, default=3, help="apiserver replicas (127.0.0.1, 127.0.0.2, ... on one port).")
 @option("--drop-deletes", default=None, metavar="[N:]NAMESPACE[/NAME]",
@@ -590,25 +616,45 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
 @option("--port", type=int, default=None, help="Port shared by the replicas (default: a free one).")
 @option("--out-dir", type=click.Path(file_okay=False), default=None,
         help="Where to write the kubeconfigs and CA (default: a temporary directory).")
-def lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str | None) -> None:
+@click.option("--kube-bin", default=None, metavar="DIR|TARBALL", help=KUBE_BIN_HELP)
+@click.option("--scheduler", is_flag=True, default=False,
+              help="Real backend only: also run kube-scheduler (on replica 1, no extender).")
+@click.option("--controller-manager", is_flag=True, default=False,
+              help="Real backend only: also run kube-controller-manager (on replica 1, --controllers=*,-nodelifecycle).")
+def lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str | None, kube_bin: str | None,
+        scheduler: bool, controller_manager: bool) -> None:
     """Run a local lab: real etcd and apiserver replicas with their own watch caches, until Ctrl-C.
 
     Prints one kubeconfig per replica. Needs the `lab` extra (pip install 'kube-ghost-guard[lab]').
+    With --kube-bin (or $GHOST_GUARD_KUBE_BIN, $KUBEBUILDER_ASSETS) the replicas are real kube-apiservers,
+    each reaching etcd through its own fault proxy (see docs/LAB.md).
     """
     from guard.lab.commands import run_lab
 
-    sys.exit(run_lab(replicas, drop_deletes, port, out_dir))
+    binaries = _kube_binaries("lab", kube_bin)
+    sys.exit(run_lab(replicas, drop_deletes, port, out_dir, kube_bin=binaries, scheduler=scheduler,
+                     controller_manager=controller_manager))
 
 
 @main.command("demo")
 @option("--seconds", type=float, default=6.0, help="How long each phase (without, then with the guard) runs.")
-def demo(seconds: float) -> None:
+@click.option("--kube-bin", default=None, metavar="DIR|TARBALL", help=KUBE_BIN_HELP)
+def demo(seconds: float, kube_bin: str | None) -> None:
     """Reproduce the ghost-pod incident on a local lab, then break the loop with the guard.
 
     Starts real etcd, 3 apiserver replicas (replica 2 loses a pod's delete) and a scheduler
     loop on replica 2; runs it without the guard, then with the guard registered as an
     extender over HTTPS. Prints a before/after table; exits 0 only if the guard broke the loop.
+
+    With --kube-bin (or $GHOST_GUARD_KUBE_BIN, $KUBEBUILDER_ASSETS): 2 real kube-apiserver replicas and
+    the real kube-scheduler (the product's KubeSchedulerConfiguration), binding 404s counted from the
+    apiserver's metrics, then `ghost-guard heal` clearing replica 2's stale cache without a restart.
     """
+    binaries = _kube_binaries("demo", kube_bin)
+    if binaries is not None:
+        from guard.lab.real.demo import run_real_demo
+
+        sys.exit(run_real_demo(binaries, seconds=seconds))
     from guard.lab.demo import run_demo
 
     sys.exit(run_demo(seconds=seconds))

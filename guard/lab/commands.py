@@ -1,4 +1,5 @@
-"""``ghost-guard lab``: etcd and N apiserver replicas in the foreground until Ctrl-C or SIGTERM."""
+"""``ghost-guard lab``: etcd and N apiserver replicas (the Python lab's, or real kube-apiservers with
+``--kube-bin``) in the foreground until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import sys
 import threading
 from dataclasses import dataclass
 from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from guard.lab.real.binaries import KubeBinaries
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,14 @@ def parse_drop_deletes(spec: str, replicas: int) -> DropSpec:
     return DropSpec(number - 1, ns, name or None)
 
 
-def run_lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str | None) -> int:
+def run_lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str | None, *,
+            kube_bin: KubeBinaries | None = None, scheduler: bool = False, controller_manager: bool = False) -> int:
     """Start etcd and ``replicas`` replicas, print where they are, block until Ctrl-C/SIGTERM, clean up.
 
-    Returns the process exit code: 0 after a clean stop, 2 for bad arguments, 1 if the lab can't start.
+    ``kube_bin``: run the real backend (real kube-apiserver replicas, each behind its etcd fault proxy;
+    ``scheduler``/``controller_manager`` start kube-scheduler and kube-controller-manager on replica 1);
+    None: the Python lab. Returns the process exit code: 0 after a clean stop, 2 for bad arguments, 1 if
+    the lab can't start.
     """
     if not 1 <= replicas <= 200:
         print("ghost-guard lab: --replicas must be between 1 and 200", file=sys.stderr)
@@ -54,6 +63,10 @@ def run_lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: 
             print(f"ghost-guard lab: {e}", file=sys.stderr)
             return 2
 
+    if (scheduler or controller_manager) and kube_bin is None:
+        print("ghost-guard lab: --scheduler and --controller-manager need the real backend (--kube-bin)", file=sys.stderr)
+        return 2
+
     from guard.lab import EtcdError, Lab
 
     stop = threading.Event()
@@ -62,11 +75,23 @@ def run_lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: 
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    lab = Lab(replicas=replicas, port=port, out_dir=out_dir)
+    lab: Any
+    errors: tuple[type[BaseException], ...] = (OSError, EtcdError)
+    if kube_bin is not None:
+        from guard.lab.real.controlplane import RealLab, RealLabError
+
+        lab = RealLab(replicas=replicas, kube_bin=kube_bin, port=port, out_dir=out_dir, scheduler=scheduler,
+                      controller_manager=controller_manager)
+        errors += (RealLabError,)
+    else:
+        lab = Lab(replicas=replicas, port=port, out_dir=out_dir)
     try:
         try:
+            if kube_bin is not None:
+                print(f"starting the real backend: {replicas} kube-apiserver replica(s) from {kube_bin.dir} ...",
+                      file=sys.stderr, flush=True)
             lab.start()
-        except (OSError, EtcdError) as e:
+        except errors as e:
             print(f"ghost-guard lab: cannot start: {e}", file=sys.stderr)
             return 1
         if drop is not None:
@@ -79,7 +104,14 @@ def run_lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: 
                 what = "/".join(x for x in (drop.namespace, drop.name) if x) or "all pods"
                 note = f"   (drops deletes: {what})"
             print(f"replica {i + 1}   {r.url}   kubeconfig {lab.kubeconfig(i)}{note}")
-        print(f"faults      POST {lab.replicas[0].url}/lab/faults (same bearer token); Ctrl-C to stop", flush=True)
+        if kube_bin is None:
+            print(f"faults      POST {lab.replicas[0].url}/lab/faults (same bearer token); Ctrl-C to stop", flush=True)
+        else:
+            for proc in (lab.scheduler, lab.controller_manager):
+                if proc is not None:
+                    print(f"{proc.name}   log {proc.log_path}")
+            print(f"backend     real kube-apiserver ({kube_bin.dir}); each replica reaches etcd through its own "
+                  f"fault proxy; logs in {lab.out_dir}; Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             pass
         return 0

@@ -48,24 +48,28 @@ DEMO_TIMINGS = Timings(
 PHASE_SECONDS = 6.0
 
 
-def start_guard_process(kubeconfig: str, workdir: Path, extra_args: list[str] | None = None) -> GuardProcess:
+def start_guard_process(kubeconfig: str, workdir: Path, extra_args: list[str] | None = None, *,
+                        scaled: bool = True, timeout: float = 30.0) -> GuardProcess:
     """Write certificates into ``workdir`` (guard.certs) and start ``ghost-guard serve`` over HTTPS with
-    mTLS, none of the caller's ``GHOST_GUARD_*``, its logs and audit DB in ``workdir``; waits for /readyz."""
+    mTLS, none of the caller's ``GHOST_GUARD_*``, its logs and audit DB in ``workdir``; waits for /readyz.
+    ``scaled``: the guard's windows scaled to the simulator's 10x faster backoff (False: the real
+    kube-scheduler's, i.e. the guard's defaults)."""
     from guard import certs as guard_certs
 
     bundle = guard_certs.generate(workdir / "certs", ips=["127.0.0.1"])
+    # The demo's scheduler backs off 10x faster than kube-scheduler (0.1 s, not 1 s):
+    # scale the guard's windows that are sized below that backoff the same way.
+    scale = ["--prepared-grace", "0.05", "--alive-ttl", "0.05"] if scaled else []
     guard = GuardProcess([
         "--kubeconfig", kubeconfig,
         "--no-access-log",
         "--audit-db", str(workdir / "audit.db"),
         "--stale-confirm-delay", "0.5",
-        # The demo's scheduler backs off 10x faster than kube-scheduler (0.1 s, not 1 s):
-        # scale the guard's windows that are sized below that backoff the same way.
-        "--prepared-grace", "0.05", "--alive-ttl", "0.05",
+        *scale,
         *(extra_args or []),
     ], tls=tls_files(bundle), clean_env=True, logdir=workdir)
     try:
-        guard.wait("/readyz", timeout=30.0)
+        guard.wait("/readyz", timeout=timeout)
     except BaseException:
         guard.stop()
         raise

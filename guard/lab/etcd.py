@@ -88,13 +88,15 @@ class EtcdError(RuntimeError):
 class Etcd:
     """One single-member etcd cluster on 127.0.0.1."""
 
-    def __init__(self, data_dir: str | None = None, startup_timeout: float = 15.0) -> None:
+    def __init__(self, data_dir: str | None = None, startup_timeout: float = 15.0,
+                 progress_notify_interval: str = PROGRESS_NOTIFY_INTERVAL) -> None:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="ghost-lab-etcd-")
         self.client_port = free_port()
         self.peer_port = free_port()
         self.url = f"http://127.0.0.1:{self.client_port}"
         self.startup_timeout = startup_timeout
+        self.progress_notify_interval = progress_notify_interval
         self.log_path = os.path.join(self.data_dir, "etcd.log")
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_once = False
@@ -135,7 +137,7 @@ class Etcd:
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"lab={peer}",
-            "--experimental-watch-progress-notify-interval", PROGRESS_NOTIFY_INTERVAL,
+            "--experimental-watch-progress-notify-interval", self.progress_notify_interval,
             "--unsafe-no-fsync",
             "--log-level", "warn",
         ]

@@ -31,7 +31,7 @@ from guard.lab.etcd import free_port
 
 if TYPE_CHECKING:
     from guard.certs import CertBundle
-    from guard.lab.lab import Lab
+    from guard.lab.backend import LabBackend
     from guard.lab.scheduler import ExtenderConfig
 
 __all__ = ["GuardProcess", "NotReached", "Samples", "cached_names", "child_pids", "create", "eventually", "free_port",
@@ -312,8 +312,12 @@ def node_manifest(name: str, *, cpu: str = "4", memory: str = "8Gi", pods: str =
 def pod_manifest(name: str, *, namespace: str | None = None, labels: dict[str, str] | None = None,
                  cpu: str | None = "100m", memory: str | None = "64Mi", priority: int | None = None,
                  scheduler_name: str = "default-scheduler", node_selector: dict[str, str] | None = None,
-                 node_name: str = "", finalizers: list[str] | None = None) -> dict[str, Any]:
+                 node_name: str = "", finalizers: list[str] | None = None,
+                 priority_class: str | None = None) -> dict[str, Any]:
     """A one-container pod with requests, pending unless ``node_name`` binds it.
+
+    ``priority_class``: ``spec.priorityClassName`` (a real apiserver's Priority admission plugin refuses a
+    ``priority`` that no class gives: there, name a PriorityClass instead of, or matching, ``priority``).
 
     ``namespace``: written into ``metadata`` (None: left out; :func:`create` then uses ``default``).
     ``cpu``, ``memory``: the container's requests (None: not requested; both None: no ``resources``).
@@ -325,6 +329,8 @@ def pod_manifest(name: str, *, namespace: str | None = None, labels: dict[str, s
     spec: dict[str, Any] = {"schedulerName": scheduler_name, "containers": [container]}
     if priority is not None:
         spec["priority"] = priority
+    if priority_class is not None:
+        spec["priorityClassName"] = priority_class
     if node_selector:
         spec["nodeSelector"] = dict(node_selector)
     if node_name:
@@ -340,10 +346,26 @@ def pod_manifest(name: str, *, namespace: str | None = None, labels: dict[str, s
 # --- API calls ----------------------------------------------------------------------------------------------
 
 
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+
+
 def create(api: Any, obj: dict[str, Any]) -> dict[str, Any]:
-    """Create a Node or a Pod (in its ``metadata.namespace``, default ``default``); returns it as JSON."""
+    """Create a Node or a Pod (in its ``metadata.namespace``, default ``default``); returns it as JSON.
+
+    A real apiserver taints every new Node ``node.kubernetes.io/not-ready:NoSchedule`` (admission plugin
+    TaintNodesByCondition) and, with no kubelet and no node-lifecycle controller, nothing lifts it: a Node
+    whose manifest has no such taint gets it removed here, so it is the Ready node it says it is."""
     if obj["kind"] == "Node":
         resp = api.create_node(obj, _preload_content=False, _request_timeout=5)
+        node = json.loads(resp.data)
+        taints = (node.get("spec") or {}).get("taints") or []
+        asked = {t.get("key") for t in (obj.get("spec") or {}).get("taints") or []}
+        if NOT_READY_TAINT not in asked and any(t.get("key") == NOT_READY_TAINT for t in taints):
+            keep = [t for t in taints if t.get("key") != NOT_READY_TAINT]
+            resp = api.patch_node(node["metadata"]["name"], [{"op": "replace", "path": "/spec/taints", "value": keep}],
+                                  _preload_content=False, _request_timeout=5)
+            node = json.loads(resp.data)
+        return node
     else:
         namespace = obj["metadata"].get("namespace", "default")
         resp = api.create_namespaced_pod(namespace, obj, _preload_content=False, _request_timeout=5)
@@ -362,24 +384,27 @@ def quorum_pod(api: Any, name: str, namespace: str = "default") -> dict[str, Any
         raise
 
 
-def cached_names(lab: Lab, replica: int, namespace: str) -> list[str]:
+def cached_names(lab: LabBackend, replica: int, namespace: str) -> list[str]:
     """Pod names replica ``replica``'s watch cache serves (LIST resourceVersion=0)."""
     items = lab.core_v1(replica).list_namespaced_pod(namespace, resource_version="0", _request_timeout=5).items
     return sorted(p.metadata.name for p in items)
 
 
-def make_ghost(lab: Lab, namespace: str, name: str, *, stale: int = 1, writer: int = 0, timeout: float = 10.0,
+def make_ghost(lab: LabBackend, namespace: str, name: str, *, stale: int = 1, writer: int = 0, timeout: float = 10.0,
                **manifest: Any) -> str:
     """Make ``namespace/name`` a ghost on replica ``stale``: create it (``pod_manifest(name, **manifest)``)
     through replica ``writer``, make replica ``stale`` drop its deletion, delete it. Returns its UID.
 
     Returns once etcd no longer has the pod, every running replica's cache has reached etcd's
     revision, the other running replicas' caches let the pod go, and replica ``stale``'s cache still
-    holds it, same UID, without ``deletionTimestamp``. Waits are read in-process (etcd and the caches),
-    so the replicas' request logs show only the create and the delete. :class:`NotReached` otherwise.
+    holds it, same UID, without ``deletionTimestamp``. On the Python lab the waits are read in-process
+    (etcd and the caches), so the replicas' request logs show only the create and the delete; on the
+    real backend the caches are read with ``GET resourceVersion=0`` and the namespace is created first
+    when missing. :class:`NotReached` otherwise.
     """
-    key = f"/registry/pods/{namespace}/{name}"
     api = lab.core_v1(writer)
+    if lab.backend != "python":
+        lab.ensure_namespace(namespace, writer)
     uid = create(api, pod_manifest(name, namespace=namespace, **manifest))["metadata"]["uid"]
     if not lab.wait_synced(timeout):
         raise NotReached(f"replica caches did not reach etcd's revision after creating {namespace}/{name}")
@@ -387,13 +412,13 @@ def make_ghost(lab: Lab, namespace: str, name: str, *, stale: int = 1, writer: i
     resp = api.delete_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=5)
     resp.drain_conn()
     resp.release_conn()
-    eventually(lambda: lab.etcd.client.get(key)[0] is None, timeout, what=f"{namespace}/{name} gone from etcd")
+    eventually(lambda: not lab.quorum_exists(namespace, name), timeout, what=f"{namespace}/{name} gone from etcd")
     if not lab.wait_synced(timeout):
         raise NotReached(f"replica caches did not reach etcd's revision after deleting {namespace}/{name}")
     for i, replica in enumerate(lab.replicas):
-        if not replica.running or replica.cache is None:
+        if not replica.running:
             continue
-        obj, _ = replica.cache.get(key)
+        obj = lab.cached_pod(i, namespace, name)
         meta = (obj or {}).get("metadata", {})
         if i == stale and (obj is None or meta.get("uid") != uid or meta.get("deletionTimestamp")):
             raise NotReached(f"replica {i} did not keep {namespace}/{name} as a ghost: {meta}")

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from guard.lab.api import known_resource
 from guard.lab.etcd import Etcd, free_port
@@ -23,7 +23,12 @@ _live: weakref.WeakSet[Lab] = weakref.WeakSet()
 
 
 class Lab:
-    """Start with ``with Lab(replicas=3) as lab:`` (or ``start()``/``close()``). See docs/LAB.md."""
+    """Start with ``with Lab(replicas=3) as lab:`` (or ``start()``/``close()``). See docs/LAB.md.
+
+    The Python backend of :class:`guard.lab.backend.LabBackend` (the real one: ``guard.lab.real.controlplane.RealLab``).
+    """
+
+    backend = "python"
 
     def __init__(self, replicas: int = 3, *, port: int | None = None, out_dir: str | None = None,
                  token: str | None = None, bookmark_interval: float = 1.0, history_size: int = 10000,
@@ -195,8 +200,33 @@ class Lab:
                 return False
         return True
 
+    def cached_pod(self, i: int, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod as replica ``i``'s watch cache holds it, or None (read in-process: no request is logged)."""
+        cache = self.replicas[i].cache
+        if cache is None:
+            return None
+        obj, _ = cache.get(f"/registry/pods/{namespace}/{name}")
+        return obj
+
+    def quorum_exists(self, namespace: str, name: str, resource: str = "pods") -> bool:
+        """Whether etcd holds the object (a linearizable read of its key)."""
+        return self.etcd.client.get(f"/registry/{resource}/{namespace}/{name}")[0] is not None
+
+    def ensure_namespace(self, namespace: str, replica: int = 0) -> None:
+        """Create ``namespace`` if missing (in etcd directly: no replica logs a request)."""
+        Registry(self.etcd.client).ensure(known_resource("", "v1", "namespaces"), None,
+                                          {"metadata": {"name": namespace}, "spec": {"finalizers": ["kubernetes"]},
+                                           "status": {"phase": "Active"}})
+
 
 @atexit.register
 def _close_all() -> None:
     for lab in list(_live):
         lab.close()
+
+
+if TYPE_CHECKING:
+    from guard.lab.backend import LabBackend
+
+    def _is_a_lab_backend(lab: Lab) -> LabBackend:  # mypy checks that Lab has the shared surface
+        return lab

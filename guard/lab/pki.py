@@ -50,10 +50,11 @@ class CA:
         )
         self.cert_pem = self._cert.public_bytes(serialization.Encoding.PEM)
 
-    def serving(self, ip: str, common_name: str = "kube-apiserver") -> KeyPair:
+    def serving(self, ip: str, common_name: str = "kube-apiserver", *, extra_ips: tuple[str, ...] = ()) -> KeyPair:
+        """A serving certificate for ``ip`` (and ``extra_ips``: one certificate for several replicas)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
-        sans: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(ip))]
+        sans: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(a)) for a in (ip, *extra_ips)]
         sans += [x509.DNSName(n) for n in SERVING_DNS_NAMES]
         cert = (
             x509.CertificateBuilder()

@@ -1,0 +1,126 @@
+"""The real tier: real kube-apiserver (and kube-scheduler, kube-controller-manager) binaries.
+
+Every test under ``tests/real/`` is marked ``real``. The binaries come from ``GHOST_GUARD_KUBE_BIN``,
+else ``KUBEBUILDER_ASSETS`` (a directory holding ``kube-apiserver``, or a release tarball unpacked
+once to a cache; see ``guard.lab.real.binaries``). Without either, every real test is skipped with
+ONE reason; when one is set but broken (or CI=true and ``../shared/k8s/*.tar.xz`` exists but
+nothing names binaries), the fixtures FAIL instead: a broken setup never skips silently.
+
+Fixture API (stable; scenario branches build on it):
+
+- ``kube_binaries`` (session): the :class:`guard.lab.real.binaries.KubeBinaries` found.
+- ``real_lab`` (module): one started :class:`guard.lab.real.controlplane.RealLab` per test module:
+  2 replicas (``127.0.0.1``, ``127.0.0.2``, one port), a fault proxy per replica when
+  ``guard.lab.real.etcdproxy`` exists, no scheduler, no controller-manager. Tests sharing it use
+  their own namespace (``real_namespace``) and clear the faults they set (done after each test by
+  ``real_namespace``'s teardown too: ``replicas[i].faults.clear()`` and stopped replicas restarted).
+- ``real_namespace`` (function): a fresh namespace (with its ``default`` ServiceAccount) in ``real_lab``.
+- ``real_lab_factory`` (function) / ``real_lab_module_factory`` (module):
+  ``factory(replicas=2, scheduler=False, controller_manager=False, proxies=None, **RealLab options)``
+  -> a started RealLab, closed when the test (module) ends. ``scheduler=True`` starts kube-scheduler
+  without an extender; ``lab.start_scheduler(guard.extender(), replica=0)`` (re)starts it with the
+  product's KubeSchedulerConfiguration pointing at a guard. ``lab.binding_404s(i)`` counts
+  ``apiserver_request_total{resource="pods",subresource="binding",code="404"}``.
+
+The RealLab surface is :class:`guard.lab.backend.LabBackend` (shared with the Python ``Lab``):
+``kubeconfig(i)``, ``api_client(i)``, ``core_v1(i)``, ``urls``, ``token``, ``ca_path``, ``revision()``,
+``wait_synced()``, ``cached_pod()``, ``ensure_namespace()``, ``replicas[i].faults/stop()/start()/running``.
+On a failing test the tail of every process's log is printed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from guard.lab.real.binaries import BinariesError, KubeBinaries, find
+from guard.lab.real.controlplane import RealLab
+
+SKIP_REASON = "real tier: no kube-apiserver binary (set GHOST_GUARD_KUBE_BIN or KUBEBUILDER_ASSETS)"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.real)
+
+
+def _shared_tarballs() -> list[str]:
+    return glob.glob(str(REPO.parent / "shared" / "k8s" / "*.tar.xz"))
+
+
+@pytest.fixture(scope="session")
+def kube_binaries() -> KubeBinaries:
+    try:
+        found = find(None)
+    except BinariesError as e:
+        pytest.fail(f"real tier: binaries named but unusable: {e}", pytrace=False)
+    if found is None:
+        if os.environ.get("CI", "").lower() == "true" and _shared_tarballs():
+            pytest.fail("real tier: CI=true and ../shared/k8s holds a tarball, but GHOST_GUARD_KUBE_BIN is not set "
+                        "(.ci/run exports it)", pytrace=False)
+        pytest.skip(SKIP_REASON)
+    return found
+
+
+def _failed_since(request: pytest.FixtureRequest, before: int) -> bool:
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None:
+        return bool(rep.failed)
+    return request.session.testsfailed > before
+
+
+def _factory(request: pytest.FixtureRequest, binaries: KubeBinaries) -> Iterator[Callable[..., RealLab]]:
+    labs: list[RealLab] = []
+    before = request.session.testsfailed
+
+    def make(replicas: int = 2, *, scheduler: bool = False, controller_manager: bool = False, **options: object) -> RealLab:
+        lab = RealLab(replicas=replicas, kube_bin=binaries, scheduler=scheduler, controller_manager=controller_manager,
+                      **options)  # type: ignore[arg-type]
+        labs.append(lab)
+        return lab.start()
+
+    try:
+        yield make
+    finally:
+        for lab in labs:
+            if _failed_since(request, before):
+                print(f"\n--- real lab logs ({lab.out_dir}) ---\n{lab.logs()}")
+            lab.close()
+
+
+@pytest.fixture
+def real_lab_factory(request: pytest.FixtureRequest, kube_binaries: KubeBinaries) -> Iterator[Callable[..., RealLab]]:
+    yield from _factory(request, kube_binaries)
+
+
+@pytest.fixture(scope="module")
+def real_lab_module_factory(request: pytest.FixtureRequest, kube_binaries: KubeBinaries) -> Iterator[Callable[..., RealLab]]:
+    yield from _factory(request, kube_binaries)
+
+
+@pytest.fixture(scope="module")
+def real_lab(real_lab_module_factory: Callable[..., RealLab]) -> RealLab:
+    return real_lab_module_factory(2)
+
+
+@pytest.fixture
+def real_namespace(real_lab: RealLab, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    real_lab.ensure_namespace(name)
+    yield name
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        print(f"\n--- real lab logs ({real_lab.out_dir}) ---\n{real_lab.logs()}")
+    for r in real_lab.replicas:
+        if r.proxy is not None:
+            r.faults.clear()
+        if not r.running:
+            r.start()
