@@ -73,6 +73,12 @@ CONNECTIONS_OPEN = Gauge("ghost_guard_connections_open", "Client connections ope
 CALLS_PARKED = Gauge("ghost_guard_calls_parked", "Scheduler calls waiting, without a thread, for their pod's quorum "
                      "GET already in flight (sampled every second), summed over the live worker processes.",
                      multiprocess_mode="livesum")
+BUFFERED_BYTES = Gauge("ghost_guard_buffered_bytes", "Bytes of --max-buffered-bytes held by requests being read, "
+                       "run or answered and by replies not yet sent (sampled every second), summed over the live "
+                       "worker processes.", multiprocess_mode="livesum")
+CALLS_QUEUED = Gauge("ghost_guard_calls_queued", "Large calls waiting for their client's turn at a pool thread "
+                     "(at most 1 per client address runs at once; sampled every second), summed over the live "
+                     "worker processes.", multiprocess_mode="livesum")
 REQUESTS_FORBIDDEN = Counter("ghost_guard_requests_forbidden", "Requests refused with 403 because the client "
                              "certificate is not of the endpoint's role, by endpoint and required role.",
                              ["endpoint", "role"])

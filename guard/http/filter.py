@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 def _filter_reject(args: extender.FilterArgs, decision: Decision) -> bytes:
-    return extender.filter_reject(args, decision.reason)
+    return extender.filter_reject(args, extender.node_reason(decision.verdict))
 
 
 def _preempt_veto(args: extender.PreemptArgs, decision: Decision) -> bytes:

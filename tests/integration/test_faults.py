@@ -291,15 +291,16 @@ def test_worker_killed_mid_request(lab, guard, ns):
 
 
 @pytest.mark.parametrize("body_nodes,status", [
-    pytest.param({"NodeNames": [f"node-{i}" for i in range(100_000)]}, 200, id="100k-names"),
+    pytest.param({"NodeNames": [f"node-{i}" for i in range(15_000)]}, 200, id="15k-names"),  # --max-nodes
+    pytest.param({"NodeNames": [f"node-{i}" for i in range(15_001)]}, 413, id="15001-names"),
     pytest.param({"NodeNames": ["ok", 7, None]}, 400, id="non-string-names"),
     pytest.param({"NodeNames": ["dup", "dup", "ノード"]}, 200, id="duplicate-and-non-ascii"),
     pytest.param({"Nodes": {"items": [{"metadata": {"name": "a"}}, {"spec": {}}]}}, 400, id="item-without-name"),
     pytest.param({"Nodes": {"items": [{"metadata": {"name": "a"}}, "x"]}}, 400, id="item-not-an-object"),
-    pytest.param({"Nodes": {"kind": "NodeList", "items": [{"metadata": {"name": f"n{i}"}} for i in range(5_000)]}},
-                 200, id="5k-node-objects"),  # --max-nodes
-    pytest.param({"Nodes": {"kind": "NodeList", "items": [{"metadata": {"name": f"n{i}"}} for i in range(5_001)]}},
-                 413, id="5001-node-objects"),
+    pytest.param({"Nodes": {"kind": "NodeList", "items": [{"metadata": {"name": f"n{i}"}} for i in range(15_000)]}},
+                 200, id="15k-node-objects"),  # --max-nodes
+    pytest.param({"Nodes": {"kind": "NodeList", "items": [{"metadata": {"name": f"n{i}"}} for i in range(15_001)]}},
+                 413, id="15001-node-objects"),
 ])
 def test_ghost_reject_path_with_hostile_node_lists(lab, guard, ns, body_nodes, status):
     uid = make_ghost(lab, ns, "g")
