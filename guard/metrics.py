@@ -64,8 +64,10 @@ STALE_REPLICA = Gauge("ghost_guard_stale_replica", "1 while an apiserver replica
 STALE_REPLICA_DETECTIONS = Counter("ghost_guard_stale_replica_detections",
                                    "Probes that found an apiserver replica serving a ghost.", ["replica"])
 CONNECTIONS_REJECTED = Counter("ghost_guard_connections_rejected", "Client connections refused or cut off by the "
-                               "serving layer, by reason (over-client-limit, over-total-limit, idle-evicted: kept "
-                               "alive and idle, closed at the total limit to admit a new one, tls-handshake-timeout, "
+                               "serving layer, by reason (over-client-limit, over-total-limit, stalled-evicted: no "
+                               "request head sent yet, closed at the total limit to admit a new one, "
+                               "over-client-calls: a large call whose turn did not come within the budget, "
+                               "tls-handshake-timeout, "
                                "tls-handshake-failed, header-timeout, body-timeout, write-timeout, head-too-large, "
                                "body-too-large, body-incomplete, bad-framing, over-buffer-limit).", ["reason"])
 CONNECTIONS_OPEN = Gauge("ghost_guard_connections_open", "Client connections open (sampled every second), "

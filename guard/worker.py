@@ -12,10 +12,15 @@ can stall into its single event-loop thread, on non-blocking sockets:
 1. **accept**: a connection beyond ``--max-connections-per-client`` (by
    source address) or ``--max-connections`` (per worker) gets a 503 with
    ``{"error": reason}`` at once (after the TLS handshake on an HTTPS port,
-   which is bounded like any other) and is closed; at the total limit the
-   kept-alive connection idle the longest is closed first to make room (its
-   client only reconnects); past twice the total limit, counting refused and
-   closing connections, a new one is closed without a word.
+   which is bounded like any other) and is closed; at most
+   max(16, ``--max-connections`` / 8) are being refused at once, and a refusal
+   beyond that is a close without a word, so refusals hold no room. At the
+   total limit the oldest connection that has not sent a request head yet, of
+   the source address with the most connections, is closed to make room: a
+   connection that has (kube-scheduler's kept-alive one) is never closed for a
+   new one, and a flood of stalled connections only displaces itself. Past
+   twice the total limit, counting refused and closing connections, a new one
+   is closed without a word.
 2. **TLS handshake** (``do_handshake_on_connect=False``), within
    ``--tls-handshake-timeout``. The peer certificate is kept for the app
    (``environ["ghost_guard.peer_cert"]``).
@@ -25,6 +30,11 @@ can stall into its single event-loop thread, on non-blocking sockets:
    ``--max-body-bytes`` (413 above, before reading it), within
    ``--body-timeout`` or the time the body needs at ``--body-min-rate``
    bytes per second, whichever is longer.
+   Bytes received beyond 64 KiB are reserved from ``--max-buffered-bytes`` as
+   they arrive (never from a declared length: a stalled head holds nothing),
+   and a reply over 64 KiB holds its whole size until it is sent; a request
+   that crosses the budget gets a 503, a reply that does not fit is replaced by
+   one.
 5. Only then is the **complete request** handed to a pool thread, which
    parses it with gunicorn's own parser from memory, runs the WSGI app,
    collects the reply in memory and sends what the socket takes at once
@@ -47,7 +57,11 @@ can stall into its single event-loop thread, on non-blocking sockets:
    (the lane's ``answer_landed``) or, when the read alone cannot answer (a
    ghost, a pod gone since), hands the call to a pool thread. A call still
    parked ``PARK_MARGIN`` before its budget ends goes to a pool thread too,
-   which waits out the rest of the same budget. Everything
+   which waits out the rest of the same budget. A request over ``LARGE_CALL``
+   (16 KiB) takes a pool thread only while no other of its source address's
+   does (state QUEUED meanwhile, no thread, not read), so large forged calls
+   from one address cannot occupy the pool; one still queued when its budget
+   ends gets a 503. Everything
    else, well-formed or not, takes a pool thread and the WSGI path, which answers
    it or refuses it with the reason.
 6. The loop **writes the rest of the reply** within ``--write-timeout`` (a reader too
