@@ -19,6 +19,7 @@ Run from the repository root: ``python -m benchmarks.forged_connections [--only 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import platform
 import socket
 import ssl
@@ -74,11 +75,13 @@ def one_reply(s) -> bytes:
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     length = int(next(x.split(b":", 1)[1] for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:")))
-    while len(body) < length:
-        chunk = s.recv(65536)
+    got, parts = len(body), [body]
+    while got < length:
+        chunk = s.recv(1 << 20)
         if not chunk:
             raise ConnectionError("closed mid-reply")
-        body += chunk
+        got += len(chunk)
+        parts.append(chunk)
     return head
 
 
@@ -121,16 +124,19 @@ def rss(tmp: Path) -> None:
         answered = 0.0
         while time.monotonic() < deadline:  # every call answered (the access log is off: count the verdicts)
             answered = g.metric("ghost_guard_verdicts_total") + g.metric(
-                "ghost_guard_connections_rejected_total", reason="over-buffer-limit")
+                "ghost_guard_connections_rejected_total", reason="over-buffer-limit") + g.metric(
+                "ghost_guard_connections_rejected_total", reason="over-client-calls")
             if answered >= 300:
                 break
             time.sleep(0.5)
         after = status_kb(worker, "VmHWM")
         held = g.metric("ghost_guard_buffered_bytes")
         refused = g.metric("ghost_guard_connections_rejected_total", reason="over-buffer-limit")
+        turns = g.metric("ghost_guard_connections_rejected_total", reason="over-client-calls")
         print(f"| rss | request {len(request)} B, reply ~{15_000 * 58 // 1024} KiB each | 300 never read | "
-              f"VmHWM {before / 1024:.1f} -> **{after / 1024:.1f} MiB**; {held / 2**20:.1f} MiB held in replies; "
-              f"{refused:.0f} replies refused (503) for the budget; {answered:.0f} answered |")
+              f"VmHWM {before / 1024:.1f} -> **{after / 1024:.1f} MiB**; {held / 2**20:.1f} MiB held at the end; "
+              f"503s: {refused:.0f} over --max-buffered-bytes, {turns:.0f} whose turn did not come within the "
+              f"budget; {answered:.0f} of 300 answered |")
         for s in socks:
             s.close()
     finally:
@@ -138,43 +144,46 @@ def rss(tmp: Path) -> None:
 
 
 class Flood:
-    """Keep ``count`` silent connections per source address open for the run (reopened when closed)."""
+    """Keep ``count`` silent connections per source address open for the run (reopened when closed), from
+    a process of its own per address (so the measuring client shares no GIL with it)."""
 
     def __init__(self, port: int, sources: list[str], count: int) -> None:
-        self.port, self.sources, self.count = port, sources, count
-        self.stop = threading.Event()
-        self.opened = 0
-        self.threads = [threading.Thread(target=self._run, args=(src,), daemon=True) for src in sources]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, source: str) -> None:
-        socks: list[socket.socket] = []
-        while not self.stop.is_set():
-            for s in list(socks):
-                try:
-                    if s.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
-                        socks.remove(s)
-                        s.close()
-                except BlockingIOError:
-                    pass
-                except OSError:
-                    socks.remove(s)
-                    s.close()
-            while len(socks) < self.count and not self.stop.is_set():
-                try:
-                    socks.append(dial(self.port, source, timeout=1))
-                    self.opened += 1
-                except OSError:
-                    break
-            self.stop.wait(0.2)
-        for s in socks:
-            s.close()
+        self.stop = multiprocessing.Event()
+        self.opened = multiprocessing.Value("i", 0)
+        self.procs = [multiprocessing.Process(target=_keep_open, args=(port, src, count, self.stop, self.opened),
+                                              daemon=True) for src in sources]
+        for proc in self.procs:
+            proc.start()
 
     def close(self) -> None:
         self.stop.set()
-        for t in self.threads:
-            t.join(10)
+        for proc in self.procs:
+            proc.join(10)
+
+
+def _keep_open(port: int, source: str, count: int, stop, opened) -> None:
+    socks: list[socket.socket] = []
+    while not stop.is_set():
+        for s in list(socks):
+            try:
+                if s.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
+                    socks.remove(s)
+                    s.close()
+            except BlockingIOError:
+                pass
+            except OSError:
+                socks.remove(s)
+                s.close()
+        while len(socks) < count and not stop.is_set():
+            try:
+                socks.append(dial(port, source, timeout=1))
+                with opened.get_lock():
+                    opened.value += 1
+            except OSError:
+                break
+        stop.wait(0.2)
+    for s in socks:
+        s.close()
 
 
 def scheduler_calls(g: GuardProcess, ctx: ssl.SSLContext, seconds: float) -> tuple[int, int, list[float], int, int]:
@@ -240,7 +249,7 @@ def stalled(tmp: Path, seconds: float) -> None:
             ok, failed, lat, new_ok, new_failed = scheduler_calls(g, ctx, seconds)
             flood.close()
             rate = ok / max(1, ok + failed) * 100
-            print(f"| stalled | {label} (opened {flood.opened} in all) | kept-alive: {ok} of {ok + failed} "
+            print(f"| stalled | {label} (opened {flood.opened.value} in all) | kept-alive: {ok} of {ok + failed} "
                   f"(**{rate:.2f} %**), p50 {p(lat, 0.5):.1f} ms, **p99 {p(lat, 0.99):.1f} ms**; new mTLS "
                   f"connections: {new_ok} of {new_ok + new_failed} |")
             time.sleep(3)
@@ -281,24 +290,13 @@ def flood(tmp: Path, seconds: float) -> None:
         assert len(small_flood) < 64 * 1024
         long = [f"node-{i:05d}-".ljust(253, "x") for i in range(15_000)]
         big_flood = call(orjson.dumps({"NodeNames": long, "Pod": {"metadata": {"name": "forged", "namespace": "x"}}}))
-        for label, request, threads in (("16 threads x 63 KiB calls", small_flood, 16),
-                                        (f"4 threads x {len(big_flood) // 2**20:.0f} MiB calls (decoded whole)",
+        for label, request, threads in (("16 processes x 63 KiB calls", small_flood, 16),
+                                        (f"4 processes x {len(big_flood) // 2**20:.0f} MiB calls (decoded whole)",
                                          big_flood, 4)):
-            stop = threading.Event()
-            sent = [0]
-
-            def attacker() -> None:
-                while not stop.is_set():
-                    try:
-                        with dial(g.port, "127.0.0.2", timeout=10) as s:
-                            while not stop.is_set():
-                                s.sendall(request)
-                                one_reply(s)
-                                sent[0] += 1
-                    except (OSError, ConnectionError):
-                        pass
-
-            ts = [threading.Thread(target=attacker, daemon=True) for _ in range(threads)]
+            stop = multiprocessing.Event()
+            sent = multiprocessing.Value("i", 0)
+            ts = [multiprocessing.Process(target=_attacker, args=(g.port, request, stop, sent), daemon=True)
+                  for _ in range(threads)]
             for t in ts:
                 t.start()
             time.sleep(1)
@@ -316,10 +314,24 @@ def flood(tmp: Path, seconds: float) -> None:
             stop.set()
             for t in ts:
                 t.join(20)
-            print(f"| flood | {label} ({sent[0]} forged calls answered) | legit kept-alive: {len(lat)} calls, "
+            print(f"| flood | {label} ({sent.value} forged calls answered) | legit kept-alive: {len(lat)} calls, "
                   f"{failed} failed, p50 {p(lat, 0.5):.1f} ms, **p99 {p(lat, 0.99):.1f} ms**, max {p(lat, 1):.1f} ms |")
     finally:
         g.stop()
+
+
+def _attacker(port: int, request: bytes, stop, sent) -> None:
+    """A forged caller (a process of its own): sends ``request`` and reads the reply, back to back."""
+    while not stop.is_set():
+        try:
+            with dial(port, "127.0.0.2", timeout=10) as s:
+                while not stop.is_set():
+                    s.sendall(request)
+                    one_reply(s)
+                    with sent.get_lock():
+                        sent.value += 1
+        except (OSError, ConnectionError):
+            pass
 
 
 def main() -> None:
