@@ -290,7 +290,8 @@ def flood(tmp: Path, seconds: float) -> None:
         assert len(small_flood) < 64 * 1024
         long = [f"node-{i:05d}-".ljust(253, "x") for i in range(15_000)]
         big_flood = call(orjson.dumps({"NodeNames": long, "Pod": {"metadata": {"name": "forged", "namespace": "x"}}}))
-        for label, request, threads in (("16 processes x 63 KiB calls", small_flood, 16),
+        for label, request, threads in (("none (baseline, same machine, same minute)", b"", 0),
+                                        ("16 processes x 63 KiB calls", small_flood, 16),
                                         (f"4 processes x {len(big_flood) // 2**20:.0f} MiB calls (decoded whole)",
                                          big_flood, 4)):
             stop = multiprocessing.Event()
