@@ -312,13 +312,21 @@ def ready_without_keepalive(guard) -> None:
                20, what="/healthz", ignore=(OSError,), process=guard)
 
 
+def kept_alive(port: int, source: str) -> socket.socket:
+    """A connection from ``source`` that has made a request and is kept alive, idle."""
+    s = dial(port, source)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: g\r\n\r\n")
+    assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+    return s
+
+
 def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_path, shared_lab, live_pod):
     guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--no-prepare", "--max-connections", "20",
                          "--max-connections-per-client", "8", "--audit-db", str(tmp_path / "audit.db")], wait=None)
     ready_without_keepalive(guard)
     # One event loop accepts the connections in the order they were made (the kernel's accept queue):
     # a connection dialled after others is admitted or refused after them, so no pause is needed between.
-    held = [dial(guard.port, "127.0.0.6") for _ in range(8)]
+    held = [kept_alive(guard.port, "127.0.0.6") for _ in range(8)]
     try:
         # The 8 are accepted (the open-connections gauge is sampled every second).
         eventually(lambda: metric_in(served_and_closed(guard.port, "127.0.0.10", METRICS),
@@ -337,7 +345,8 @@ def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_pa
         reply = served_and_closed(guard.port, "127.0.0.10", b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: "
                                   b"application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         assert reply.startswith(b"HTTP/1.1 200 "), reply
-        held += [dial(guard.port, src) for src in ("127.0.0.7",) * 8 + ("127.0.0.8",) * 4]  # 20 open in all
+        # 20 open in all, each past its first request (a connection that has not sent one would make room)
+        held += [kept_alive(guard.port, src) for src in ("127.0.0.7",) * 8 + ("127.0.0.8",) * 4]
         with dial(guard.port, "127.0.0.9") as s:
             reply = read_reply(s)
         assert reply.startswith(b"HTTP/1.1 503 "), reply
