@@ -40,8 +40,8 @@ can stall into its single event-loop thread, on non-blocking sockets:
    collects the reply in memory and sends what the socket takes at once
    (non-blocking): a pool thread never waits for a client. A call in exactly
    the shape kube-scheduler sends (:func:`plain_call`: ``POST /filter`` or
-   ``/preempt`` over HTTP/1.1, a JSON body with a ``Content-Length``, within the
-   app's small-body size, well-formed header lines) goes to the app's
+   ``/preempt`` over HTTP/1.1, a JSON body with a ``Content-Length``, within
+   ``--max-body-bytes``, well-formed header lines) goes to the app's
    **direct lane** instead (``app.extensions[DIRECT_LANE]``, guard.http.filter):
    body in, status and JSON out, without gunicorn's parser, the WSGI environ and
    gunicorn's response object, which were half of the guard's CPU per call.
