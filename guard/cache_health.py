@@ -75,8 +75,14 @@ class CacheHealthMonitor:
         self._thread = threading.Thread(target=self._loop, name="ghost-cache-health", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 3.0) -> None:
+        """Stop: no new round, the one running (if any) given ``timeout`` seconds to end, then its
+        read pool shut. Called on the worker's exit (guard.server), before the interpreter's own exit
+        shuts every pool under a running round."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
         self._reads.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
@@ -84,7 +90,10 @@ class CacheHealthMonitor:
             try:
                 self.tick()
             except Exception:
-                log.exception("replica cache health check failed")
+                if self._stop.is_set():  # stopping: the pool may be shut under the round; nothing is wrong
+                    log.debug("replica cache health round ended by the stop", exc_info=True)
+                else:
+                    log.exception("replica cache health check failed")
 
     def tick(self) -> None:
         now = self._clock()
@@ -185,6 +194,12 @@ class CacheHealthMonitor:
                 metrics.REPLICA_PODS_MISSING.labels(a).set(len(self._missing.get(a, {})))
                 metrics.REPLICA_SECONDS_BEHIND.labels(a).set(round(t.seconds_behind(now), 1))
                 metrics.REPLICA_FROZEN.labels(a).set(1 if t.frozen else 0)
+
+    def frozen(self, replica: str) -> bool:
+        """Whether ``replica``'s watch is named frozen now (the advice for it is a restart, never a write)."""
+        with self._lock:
+            track = self._tracks.get(replica)
+            return track is not None and track.frozen
 
     def status(self) -> dict[str, dict]:
         """Per replica: cache revision, seconds behind etcd, frozen, pods missing (the first few), for /readyz."""
