@@ -155,6 +155,9 @@ class IncidentRecorder:
         self._timers: list[threading.Timer] = []
         self._closed = False
         self._heal = heal  # serve --heal: AutoHealer.submit
+        # Whether the guard's cache check names a replica's watch frozen (CacheHealthMonitor.frozen, set by
+        # guard.wiring): then no advice says a write heals it.
+        self.frozen: Callable[[str], bool] = lambda replica: False
 
     # -- entry points (Checker listeners) ----------------------------------------
 
@@ -294,16 +297,18 @@ class IncidentRecorder:
         metrics.STALE_REPLICA_DETECTIONS.labels(replica).inc()
         with self._lock:
             verdict = self._verdicts.get(pod, Verdict.GHOST_DELETED)
+        frozen = self.frozen(replica)
         message = (f"apiserver replica {client.replica} still serves pod {pod} uid {pod.uid} from its watch cache as "
                    f"waiting to be scheduled (cache resourceVersion {obs.cache_resource_version}) although etcd "
                    f"{_TRUTH[verdict]}{note}; " + (
+                       "its watch is frozen; writes cannot heal it, restart that apiserver replica" if frozen else
                        "healing it (serve --heal)" if self._heal is not None else
                        f"heal it without a restart: ghost-guard heal {pod.namespace}/{pod.name} (restart that "
                        "replica only if heal reports it frozen)"))
         log.warning("%s", message)
         if self.settings.events:
             self._event(pod, "StaleWatchCache", message, key=replica)
-        if self._heal is not None:
+        if self._heal is not None and not frozen:
             self._heal(pod)
 
     def after_heal(self, pod: PodRef, result) -> None:

@@ -26,6 +26,7 @@ from kubernetes.client.rest import should_bypass_proxies, tcp_keepalive_socket_o
 from kubernetes.config.config_exception import ConfigException
 
 from guard.attribution import ReplicaObservation, http_error, transport_error
+from guard.healing import is_placeholder
 from guard.httpget import Connections, GetError
 from guard.settings import Replica
 from guard.verdict import QuorumRead, shows_pending
@@ -195,6 +196,7 @@ class Kube:
             node_name=str(spec.get("nodeName") or ""),
             deletion_timestamp=str(meta.get("deletionTimestamp") or ""),
             resource_version=str(meta.get("resourceVersion") or ""),
+            placeholder=is_placeholder(meta),
         )
 
     def _pod_path(self, namespace: str, name: str) -> str:
