@@ -249,18 +249,22 @@ LIVE_WINDOW_SECONDS = 5.0
 
 
 def check_now(kube: Kube, clients: list[ReplicaClient], *, window: float = LIVE_WINDOW_SECONDS,
-              sleep: Callable[[float], None] = time.sleep) -> list[dict]:
+              sleep: Callable[[float], None] = time.sleep,
+              progress: Callable[[str], None] = lambda line: None) -> list[dict]:
     """Every replica's cache checked once, for ``report --live``: its revision read twice ``window``
     seconds apart (frozen: behind etcd both times, unmoved, while another replica was caught up), and
     the pending pods other replicas' caches list but it does not, each confirmed as the guard does
     (no --missing-after: a cache past the pod's revision that lacks it misses it, however young)."""
     by_address = {c.replica.address: c for c in clients}
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-cache-check") as pool:
+        progress(f"reading the cache revision of {len(by_address)} replica(s) and etcd's")
         etcd, samples, _ = read_revisions(pool, by_address, 0.0)
         tracks = replica_health.assess({}, samples, frozen_after=window)
+        progress(f"waiting {window:g}s to read them again (a frozen cache does not move)")
         sleep(window)
         etcd, samples, _ = read_revisions(pool, by_address, window)
         tracks = replica_health.assess(tracks, samples, frozen_after=window)
+        progress("listing every replica's pending pods (a cache that misses one is named)")
         listed = dict(zip(sorted(by_address), pool.map(_pending_or_none, [by_address[a] for a in sorted(by_address)])))
     errors = {s.replica: None for s in samples if s.cache_rv is not None}
     views = {a: set(p) for a, p in listed.items() if p is not None}

@@ -409,7 +409,16 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
     if not live:
         click.echo(text, nl=False)
         return
-    caches = _live_caches(kubeconfig, apiserver_replicas, apiserver_server_name)
+    progress = _progress("report", output)
+    if output != "json":  # what is ready first: the audit store's part, then the replicas' caches
+        from guard.cache_health import LIVE_WINDOW_SECONDS
+
+        if not text:
+            text = f"No audit store at {db or DEFAULT_AUDIT_DB}: ghosts not reported.\n"
+        click.echo(text + "\n", nl=False)
+        sys.stdout.flush()
+        progress(f"checking every apiserver replica's cache now (about {2 * LIVE_WINDOW_SECONDS:g}s)")
+    caches = _live_caches(kubeconfig, apiserver_replicas, apiserver_server_name, progress)
     if output == "json":
         import json
 
@@ -417,13 +426,17 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
         doc["replica_caches"] = caches
         click.echo(json.dumps(doc, indent=2))
     else:
-        from guard.cache_health import LIVE_WINDOW_SECONDS
         from guard.report import render_replica_caches
 
-        if not text:
-            text = f"No audit store at {db or DEFAULT_AUDIT_DB}: ghosts not reported.\n"
-        click.echo(text + "\n" + render_replica_caches(caches, window=LIVE_WINDOW_SECONDS), nl=False)
+        click.echo(render_replica_caches(caches, window=LIVE_WINDOW_SECONDS), nl=False)
     sys.exit(1 if any(c["frozen"] or c["missing"] for c in caches) else 0)
+
+
+def _progress(command: str, output: str):
+    """What a long command is waiting for, one line per phase on stderr (quiet with -o json)."""
+    if output == "json":
+        return lambda line: None
+    return lambda line: click.echo(f"ghost-guard {command}: {line}", err=True)
 
 
 def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | None, server_name: str,
@@ -451,13 +464,15 @@ def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | Non
     return kube, pool
 
 
-def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_name: str) -> list[dict]:
+def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_name: str,
+                 progress=lambda line: None) -> list[dict]:
     """guard.cache_health.check_now over every replica; exit 2 with one line when it cannot run."""
-    from guard.cache_health import check_now
+    progress("loading the Kubernetes client and finding the apiserver replicas")
+    from guard.cache_health import check_now  # imports the Kubernetes client
 
     kube, pool = _cluster("report", kubeconfig, apiserver_replicas, server_name, 2.0, 8)
     try:
-        return check_now(kube, pool.clients())
+        return check_now(kube, pool.clients(), progress=progress)
     finally:
         pool.close()
         kube.close()
@@ -535,7 +550,6 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     Exit status: 0 every replica agrees with etcd, 1 some pod is not healed (frozen replica, refused
     write, timeout), 2 bad arguments or no cluster access, 130 interrupted (nothing left behind).
     """
-    from guard.heal import Healer
     from guard.healing import render
 
     if all_ == bool(pods):
@@ -550,8 +564,12 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         raise click.BadParameter("must be positive", param_hint="--timeout")
     if not probe_timeout > 0:
         raise click.BadParameter("must be positive", param_hint="--probe-timeout")
+    progress = _progress("heal", output)
+    progress("loading the Kubernetes client and finding the apiserver replicas")
+    from guard.heal import Healer
+
     kube, pool = _cluster("heal", kubeconfig, apiserver_replicas, apiserver_server_name, probe_timeout, 8)
-    healer = Healer(kube, pool.clients, timeout=timeout)
+    healer = Healer(kube, pool.clients, timeout=timeout, progress=progress)
     try:
         if all_:
             targets, errors = healer.ghosts()

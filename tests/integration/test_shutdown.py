@@ -29,10 +29,10 @@ def test_sigterm_mid_round_logs_no_error(shared_lab, tmp_path) -> None:
                 g.wait("/healthz", timeout=90)
                 asked = rule.hits
                 eventually(lambda: rule.hits > asked, 15, what="a revision round in flight", process=g)
-                stop_group(g.proc)
-                assert g.proc.returncode == 0, g.logs()
+                stop_group(g.proc, term_timeout=30)
                 bad = [r for r in g.log_records() if r.get("level") in ("error", "critical")]
                 assert not bad, f"stop {i + 1}: error-level lines on SIGTERM: {bad}"
+                assert g.proc.returncode == 0, g.logs()
             finally:
                 g.stop()
     finally:
