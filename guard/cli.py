@@ -177,6 +177,13 @@ def serve(**kwargs) -> None:
 
     try:
         settings = Settings(**kwargs).validate()
+        if settings.audit_db == DEFAULT_AUDIT_DB and settings.audit_store in (None, "sqlite"):
+            from guard.auditstore import writable_default
+
+            path, note = writable_default(DEFAULT_AUDIT_DB)  # said once, here, before the workers start
+            if note:
+                click.echo(f"ghost-guard serve: audit store: {note}", err=True)
+            settings = dataclasses.replace(settings, audit_db=path)
         preflight(settings)
     except (SettingsError, StartupError) as e:
         click.echo(f"ghost-guard serve: {e}", err=True)
@@ -254,8 +261,10 @@ def _open_audit_store(command: str, db: str | None, store: str | None = None, ku
     from guard.auditstore import StoreSpecError, open_store, parse_store
     from guard.records import AuditError
 
+    from guard.auditstore import readable_default
+
     try:
-        kind, path = parse_store(store, db or DEFAULT_AUDIT_DB)
+        kind, path = parse_store(store, db or readable_default(DEFAULT_AUDIT_DB))
     except StoreSpecError as e:
         raise click.BadParameter(str(e), param_hint="--audit-store") from e
     if kind == "kubernetes":
@@ -397,8 +406,11 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
 
     from guard.report import render_report
 
+    from guard.auditstore import readable_default
+
+    db = db or readable_default(DEFAULT_AUDIT_DB)
     text, records = "", None
-    if not (live and store is None and not os.path.exists(db or DEFAULT_AUDIT_DB)):
+    if not (live and store is None and not os.path.exists(db)):
         opened = _open_audit_store("report", db, store, kubeconfig)
         try:
             records = _audit_records("report", opened, namespace=namespace, verdict=None, replica=None, since=since,
@@ -414,7 +426,7 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
         from guard.cache_health import LIVE_WINDOW_SECONDS
 
         if not text:
-            text = f"No audit store at {db or DEFAULT_AUDIT_DB}: ghosts not reported.\n"
+            text = f"No audit store at {db}: ghosts not reported.\n"
         click.echo(text + "\n", nl=False)
         sys.stdout.flush()
         progress(f"checking every apiserver replica's cache now (about {2 * LIVE_WINDOW_SECONDS:g}s)")

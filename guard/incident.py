@@ -75,7 +75,8 @@ def open_audit_store(settings: Settings) -> tuple[AuditBackend | None, str | Non
                           on_new=announce_new_ghost, write_qps=settings.audit_write_qps,
                           queue_size=settings.audit_queue_size, write_interval=settings.audit_write_interval), None
     except (AuditError, OSError, ValueError) as e:
-        return None, f"audit store {describe(settings.audit_store, settings.audit_db)} unusable: {e}"
+        named = f"audit store {describe(settings.audit_store, settings.audit_db)}: "  # AuditHealth names the store
+        return None, str(e)[len(named):] if str(e).startswith(named) else str(e)
 
 
 class AuditHealth:
