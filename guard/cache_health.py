@@ -190,6 +190,7 @@ class CacheHealthMonitor:
     def _export(self, clients: dict[str, ReplicaClient], now: float) -> None:
         with self._lock:
             for a in clients:
+                metrics.replica_known(a)
                 t = self._tracks.get(a, CacheTrack())
                 metrics.REPLICA_PODS_MISSING.labels(a).set(len(self._missing.get(a, {})))
                 metrics.REPLICA_SECONDS_BEHIND.labels(a).set(round(t.seconds_behind(now), 1))

@@ -314,7 +314,8 @@ def _audit_records(command: str, store, *, namespace, verdict, replica, since, l
 @click.option("--namespace", default=None, help="Only ghosts in this namespace.")
 @click.option("--verdict", default=None, type=click.Choice([v.value for v in _Verdict]), help="Only this verdict.")
 @click.option("--replica", default=None, metavar="REPLICA",
-              help="Only ghosts this apiserver replica was ever seen serving, named as `report` lists it (e.g. 10.0.0.2:6443).")
+              help="Only ghosts this apiserver replica was ever seen serving, named as `report` lists it "
+                   "(10.0.0.2:6443), or a host alone for every port (10.0.0.2).")
 @click.option("--since", default=None, metavar="WHEN",
               help="Only ghosts seen since then: a duration back from now (30m, 1h, 2d, 1w) or an ISO-8601 time (UTC if no offset).")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="At most this many records (most recently seen first).")
@@ -332,13 +333,46 @@ def audit(ctx: click.Context, db: str | None, store: str | None, kubeconfig: str
         return
     from guard.report import render_records
 
+    host = _host_only(replica)
+    if host is not None:
+        from guard.records import MAX_REPLICA, check_text
+
+        try:
+            check_text("replica", replica, MAX_REPLICA)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from e
     opened = _open_audit_store("audit", db, store, kubeconfig)
     try:
-        records = _audit_records("audit", opened, namespace=namespace, verdict=verdict, replica=replica, since=since,
-                                 limit=limit, retracted=retracted)
+        records = _audit_records("audit", opened, namespace=namespace, verdict=verdict,
+                                 replica=None if host else replica, since=since, limit=None if host else limit,
+                                 retracted=retracted)
     finally:
         opened.close()
+    if host:  # --replica HOST without the port: every port of that host
+        records = [r for r in records if any(_host_of(s.replica) == host and s.first_seen_serving is not None
+                                             for s in r.replicas)][:limit]
+    if replica and not records:
+        click.echo(f"ghost-guard audit: no ghost was ever seen served by replica {replica}; `ghost-guard report` "
+                   "lists the replicas as the store names them (HOST:PORT, or HOST alone for every port)", err=True)
     click.echo(render_records(records, output), nl=False)
+
+
+def _host_of(replica: str) -> str:
+    """The host of ``HOST:PORT`` / ``[V6]:PORT`` / ``https://HOST:PORT`` (the replica as the store names it)."""
+    replica = replica.split("://", 1)[-1]
+    if replica.startswith("["):
+        return replica[1:].split("]", 1)[0]
+    return replica.rsplit(":", 1)[0] if replica.count(":") == 1 else replica
+
+
+def _host_only(replica: str | None) -> str | None:
+    """The host when ``--replica`` names one without a port (``10.0.0.2``, ``[fd00::2]``, ``fd00::2``), else None."""
+    if not replica:
+        return None
+    replica = replica.split("://", 1)[-1]
+    if replica.startswith("["):
+        return None if "]:" in replica else replica.strip("[]")
+    return replica if replica.count(":") != 1 else None
 
 
 @audit.command("export")
@@ -400,13 +434,15 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
     """Per apiserver replica, the ghosts its watch cache serves and since when, then the remediation in order.
 
     The ghosts come from the audit store (what `serve` recorded; either store, as `audit`). With --live, a second section checks every
-    replica's cache now: frozen watches and pods missing from a cache (exit 1 when it finds any).
+    replica's cache now: frozen watches and pods missing from a cache.
+
+    Exit status (as diagnose and heal): 0 no replica serves a ghost (with --live: none frozen, none missing a pod),
+    1 some replica does, 2 the report could not run (no store, bad arguments, no cluster access).
     """
     import os
 
-    from guard.report import render_report
-
     from guard.auditstore import readable_default
+    from guard.report import build_report, render_report
 
     db = db or readable_default(DEFAULT_AUDIT_DB)
     text, records = "", None
@@ -418,9 +454,10 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
         finally:
             opened.close()
         text = render_report(records, output)
+    serving = bool(records) and bool(build_report(records)["stale_replicas"])  # exit 1, as diagnose for the same finding
     if not live:
         click.echo(text, nl=False)
-        return
+        sys.exit(1 if serving else 0)
     progress = _progress("report", output)
     if output != "json":  # what is ready first: the audit store's part, then the replicas' caches
         from guard.cache_health import LIVE_WINDOW_SECONDS
@@ -441,7 +478,7 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
         from guard.report import render_replica_caches
 
         click.echo(render_replica_caches(caches, window=LIVE_WINDOW_SECONDS), nl=False)
-    sys.exit(1 if any(c["frozen"] or c["missing"] for c in caches) else 0)
+    sys.exit(1 if serving or any(c["frozen"] or c["missing"] for c in caches) else 0)
 
 
 def _progress(command: str, output: str):

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.timeout(180),
 def test_serve_without_audit_db_records_where_audit_reads(start_guard, dead_kubeconfig, tmp_path: Path) -> None:
     state = tmp_path / "state"
     g = start_guard(["--kubeconfig", dead_kubeconfig, "--workers", "2", "--no-prepare", "--no-events"],
-                    env={"XDG_STATE_HOME": str(state)}, wait="/healthz", clean_env=True)
+                    env={"XDG_STATE_HOME": str(state)}, wait=None, clean_env=True)
+    g.wait("/healthz", 90)  # a loaded machine boots workers slowly
     store = state / "ghost-guard" / "audit.db"
     eventually(store.exists, 60, what="the audit store in $XDG_STATE_HOME", process=g)
     notes = [line for line in g.logs(None).splitlines() if "cannot be written here" in line]
