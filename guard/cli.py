@@ -454,7 +454,7 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
         finally:
             opened.close()
         text = render_report(records, output)
-    serving = bool(records) and bool(build_report(records)["stale_replicas"])  # exit 1, as diagnose for the same finding
+    serving = records is not None and bool(build_report(records)["stale_replicas"])  # exit 1, as diagnose does
     if not live:
         click.echo(text, nl=False)
         sys.exit(1 if serving else 0)
