@@ -182,7 +182,7 @@ class CacheHealthMonitor:
                             "moved on (now at least %s): its watch is frozen; writes cannot heal it, restart that "
                             "apiserver replica", clients[a].replica, t.cache_rv, t.seconds_behind(now), etcd[a])
             elif was and not now_frozen:
-                log.warning("apiserver replica %s: its watch cache revision moves again", clients[a].replica)
+                log.info("apiserver replica %s: its watch cache revision moves again", clients[a].replica)  # a recovery
         return after
 
     # -- what it shows --------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def main() -> None:
 # --- serve (guard/server.py) -------------------------------------------------
 
 
-@main.command()
+@main.command(short_help="Serve the scheduler extender, probes and metrics.")
 @setting("--bind", metavar="HOST:PORT", help="Address to listen on.")
 @setting("--kubeconfig", type=click.Path(dir_okay=False),
          help="Cluster credentials. Default: in-cluster service account, then $KUBECONFIG / ~/.kube/config.")
@@ -105,7 +105,9 @@ def main() -> None:
          help="Records (pod identities) waiting to be written at most (--audit-store kubernetes), e.g. while the "
               "apiserver is unreachable; beyond, new ones are dropped and counted "
               "(ghost_guard_audit_records_dropped_total).")
-@setting("--events/--no-events", help="Emit GhostPodBlocked and StaleWatchCache Warning Events.")
+@setting("--events/--no-events",
+         help="Emit Events on the pods: GhostPodBlocked, StaleWatchCache and PodMissingFromReplica (Warning), "
+              "GhostHealed (Normal) and GhostHealFailed (Warning) with --heal.")
 @setting("--prepare/--no-prepare",
          help="Keep views of every replica's unscheduled pods, watch one while called, and verify new pods before "
               "kube-scheduler asks.")
@@ -194,7 +196,7 @@ def serve(**kwargs) -> None:
 # --- certs (guard/certs.py) --------------------------------------------------
 
 
-@main.command("certs")
+@main.command("certs", short_help="Write a CA, serving and client certificates.")
 @click.option("--out", default="certs", type=click.Path(file_okay=False), envvar="GHOST_GUARD_OUT", show_envvar=True,
               help="Directory for ca.crt/ca.key, tls.crt/tls.key (serving) and one client certificate per role: "
                    "client.crt/client.key (kube-scheduler), apiserver.crt/apiserver.key (kube-apiserver, webhook), "
@@ -309,7 +311,7 @@ def _audit_records(command: str, store, *, namespace, verdict, replica, since, l
 
 # Filters deliberately have no environment variable: a GHOST_GUARD_NAMESPACE set
 # for the guard's own deployment must never silently filter an operator's query.
-@main.group("audit", invoke_without_command=True)
+@main.group("audit", invoke_without_command=True, short_help="List the blocked ghost pods the audit store recorded.")
 @_audit_db_option
 @click.option("--namespace", default=None, help="Only ghosts in this namespace.")
 @click.option("--verdict", default=None, type=click.Choice([v.value for v in _Verdict]), help="Only this verdict.")
@@ -417,7 +419,7 @@ def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
     sys.exit(1 if failed else 0)
 
 
-@main.command("report")
+@main.command("report", short_help="Which replica serves which ghost, and what to do.")
 @_audit_db_option
 @click.option("--namespace", default=None, help="Only ghosts in this namespace.")
 @click.option("--since", default=None, metavar="WHEN",
@@ -528,7 +530,7 @@ def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_
 
 
 
-@main.command("diagnose")
+@main.command("diagnose", short_help="Compare etcd with every apiserver replica's cache.")
 @click.argument("pod", metavar="NAMESPACE/NAME")
 @option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
         help="Cluster credentials. Default: in-cluster service account, then $KUBECONFIG / ~/.kube/config.")
@@ -568,7 +570,7 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
     sys.exit(1 if stale else 0)
 
 
-@main.command("heal")
+@main.command("heal", short_help="Make every replica's cache agree with etcd (no restart).")
 @click.argument("pods", nargs=-1, metavar="NAMESPACE/NAME...")
 # --all has no environment variable on purpose: a variable set for something else must never widen a write.
 @click.option("--all", "all_", is_flag=True, default=False,
@@ -641,7 +643,7 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
 # --- lab, demo (guard/lab/): imported lazily, never on the serving path ------
 
 
-@main.command("lab")
+@main.command("lab", short_help="Run a local lab: etcd and apiserver replicas.")
 @option("--replicas", type=int, default=3, help="apiserver replicas (127.0.0.1, 127.0.0.2, ... on one port).")
 @option("--drop-deletes", default=None, metavar="[N:]NAMESPACE[/NAME]",
         help="Make replica N (default 2) lose the deletes of matching pods: the incident. '*' matches all.")
@@ -658,7 +660,7 @@ def lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str 
     sys.exit(run_lab(replicas, drop_deletes, port, out_dir))
 
 
-@main.command("demo")
+@main.command("demo", short_help="Reproduce the ghost-pod incident; the guard breaks the loop.")
 @option("--seconds", type=float, default=6.0, help="How long each phase (without, then with the guard) runs.")
 def demo(seconds: float) -> None:
     """Reproduce the ghost-pod incident on a local lab, then break the loop with the guard.

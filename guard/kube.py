@@ -50,8 +50,10 @@ def load_configuration(kubeconfig: str | None) -> client.Configuration:
             except ConfigException:
                 config.load_kube_config(client_configuration=cfg)
     except (ConfigException, OSError, TypeError, ValueError) as e:
-        where = kubeconfig or os.environ.get("KUBECONFIG") or "in-cluster or ~/.kube/config"
-        raise KubeConfigError(f"cannot load cluster credentials from {where}: {e}") from e
+        where = (kubeconfig if kubeconfig else f"$KUBECONFIG ({os.environ['KUBECONFIG']})" if os.environ.get("KUBECONFIG")
+                 else "the in-cluster service account, $KUBECONFIG (not set) or ~/.kube/config")
+        raise KubeConfigError(f"cannot load cluster credentials from {where}: {e}; pass --kubeconfig or set "
+                              "$KUBECONFIG") from e
     return cfg
 
 
