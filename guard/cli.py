@@ -640,6 +640,12 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     sys.exit(0 if all(r.ok for r in results) else 1)
 
 
+def kubectl_plugin() -> None:
+    """``kubectl ghost-guard ...``: the executable ``kubectl-ghost_guard`` (installed with the package) is the
+    same command line, named as kubectl users type it."""
+    main(prog_name="kubectl ghost-guard")
+
+
 # --- lab, demo (guard/lab/): imported lazily, never on the serving path ------
 
 
