@@ -650,9 +650,11 @@ def kubectl_plugin() -> None:
 
 
 @main.command("lab", short_help="Run a local lab: etcd and apiserver replicas.")
-@option("--replicas", type=int, default=3, help="apiserver replicas (127.0.0.1, 127.0.0.2, ... on one port).")
+@option("--replicas", type=int, default=3,
+        help="apiserver replicas 0, 1, 2, ... (127.0.0.1, 127.0.0.2, ... on one port; replica N's kubeconfig is "
+             "kubeconfig-N).")
 @option("--drop-deletes", default=None, metavar="[N:]NAMESPACE[/NAME]",
-        help="Make replica N (default 2) lose the deletes of matching pods: the incident. '*' matches all.")
+        help="Make replica N (default 1, the second) lose the deletes of matching pods: the incident. '*' matches all.")
 @option("--port", type=int, default=None, help="Port shared by the replicas (default: a free one).")
 @option("--out-dir", type=click.Path(file_okay=False), default=None,
         help="Where to write the kubeconfigs and CA (default: a temporary directory).")
@@ -671,8 +673,8 @@ def lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str 
 def demo(seconds: float) -> None:
     """Reproduce the ghost-pod incident on a local lab, then break the loop with the guard.
 
-    Starts real etcd, 3 apiserver replicas (replica 2 loses a pod's delete) and a scheduler
-    loop on replica 2; runs it without the guard, then with the guard registered as an
+    Starts real etcd, 3 apiserver replicas 0, 1, 2 (replica 1 loses a pod's delete) and a scheduler
+    loop on replica 1; runs it without the guard, then with the guard registered as an
     extender over HTTPS. Prints a before/after table; exits 0 only if the guard broke the loop.
     """
     from guard.lab.demo import run_demo
