@@ -629,7 +629,10 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         results = []
         for namespace, name in targets:
             results.append(healer.heal(namespace, name, dry_run=dry_run))
-        click.echo(render(results, output), nl=False)
+            if output == "table":  # what is ready first: each pod's result as soon as it is known
+                click.echo(render(results[-1:], output), nl=False)
+        if output != "table" or not results:
+            click.echo(render(results, output), nl=False)
     except KeyboardInterrupt:
         click.echo("ghost-guard heal: interrupted (no placeholder left behind)", err=True)
         sys.exit(130)

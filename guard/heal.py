@@ -154,10 +154,10 @@ class Healer:
         written = time.monotonic()
         first_ok: dict[str, float] = {}
         bad = set(p.ghosts) | {uid}
-        self.progress(f"{namespace}/{name}: placeholder uid {uid} created (rv {write_rv}); waiting up to "
-                      f"{max(0.0, deadline - written) / 2:.0f}s for every replica's cache to show it")
         delete_error = None
-        try:
+        try:  # from here on, whatever happens (Ctrl-C included), the placeholder is deleted
+            self.progress(f"{namespace}/{name}: placeholder uid {uid} created (rv {write_rv}); waiting up to "
+                          f"{max(0.0, deadline - written) / 2:.0f}s for every replica's cache to show it")
             # every reachable replica shows the placeholder (or its cache is already past it); a frozen one never
             # will, so this wait takes at most half of what is left: the delete and its wait get the rest
             self._wait(clients, namespace, name,
