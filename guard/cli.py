@@ -179,17 +179,17 @@ def serve(**kwargs) -> None:
 
     try:
         settings = Settings(**kwargs).validate()
-        if settings.audit_db == DEFAULT_AUDIT_DB and settings.audit_store in (None, "sqlite"):
-            from guard.auditstore import writable_default
-
-            path, note = writable_default(DEFAULT_AUDIT_DB)  # said once, here, before the workers start
-            if note:
-                click.echo(f"ghost-guard serve: audit store: {note}", err=True)
-            settings = dataclasses.replace(settings, audit_db=path)
         preflight(settings)
     except (SettingsError, StartupError) as e:
         click.echo(f"ghost-guard serve: {e}", err=True)
         sys.exit(2)
+    if settings.audit_db == DEFAULT_AUDIT_DB and settings.audit_store in (None, "sqlite"):
+        from guard.auditstore import writable_default
+
+        path, note = writable_default(DEFAULT_AUDIT_DB)  # said once, here, before the workers start
+        if note:
+            click.echo(f"ghost-guard serve: audit store: {note}", err=True)
+        settings = dataclasses.replace(settings, audit_db=path)
     sys.exit(run(settings))
 
 
