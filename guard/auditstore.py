@@ -11,6 +11,7 @@ stores raise, are :mod:`guard.records`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -44,6 +45,38 @@ class AuditBackend(Protocol):
 
 class StoreSpecError(ValueError):
     """``--audit-store`` is neither ``kubernetes`` nor ``sqlite[:PATH]``."""
+
+
+def user_audit_db(environ: Mapping[str, str] | None = None) -> str:
+    """The audit store of a user who cannot write the system default (``DEFAULT_AUDIT_DB``):
+    ``$XDG_STATE_HOME/ghost-guard/audit.db``, by default ``~/.local/state/ghost-guard/audit.db``."""
+    env = os.environ if environ is None else environ
+    state = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "ghost-guard", "audit.db")
+
+
+def writable_default(default_path: str) -> tuple[str, str | None]:
+    """For ``serve`` without --audit-db: ``default_path`` when its directory exists and is writable, else :func:`user_audit_db` (its directory created); and, when it moved, one sentence saying
+    so (None when it did not)."""
+    directory = os.path.dirname(default_path)
+    if os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK):
+        return default_path, None  # the image and the manifests provide it (a volume); never created here
+    fallback = user_audit_db()
+    try:
+        os.makedirs(os.path.dirname(fallback), mode=0o700, exist_ok=True)
+    except OSError as e:
+        return default_path, f"neither {directory} nor {os.path.dirname(fallback)} can be written here ({e.strerror})"
+    return fallback, (f"{directory} cannot be written here: recording to {fallback} instead (`ghost-guard audit` and "
+                      "`report` read it there too; --audit-db sets another place)")
+
+
+def readable_default(default_path: str) -> str:
+    """For the readers (``audit``, ``report``) without --db: ``default_path`` when it exists, else the user's
+    store when that one exists (what ``serve`` wrote when it could not write the default), else ``default_path``."""
+    if os.path.lexists(default_path):
+        return default_path
+    user = user_audit_db()
+    return user if os.path.exists(user) else default_path
 
 
 def parse_store(spec: str | None, default_path: str) -> tuple[str, str | None]:

@@ -75,8 +75,14 @@ class CacheHealthMonitor:
         self._thread = threading.Thread(target=self._loop, name="ghost-cache-health", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 3.0) -> None:
+        """Stop: no new round, the one running (if any) given ``timeout`` seconds to end, then its
+        read pool shut. Called on the worker's exit (guard.server), before the interpreter's own exit
+        shuts every pool under a running round."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
         self._reads.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
@@ -84,7 +90,10 @@ class CacheHealthMonitor:
             try:
                 self.tick()
             except Exception:
-                log.exception("replica cache health check failed")
+                if self._stop.is_set():  # stopping: the pool may be shut under the round; nothing is wrong
+                    log.debug("replica cache health round ended by the stop", exc_info=True)
+                else:
+                    log.exception("replica cache health check failed")
 
     def tick(self) -> None:
         now = self._clock()
@@ -173,7 +182,7 @@ class CacheHealthMonitor:
                             "moved on (now at least %s): its watch is frozen; writes cannot heal it, restart that "
                             "apiserver replica", clients[a].replica, t.cache_rv, t.seconds_behind(now), etcd[a])
             elif was and not now_frozen:
-                log.warning("apiserver replica %s: its watch cache revision moves again", clients[a].replica)
+                log.info("apiserver replica %s: its watch cache revision moves again", clients[a].replica)  # a recovery
         return after
 
     # -- what it shows --------------------------------------------------------------------------
@@ -181,10 +190,17 @@ class CacheHealthMonitor:
     def _export(self, clients: dict[str, ReplicaClient], now: float) -> None:
         with self._lock:
             for a in clients:
+                metrics.replica_known(a)
                 t = self._tracks.get(a, CacheTrack())
                 metrics.REPLICA_PODS_MISSING.labels(a).set(len(self._missing.get(a, {})))
                 metrics.REPLICA_SECONDS_BEHIND.labels(a).set(round(t.seconds_behind(now), 1))
                 metrics.REPLICA_FROZEN.labels(a).set(1 if t.frozen else 0)
+
+    def frozen(self, replica: str) -> bool:
+        """Whether ``replica``'s watch is named frozen now (the advice for it is a restart, never a write)."""
+        with self._lock:
+            track = self._tracks.get(replica)
+            return track is not None and track.frozen
 
     def status(self) -> dict[str, dict]:
         """Per replica: cache revision, seconds behind etcd, frozen, pods missing (the first few), for /readyz."""
@@ -234,18 +250,22 @@ LIVE_WINDOW_SECONDS = 5.0
 
 
 def check_now(kube: Kube, clients: list[ReplicaClient], *, window: float = LIVE_WINDOW_SECONDS,
-              sleep: Callable[[float], None] = time.sleep) -> list[dict]:
+              sleep: Callable[[float], None] = time.sleep,
+              progress: Callable[[str], None] = lambda line: None) -> list[dict]:
     """Every replica's cache checked once, for ``report --live``: its revision read twice ``window``
     seconds apart (frozen: behind etcd both times, unmoved, while another replica was caught up), and
     the pending pods other replicas' caches list but it does not, each confirmed as the guard does
     (no --missing-after: a cache past the pod's revision that lacks it misses it, however young)."""
     by_address = {c.replica.address: c for c in clients}
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-cache-check") as pool:
+        progress(f"reading the cache revision of {len(by_address)} replica(s) and etcd's")
         etcd, samples, _ = read_revisions(pool, by_address, 0.0)
         tracks = replica_health.assess({}, samples, frozen_after=window)
+        progress(f"waiting {window:g}s to read them again (a frozen cache does not move)")
         sleep(window)
         etcd, samples, _ = read_revisions(pool, by_address, window)
         tracks = replica_health.assess(tracks, samples, frozen_after=window)
+        progress("listing every replica's pending pods (a cache that misses one is named)")
         listed = dict(zip(sorted(by_address), pool.map(_pending_or_none, [by_address[a] for a in sorted(by_address)])))
     errors = {s.replica: None for s in samples if s.cache_rv is not None}
     views = {a: set(p) for a, p in listed.items() if p is not None}

@@ -51,7 +51,7 @@ def main() -> None:
 # --- serve (guard/server.py) -------------------------------------------------
 
 
-@main.command()
+@main.command(short_help="Serve the scheduler extender, probes and metrics.")
 @setting("--bind", metavar="HOST:PORT", help="Address to listen on.")
 @setting("--kubeconfig", type=click.Path(dir_okay=False),
          help="Cluster credentials. Default: in-cluster service account, then $KUBECONFIG / ~/.kube/config.")
@@ -113,7 +113,9 @@ def main() -> None:
          help="Records (pod identities) waiting to be written at most (--audit-store kubernetes), e.g. while the "
               "apiserver is unreachable; beyond, new ones are dropped and counted "
               "(ghost_guard_audit_records_dropped_total).")
-@setting("--events/--no-events", help="Emit GhostPodBlocked and StaleWatchCache Warning Events.")
+@setting("--events/--no-events",
+         help="Emit Events on the pods: GhostPodBlocked, StaleWatchCache and PodMissingFromReplica (Warning), "
+              "GhostHealed (Normal) and GhostHealFailed (Warning) with --heal.")
 @setting("--prepare/--no-prepare",
          help="Keep views of every replica's unscheduled pods, watch one while called, and verify new pods before "
               "kube-scheduler asks.")
@@ -198,13 +200,20 @@ def serve(**kwargs) -> None:
     except (SettingsError, StartupError) as e:
         click.echo(f"ghost-guard serve: {e}", err=True)
         sys.exit(2)
+    if settings.audit_db == DEFAULT_AUDIT_DB and settings.audit_store in (None, "sqlite"):
+        from guard.auditstore import writable_default
+
+        path, note = writable_default(DEFAULT_AUDIT_DB)  # said once, here, before the workers start
+        if note:
+            click.echo(f"ghost-guard serve: audit store: {note}", err=True)
+        settings = dataclasses.replace(settings, audit_db=path)
     sys.exit(run(settings))
 
 
 # --- certs (guard/certs.py) --------------------------------------------------
 
 
-@main.command("certs")
+@main.command("certs", short_help="Write a CA, serving and client certificates.")
 @click.option("--out", default="certs", type=click.Path(file_okay=False), envvar="GHOST_GUARD_OUT", show_envvar=True,
               help="Directory for ca.crt/ca.key, tls.crt/tls.key (serving) and one client certificate per role: "
                    "client.crt/client.key (kube-scheduler), apiserver.crt/apiserver.key (kube-apiserver, webhook), "
@@ -271,8 +280,10 @@ def _open_audit_store(command: str, db: str | None, store: str | None = None, ku
     from guard.auditstore import StoreSpecError, open_store, parse_store
     from guard.records import AuditError
 
+    from guard.auditstore import readable_default
+
     try:
-        kind, path = parse_store(store, db or DEFAULT_AUDIT_DB)
+        kind, path = parse_store(store, db or readable_default(DEFAULT_AUDIT_DB))
     except StoreSpecError as e:
         raise click.BadParameter(str(e), param_hint="--audit-store") from e
     if kind == "kubernetes":
@@ -317,12 +328,13 @@ def _audit_records(command: str, store, *, namespace, verdict, replica, since, l
 
 # Filters deliberately have no environment variable: a GHOST_GUARD_NAMESPACE set
 # for the guard's own deployment must never silently filter an operator's query.
-@main.group("audit", invoke_without_command=True)
+@main.group("audit", invoke_without_command=True, short_help="List the blocked ghost pods the audit store recorded.")
 @_audit_db_option
 @click.option("--namespace", default=None, help="Only ghosts in this namespace.")
 @click.option("--verdict", default=None, type=click.Choice([v.value for v in _Verdict]), help="Only this verdict.")
 @click.option("--replica", default=None, metavar="REPLICA",
-              help="Only ghosts this apiserver replica was ever seen serving, named as `report` lists it (e.g. 10.0.0.2:6443).")
+              help="Only ghosts this apiserver replica was ever seen serving, named as `report` lists it "
+                   "(10.0.0.2:6443), or a host alone for every port (10.0.0.2).")
 @click.option("--since", default=None, metavar="WHEN",
               help="Only ghosts seen since then: a duration back from now (30m, 1h, 2d, 1w) or an ISO-8601 time (UTC if no offset).")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="At most this many records (most recently seen first).")
@@ -340,13 +352,46 @@ def audit(ctx: click.Context, db: str | None, store: str | None, kubeconfig: str
         return
     from guard.report import render_records
 
+    host = _host_only(replica)
+    if host is not None:
+        from guard.records import MAX_REPLICA, check_text
+
+        try:
+            check_text("replica", replica, MAX_REPLICA)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from e
     opened = _open_audit_store("audit", db, store, kubeconfig)
     try:
-        records = _audit_records("audit", opened, namespace=namespace, verdict=verdict, replica=replica, since=since,
-                                 limit=limit, retracted=retracted)
+        records = _audit_records("audit", opened, namespace=namespace, verdict=verdict,
+                                 replica=None if host else replica, since=since, limit=None if host else limit,
+                                 retracted=retracted)
     finally:
         opened.close()
+    if host:  # --replica HOST without the port: every port of that host
+        records = [r for r in records if any(_host_of(s.replica) == host and s.first_seen_serving is not None
+                                             for s in r.replicas)][:limit]
+    if replica and not records:
+        click.echo(f"ghost-guard audit: no ghost was ever seen served by replica {replica}; `ghost-guard report` "
+                   "lists the replicas as the store names them (HOST:PORT, or HOST alone for every port)", err=True)
     click.echo(render_records(records, output), nl=False)
+
+
+def _host_of(replica: str) -> str:
+    """The host of ``HOST:PORT`` / ``[V6]:PORT`` / ``https://HOST:PORT`` (the replica as the store names it)."""
+    replica = replica.split("://", 1)[-1]
+    if replica.startswith("["):
+        return replica[1:].split("]", 1)[0]
+    return replica.rsplit(":", 1)[0] if replica.count(":") == 1 else replica
+
+
+def _host_only(replica: str | None) -> str | None:
+    """The host when ``--replica`` names one without a port (``10.0.0.2``, ``[fd00::2]``, ``fd00::2``), else None."""
+    if not replica:
+        return None
+    replica = replica.split("://", 1)[-1]
+    if replica.startswith("["):
+        return None if "]:" in replica else replica.strip("[]")
+    return replica if replica.count(":") != 1 else None
 
 
 @audit.command("export")
@@ -391,7 +436,7 @@ def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
     sys.exit(1 if failed else 0)
 
 
-@main.command("report")
+@main.command("report", short_help="Which replica serves which ghost, and what to do.")
 @_audit_db_option
 @click.option("--namespace", default=None, help="Only ghosts in this namespace.")
 @click.option("--since", default=None, metavar="WHEN",
@@ -408,14 +453,19 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
     """Per apiserver replica, the ghosts its watch cache serves and since when, then the remediation in order.
 
     The ghosts come from the audit store (what `serve` recorded; either store, as `audit`). With --live, a second section checks every
-    replica's cache now: frozen watches and pods missing from a cache (exit 1 when it finds any).
+    replica's cache now: frozen watches and pods missing from a cache.
+
+    Exit status (as diagnose and heal): 0 no replica serves a ghost (with --live: none frozen, none missing a pod),
+    1 some replica does, 2 the report could not run (no store, bad arguments, no cluster access).
     """
     import os
 
-    from guard.report import render_report
+    from guard.auditstore import readable_default
+    from guard.report import build_report, render_report
 
+    db = db or readable_default(DEFAULT_AUDIT_DB)
     text, records = "", None
-    if not (live and store is None and not os.path.exists(db or DEFAULT_AUDIT_DB)):
+    if not (live and store is None and not os.path.exists(db)):
         opened = _open_audit_store("report", db, store, kubeconfig)
         try:
             records = _audit_records("report", opened, namespace=namespace, verdict=None, replica=None, since=since,
@@ -423,10 +473,20 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
         finally:
             opened.close()
         text = render_report(records, output)
+    serving = records is not None and bool(build_report(records)["stale_replicas"])  # exit 1, as diagnose does
     if not live:
         click.echo(text, nl=False)
-        return
-    caches = _live_caches(kubeconfig, apiserver_replicas, apiserver_server_name)
+        sys.exit(1 if serving else 0)
+    progress = _progress("report", output)
+    if output != "json":  # what is ready first: the audit store's part, then the replicas' caches
+        from guard.cache_health import LIVE_WINDOW_SECONDS
+
+        if not text:
+            text = f"No audit store at {db}: ghosts not reported.\n"
+        click.echo(text + "\n", nl=False)
+        sys.stdout.flush()
+        progress(f"checking every apiserver replica's cache now (about {2 * LIVE_WINDOW_SECONDS:g}s)")
+    caches = _live_caches(kubeconfig, apiserver_replicas, apiserver_server_name, progress)
     if output == "json":
         import json
 
@@ -434,13 +494,17 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
         doc["replica_caches"] = caches
         click.echo(json.dumps(doc, indent=2))
     else:
-        from guard.cache_health import LIVE_WINDOW_SECONDS
         from guard.report import render_replica_caches
 
-        if not text:
-            text = f"No audit store at {db or DEFAULT_AUDIT_DB}: ghosts not reported.\n"
-        click.echo(text + "\n" + render_replica_caches(caches, window=LIVE_WINDOW_SECONDS), nl=False)
-    sys.exit(1 if any(c["frozen"] or c["missing"] for c in caches) else 0)
+        click.echo(render_replica_caches(caches, window=LIVE_WINDOW_SECONDS), nl=False)
+    sys.exit(1 if serving or any(c["frozen"] or c["missing"] for c in caches) else 0)
+
+
+def _progress(command: str, output: str):
+    """What a long command is waiting for, one line per phase on stderr (quiet with -o json)."""
+    if output == "json":
+        return lambda line: None
+    return lambda line: click.echo(f"ghost-guard {command}: {line}", err=True)
 
 
 def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | None, server_name: str,
@@ -468,20 +532,22 @@ def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | Non
     return kube, pool
 
 
-def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_name: str) -> list[dict]:
+def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_name: str,
+                 progress=lambda line: None) -> list[dict]:
     """guard.cache_health.check_now over every replica; exit 2 with one line when it cannot run."""
-    from guard.cache_health import check_now
+    progress("loading the Kubernetes client and finding the apiserver replicas")
+    from guard.cache_health import check_now  # imports the Kubernetes client
 
     kube, pool = _cluster("report", kubeconfig, apiserver_replicas, server_name, 2.0, 8)
     try:
-        return check_now(kube, pool.clients())
+        return check_now(kube, pool.clients(), progress=progress)
     finally:
         pool.close()
         kube.close()
 
 
 
-@main.command("diagnose")
+@main.command("diagnose", short_help="Compare etcd with every apiserver replica's cache.")
 @click.argument("pod", metavar="NAMESPACE/NAME")
 @option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
         help="Cluster credentials. Default: in-cluster service account, then $KUBECONFIG / ~/.kube/config.")
@@ -522,7 +588,7 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
     sys.exit(1 if stale else 0)
 
 
-@main.command("heal")
+@main.command("heal", short_help="Make every replica's cache agree with etcd (no restart).")
 @click.argument("pods", nargs=-1, metavar="NAMESPACE/NAME...")
 # --all has no environment variable on purpose: a variable set for something else must never widen a write.
 @click.option("--all", "all_", is_flag=True, default=False,
@@ -553,7 +619,6 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     Exit status: 0 every replica agrees with etcd, 1 some pod is not healed (frozen replica, refused
     write, timeout), 2 bad arguments or no cluster access, 130 interrupted (nothing left behind).
     """
-    from guard.heal import Healer
     from guard.healing import render
 
     if all_ == bool(pods):
@@ -569,8 +634,12 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         raise click.BadParameter("must be positive", param_hint="--timeout")
     if not probe_timeout > 0:
         raise click.BadParameter("must be positive", param_hint="--probe-timeout")
+    progress = _progress("heal", output)
+    progress("loading the Kubernetes client and finding the apiserver replicas")
+    from guard.heal import Healer
+
     kube, pool = _cluster("heal", kubeconfig, apiserver_replicas, apiserver_server_name, probe_timeout, 8)
-    healer = Healer(kube, pool.clients, timeout=timeout)
+    healer = Healer(kube, pool.clients, timeout=timeout, progress=progress)
     try:
         if all_:
             targets, errors = healer.ghosts()
@@ -579,7 +648,10 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         results = []
         for namespace, name in targets:
             results.append(healer.heal(namespace, name, dry_run=dry_run))
-        click.echo(render(results, output), nl=False)
+            if output == "table":  # what is ready first: each pod's result as soon as it is known
+                click.echo(render(results[-1:], output), nl=False)
+        if output != "table" or not results:
+            click.echo(render(results, output), nl=False)
     except KeyboardInterrupt:
         click.echo("ghost-guard heal: interrupted (no placeholder left behind)", err=True)
         sys.exit(130)
@@ -588,6 +660,12 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         pool.close()
         kube.close()
     sys.exit(0 if all(r.ok for r in results) else 1)
+
+
+def kubectl_plugin() -> None:
+    """``kubectl ghost-guard ...``: the executable ``kubectl-ghost_guard`` (installed with the package) is the
+    same command line, named as kubectl users type it."""
+    main(prog_name="kubectl ghost-guard")
 
 
 # --- lab, demo (guard/lab/): imported lazily, never on the serving path ------
@@ -609,10 +687,12 @@ def _kube_binaries(command: str, kube_bin: str | None):
         sys.exit(2)
 
 
-@main.command("lab")
-@option("--replicas", type=int, default=3, help="apiserver replicas (127.0.0.1, 127.0.0.2, ... on one port).")
+@main.command("lab", short_help="Run a local lab: etcd and apiserver replicas.")
+@option("--replicas", type=int, default=3,
+        help="apiserver replicas 0, 1, 2, ... (127.0.0.1, 127.0.0.2, ... on one port; replica N's kubeconfig is "
+             "kubeconfig-N).")
 @option("--drop-deletes", default=None, metavar="[N:]NAMESPACE[/NAME]",
-        help="Make replica N (default 2) lose the deletes of matching pods: the incident. '*' matches all.")
+        help="Make replica N (default 1, the second) lose the deletes of matching pods: the incident. '*' matches all.")
 @option("--port", type=int, default=None, help="Port shared by the replicas (default: a free one).")
 @option("--out-dir", type=click.Path(file_okay=False), default=None,
         help="Where to write the kubeconfigs and CA (default: a temporary directory).")
@@ -636,14 +716,14 @@ def lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str 
                      controller_manager=controller_manager))
 
 
-@main.command("demo")
+@main.command("demo", short_help="Reproduce the ghost-pod incident; the guard breaks the loop.")
 @option("--seconds", type=float, default=6.0, help="How long each phase (without, then with the guard) runs.")
 @click.option("--kube-bin", default=None, metavar="DIR|TARBALL", help=KUBE_BIN_HELP)
 def demo(seconds: float, kube_bin: str | None) -> None:
     """Reproduce the ghost-pod incident on a local lab, then break the loop with the guard.
 
-    Starts real etcd, 3 apiserver replicas (replica 2 loses a pod's delete) and a scheduler
-    loop on replica 2; runs it without the guard, then with the guard registered as an
+    Starts real etcd, 3 apiserver replicas 0, 1, 2 (replica 1 loses a pod's delete) and a scheduler
+    loop on replica 1; runs it without the guard, then with the guard registered as an
     extender over HTTPS. Prints a before/after table; exits 0 only if the guard broke the loop.
 
     With --kube-bin (or $GHOST_GUARD_KUBE_BIN, $KUBEBUILDER_ASSETS): 2 real kube-apiserver replicas and

@@ -59,8 +59,10 @@ class Healer:
     (the guard's pool). ``timeout``: seconds per name, from the first read to the last check."""
 
     def __init__(self, kube: Kube, replicas: Sequence[ReplicaClient] | Callable[[], Sequence[ReplicaClient]], *,
-                 timeout: float = 10.0, poll: float = 0.02) -> None:
+                 timeout: float = 10.0, poll: float = 0.02, progress: Callable[[str], None] | None = None) -> None:
         self.kube = kube
+        # One line per phase of a heal (the CLI prints them on stderr while it waits; quiet with -o json).
+        self.progress = progress or (lambda line: None)
         self._replicas = replicas if callable(replicas) else (lambda: list(replicas))
         self.timeout = timeout
         self.poll = poll
@@ -105,6 +107,7 @@ class Healer:
             return HealResult(namespace, name, Action.NONE, Outcome.FAILED,
                               "no apiserver replica known (discovery found none): nothing checked, nothing written",
                               time.monotonic() - start, etcd="not read")
+        self.progress(f"{namespace}/{name}: reading {len(clients)} replica cache(s) and etcd (quorum GET)")
         before = self._observe(clients, namespace, name)
         views = before
         read = QuorumRead.failed("not read")
@@ -157,7 +160,9 @@ class Healer:
         first_ok: dict[str, float] = {}
         bad = set(p.ghosts) | {uid}
         delete_error = None
-        try:
+        try:  # from here on, whatever happens (Ctrl-C included), the placeholder is deleted
+            self.progress(f"{namespace}/{name}: placeholder uid {uid} created (rv {write_rv}); waiting up to "
+                          f"{max(0.0, deadline - written) / 2:.0f}s for every replica's cache to show it")
             # every reachable replica shows the placeholder (or its cache is already past it); a frozen one never
             # will, so this wait takes at most half of what is left: the delete and its wait get the rest
             self._wait(clients, namespace, name,
@@ -166,6 +171,8 @@ class Healer:
         finally:
             delete_error = self._delete_placeholder(namespace, name, uid)
             writes += 1
+        self.progress(f"{namespace}/{name}: placeholder deleted; waiting up to {max(0.0, deadline - time.monotonic()):.0f}s "
+                      "for every replica's cache to drop the ghost (a frozen one never does)")
         views = self._wait(clients, namespace, name, lambda v: v.reachable and not any(c.uid in bad for c in v.copies),
                            deadline, written, first_ok)
         frozen = tuple(v.replica for v in views if healing.behind(v, write_rv) and any(c.uid in bad for c in v.copies))
@@ -229,6 +236,8 @@ class Healer:
                                  deletion_timestamp=str(meta.get("deletionTimestamp") or ""), resource_version=str(write_rv))
         written = time.monotonic()
         first_ok: dict[str, float] = {}
+        self.progress(f"{namespace}/{name}: annotated uid {fresh.uid} (rv {write_rv}); waiting up to "
+                      f"{max(0.0, deadline - written):.0f}s for every replica's cache to show it (a frozen one never does)")
 
         def done(v: CacheView) -> bool:
             return healing.shows_live(v, fresh, write_rv)

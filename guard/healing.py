@@ -196,6 +196,14 @@ def plan(read: QuorumRead, views: Sequence[CacheView]) -> Plan:
 # --- the objects written ----------------------------------------------------------------------------
 
 
+def is_placeholder(meta: Any) -> bool:
+    """Whether an object's ``metadata`` is that of a heal placeholder of ours (:func:`placeholder_pod`):
+    a write of the guard's own, never evidence against a replica or a pod."""
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    return (isinstance(labels, dict) and labels.get("app.kubernetes.io/managed-by") == MANAGED_BY
+            and labels.get("app.kubernetes.io/component") == "placeholder")
+
+
 def placeholder_pod(name: str, ghosts: Sequence[str], *, at: str) -> dict[str, Any]:
     """A pod under the ghost's name that can never be scheduled or run, acceptable under the ``restricted``
     Pod Security level, with tiny requests and limits so that quotas demanding them accept it."""

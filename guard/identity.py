@@ -96,5 +96,5 @@ class RolePolicy:
         if any(name in self.identities[role] for name in names):
             return None
         shown = ", ".join(names[:4]) if names else "no CN or DNS name"
-        return role, (f"client certificate ({shown}) is not allowed to call {path}: it needs a {role} identity "
+        return role, (f"client certificate ({shown}) is not allowed to call {path}: it needs {'an' if role[:1] in 'aeiou' else 'a'} {role} identity "
                       f"({_FLAG[role]})")

@@ -75,7 +75,8 @@ def open_audit_store(settings: Settings) -> tuple[AuditBackend | None, str | Non
                           on_new=announce_new_ghost, write_qps=settings.audit_write_qps,
                           queue_size=settings.audit_queue_size, write_interval=settings.audit_write_interval), None
     except (AuditError, OSError, ValueError) as e:
-        return None, f"audit store {describe(settings.audit_store, settings.audit_db)} unusable: {e}"
+        named = f"audit store {describe(settings.audit_store, settings.audit_db)}: "  # AuditHealth names the store
+        return None, str(e)[len(named):] if str(e).startswith(named) else str(e)
 
 
 class AuditHealth:
@@ -155,6 +156,9 @@ class IncidentRecorder:
         self._timers: list[threading.Timer] = []
         self._closed = False
         self._heal = heal  # serve --heal: AutoHealer.submit
+        # Whether the guard's cache check names a replica's watch frozen (CacheHealthMonitor.frozen, set by
+        # guard.wiring): then no advice says a write heals it.
+        self.frozen: Callable[[str], bool] = lambda replica: False
 
     # -- entry points (Checker listeners) ----------------------------------------
 
@@ -299,16 +303,18 @@ class IncidentRecorder:
         metrics.STALE_REPLICA_DETECTIONS.labels(replica).inc()
         with self._lock:
             verdict = self._verdicts.get(pod, Verdict.GHOST_DELETED)
+        frozen = self.frozen(replica)
         message = (f"apiserver replica {client.replica} still serves pod {pod} uid {pod.uid} from its watch cache as "
                    f"waiting to be scheduled (cache resourceVersion {obs.cache_resource_version}) although etcd "
                    f"{_TRUTH[verdict]}{note}; " + (
+                       "its watch is frozen; writes cannot heal it, restart that apiserver replica" if frozen else
                        "healing it (serve --heal)" if self._heal is not None else
                        f"heal it without a restart: ghost-guard heal {pod.namespace}/{pod.name} (restart that "
                        "replica only if heal reports it frozen)"))
         log.warning("%s", message)
         if self.settings.events:
             self._event(pod, "StaleWatchCache", message, key=replica)
-        if self._heal is not None:
+        if self._heal is not None and not frozen:
             self._heal(pod)
 
     def after_heal(self, pod: PodRef, result) -> None:

@@ -26,6 +26,7 @@ from kubernetes.client.rest import should_bypass_proxies, tcp_keepalive_socket_o
 from kubernetes.config.config_exception import ConfigException
 
 from guard.attribution import ReplicaObservation, http_error, transport_error
+from guard.healing import is_placeholder
 from guard.httpget import Connections, GetError
 from guard.names import namespace_problem, pod_identity_problem, pod_name_problem, visible
 from guard.settings import Replica
@@ -50,8 +51,10 @@ def load_configuration(kubeconfig: str | None) -> client.Configuration:
             except ConfigException:
                 config.load_kube_config(client_configuration=cfg)
     except (ConfigException, OSError, TypeError, ValueError) as e:
-        where = kubeconfig or os.environ.get("KUBECONFIG") or "in-cluster or ~/.kube/config"
-        raise KubeConfigError(f"cannot load cluster credentials from {where}: {e}") from e
+        where = (kubeconfig if kubeconfig else f"$KUBECONFIG ({os.environ['KUBECONFIG']})" if os.environ.get("KUBECONFIG")
+                 else "the in-cluster service account, $KUBECONFIG (not set) or ~/.kube/config")
+        raise KubeConfigError(f"cannot load cluster credentials from {where}: {e}; pass --kubeconfig or set "
+                              "$KUBECONFIG") from e
     return cfg
 
 
@@ -196,6 +199,7 @@ class Kube:
             node_name=str(spec.get("nodeName") or ""),
             deletion_timestamp=str(meta.get("deletionTimestamp") or ""),
             resource_version=str(meta.get("resourceVersion") or ""),
+            placeholder=is_placeholder(meta),
         )
 
     def _pod_path(self, namespace: str, name: str) -> str:

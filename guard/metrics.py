@@ -161,3 +161,37 @@ def exposition() -> bytes:
     from prometheus_client import REGISTRY
 
     return generate_latest(registry() or REGISTRY)
+
+
+# Every labelled counter starts at 0 for the label values known ahead, so that an alert rule "should stay 0"
+# (rate(...) > 0, increase(...) > 0) sees a series from the start, not only after the first event. Per-replica
+# series start when the replica is known (guard.cache_health).
+KNOWN_LABELS: tuple[tuple[Counter, tuple[tuple[str, ...], ...]], ...] = (
+    (FAIL_OPEN, (("apiserver",), ("budget",), ("internal-error",))),
+    (FAIL_CLOSED, (("apiserver",), ("budget",), ("internal-error",))),
+    (VERDICTS, tuple((v,) for v in ("alive", "ghost-deleted", "ghost-replaced", "already-bound", "terminating",
+                                    "unknown"))),
+    (GHOSTS_BLOCKED, (("ghost-deleted",), ("ghost-replaced",), ("already-bound",), ("terminating",))),
+    (PREPARE_VERIFIED, tuple((v,) for v in ("alive", "ghost-deleted", "ghost-replaced", "already-bound", "terminating",
+                                            "unknown"))),
+    (WATCH_RESTARTS, (("expired",), ("error",))),
+    (CACHE_LOOKUPS, (("ghosts", "hit"), ("ghosts", "miss"), ("reads", "hit"), ("reads", "miss"))),
+    (CONNECTIONS_REJECTED, tuple((r,) for r in (
+        "over-client-limit", "over-total-limit", "idle-evicted", "tls-handshake-timeout", "tls-handshake-failed",
+        "header-timeout", "body-timeout", "write-timeout", "head-too-large", "body-too-large", "body-incomplete",
+        "bad-framing", "over-buffer-limit"))),
+    (AUDIT_WRITE_ERRORS, (("block",), ("probe",), ("check",))),
+    (AUDIT_WRITES, (("ok",), ("retry",), ("rejected",))),
+    (AUDIT_RECORDS_DROPPED, (("queue-full",), ("rejected",))),
+    (HEALS, tuple((a, o) for a in ("placeholder", "annotate", "none")
+                  for o in ("healed", "frozen", "refused", "failed", "alive", "timeout"))),
+)
+for _metric, _values in KNOWN_LABELS:
+    for _v in _values:
+        _metric.labels(*_v)
+
+
+def replica_known(replica: str) -> None:
+    """A replica's counters start at 0 once the guard knows the replica."""
+    STALE_REPLICA_DETECTIONS.labels(replica)
+    REPLICA_PODS_MISSING_DETECTIONS.labels(replica)

@@ -140,10 +140,13 @@ def block_evidence(decision: Decision, read: QuorumRead | None) -> dict[str, Any
     read is kept."""
     if read is None:
         return {"reason": decision.reason}
-    return {"reason": decision.reason, "quorum_get": {
+    got: dict[str, Any] = {
         "outcome": read.status.value, "http_status": read.http_status,
         "uid": read.uid or None, "node_name": read.node_name or None,
-        "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}}
+        "deletion_timestamp": read.deletion_timestamp or None, "resource_version": read.resource_version or None}
+    if read.placeholder:  # the pod found is ghost-guard's own heal placeholder: named as such, never a replacement
+        got["heal_placeholder"] = True
+    return {"reason": decision.reason, "quorum_get": got}
 
 
 def check_text(label: str, value: object, max_len: int) -> None:

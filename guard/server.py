@@ -118,6 +118,7 @@ class GuardServer(BaseApplication):
             "preload_app": False,
             "proc_name": "ghost-guard",
             "child_exit": _child_exit,
+            "worker_exit": _worker_exit,
             "post_worker_init": lambda worker: configure_logging(s.log_level),
         }
         if "control_socket_disable" in self.cfg.settings:  # gunicorn >= 25: one fixed per-user path otherwise
@@ -133,6 +134,14 @@ class GuardServer(BaseApplication):
         from guard.http.app import create_app
 
         return create_app(self.settings, readiness_checks=[self.tls.check] if self.tls else [])
+
+
+def _worker_exit(server, worker) -> None:
+    """In the worker, after its loop ended and before the interpreter exits: stop the guard's
+    background checks first (the interpreter's exit would shut their pools under a running round)."""
+    guard = getattr(getattr(worker, "wsgi", None), "extensions", {}).get("ghost_guard")
+    if guard is not None:
+        guard.close()
 
 
 def _child_exit(server, worker) -> None:

@@ -83,11 +83,15 @@ class QuorumRead:
     resource_version: str = ""
     http_status: int = 0
     error: str = ""
+    # The pod found is a heal placeholder of ghost-guard's own (guard.healing.placeholder_pod): it stands
+    # for the ghost's deletion while heal runs, never for a replacement of it.
+    placeholder: bool = False
 
     @classmethod
-    def found(cls, uid: str, *, node_name: str = "", deletion_timestamp: str = "", resource_version: str = "") -> "QuorumRead":
+    def found(cls, uid: str, *, node_name: str = "", deletion_timestamp: str = "", resource_version: str = "",
+              placeholder: bool = False) -> "QuorumRead":
         return cls(ReadStatus.FOUND, uid=uid, node_name=node_name or "", deletion_timestamp=deletion_timestamp or "",
-                   resource_version=resource_version or "", http_status=200)
+                   resource_version=resource_version or "", http_status=200, placeholder=placeholder)
 
     @classmethod
     def not_found(cls) -> "QuorumRead":
@@ -121,7 +125,9 @@ def verdict_for(uid: str, read: QuorumRead) -> Verdict:
 
     - read failed                         -> unknown (the caller fails open)
     - not found                           -> ghost-deleted
-    - found with another UID              -> ghost-replaced (deleted, recreated under the same name)
+    - found with another UID              -> ghost-replaced (deleted, recreated under the same name),
+                                             or ghost-deleted when that pod is ghost-guard's own heal
+                                             placeholder (a write of ours is never a replacement)
     - found with ``spec.nodeName`` set    -> already-bound
     - found with a ``deletionTimestamp``  -> terminating
     - otherwise                           -> alive
@@ -134,7 +140,7 @@ def verdict_for(uid: str, read: QuorumRead) -> Verdict:
     if read.status is ReadStatus.NOT_FOUND:
         return Verdict.GHOST_DELETED
     if uid and read.uid and read.uid != uid:
-        return Verdict.GHOST_REPLACED
+        return Verdict.GHOST_DELETED if read.placeholder else Verdict.GHOST_REPLACED
     if read.node_name:
         return Verdict.ALREADY_BOUND
     if read.deletion_timestamp:
@@ -151,6 +157,9 @@ def decide(pod: PodRef, read: QuorumRead) -> Decision:
         return Decision(verdict, f"pod {pod} uid {uid} confirmed pending by quorum read")
     if verdict is Verdict.UNKNOWN:
         return Decision(verdict, f"quorum read of pod {pod} uid {uid} failed: {read.error}")
+    if verdict is Verdict.GHOST_DELETED and read.placeholder:
+        return Decision(verdict, f"ghost pod: {pod} uid {uid} was deleted: etcd holds only ghost-guard's heal "
+                                 f"placeholder under that name (quorum read); {_STALE}")
     if verdict is Verdict.GHOST_DELETED:
         return Decision(verdict, f"ghost pod: {pod} uid {uid} not found by quorum read (etcd); {_STALE}")
     if verdict is Verdict.GHOST_REPLACED:

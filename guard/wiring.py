@@ -7,6 +7,7 @@ guard/http/ decodes a request, asks the Guard, and encodes the answer.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,8 @@ from guard.prepare import Preparer
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
 from guard.verdict import PodRef
+
+log = logging.getLogger(__name__)
 
 # Readiness results are reused for this long, so probes never load the apiserver.
 READY_CACHE_SECONDS = 2.0
@@ -41,9 +44,19 @@ class Guard:
     readiness_checks: list[Callable[[], str | None]] = field(default_factory=list)
     # /readyz body details, never a reason for 503: name -> callable returning a JSON-able value.
     details: dict[str, Callable[[], object]] = field(default_factory=dict)
+    # Called in order by close() when the worker exits (guard.server's worker_exit hook).
+    closers: list[Callable[[], None]] = field(default_factory=list)
     # The last readiness() result and when it was taken (time.monotonic), under _ready_lock.
     _ready: tuple[float, list[str], dict[str, object]] | None = field(default=None, init=False, repr=False)
     _ready_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def close(self) -> None:
+        """Stop the background checks before the interpreter exits (a round cut short is not an error)."""
+        for close in self.closers:
+            try:
+                close()
+            except Exception as e:  # stopping: say it, never fail the exit
+                log.warning("stopping %s: %s", getattr(close, "__qualname__", close), str(e)[:200])
 
     def readiness(self) -> tuple[list[str], dict[str, object]]:
         """(problems, details): problems are what stops verdicts (a 503), details what degrades a
@@ -95,13 +108,15 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
     # Replica caches that miss pods or froze: metrics, Events, a /readyz detail (guard/cache_health.py).
     checker.tier = lambda pod: ghost_tier(pod, incidents, preparer)
     cache_health = CacheHealthMonitor(settings, kube, pool, preparer.pending_views if preparer else None)
+    incidents.frozen = cache_health.frozen  # advice for a frozen replica: a restart, never a write
     cache_health.start()
     return Guard(settings, kube, checker, incidents, preparer, readiness_checks=list(readiness_checks),
                  details={
                      "audit_store": incidents.check_audit,
                      "replicas": lambda: replica_details(incidents, preparer),
                      "replica_caches": cache_health.status,
-                     "prepare": lambda: prepare_details(preparer)})
+                     "prepare": lambda: prepare_details(preparer)},
+                 closers=[cache_health.close])
 
 
 def ghost_tier(pod: PodRef, incidents: IncidentRecorder, preparer: Preparer | None) -> str:

@@ -24,6 +24,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: 1 if item.get_closest_marker("e2e") else 0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _user_state_home(tmp_path_factory):
+    """A guard started without --audit-db on a machine whose /var/lib/ghost-guard is not writable records to
+    $XDG_STATE_HOME/ghost-guard/audit.db: in the tests, a temporary directory (never the user's own)."""
+    import os
+
+    before = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = before
+
+
 @pytest.fixture(scope="session")
 def dead_kubeconfig(tmp_path_factory) -> str:
     """A kubeconfig whose apiserver never answers (a closed port): every quorum GET fails open."""

@@ -58,6 +58,7 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
     # Bodies over SMALL_BODY_BYTES in flight: at most two of the largest accepted.
     bodies = BodyBudget.for_settings(settings)
     app = Flask("guard", static_folder=None)  # no /static route: every route has a role (check_routes)
+    app.extensions["ghost_guard"] = guard  # guard.server's worker_exit hook closes it
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.register_blueprint(filter_routes.blueprint(guard, bodies))
     app.register_blueprint(binding.blueprint(guard, bodies))

@@ -99,6 +99,8 @@ def test_audit_jsonl_and_table(populated: str) -> None:
         pytest.param(["--replica", R2], ["uid-web-1"], id="replica-stale"),
         pytest.param(["--replica", R3], ["uid-api-0"], id="replica-healed-still-listed"),
         pytest.param(["--replica", R1], [], id="replica-never-served"),
+        pytest.param(["--replica", "127.0.0.2"], ["uid-web-1"], id="replica-host-without-port"),
+        pytest.param(["--replica", "127.0.0.9"], [], id="replica-host-never-served"),
         pytest.param(["--since", "1h"], ["uid-web-1"], id="since-duration"),
         pytest.param(["--since", "2d"], ["uid-web-1", "uid-api-0"], id="since-days"),
         pytest.param(["--since", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(NOW - 1800))], ["uid-web-1"], id="since-iso"),
@@ -110,13 +112,18 @@ def test_audit_filters(populated: str, args: list[str], expected: list[str]) -> 
     assert uids(run("audit", "--db", populated, "-o", "json", *args)) == expected
 
 
+def test_audit_replica_without_match_says_why(populated: str) -> None:
+    r = run("audit", "--db", populated, "--replica", "127.0.0.9")
+    assert r.returncode == 0 and "no ghost was ever seen served by replica 127.0.0.9" in r.stderr, r.stderr
+
+
 def test_audit_db_from_environment(populated: str) -> None:
     assert uids(run("audit", "-o", "json", env={"GHOST_GUARD_AUDIT_DB": populated})) == ["uid-web-1", "uid-api-0"]
 
 
 def test_report_names_the_stale_replica_and_the_runbook(populated: str) -> None:
     result = run("report", "--db", populated)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # it lists a replica serving a ghost: exit 1, as diagnose
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"Replica {R2} serves 1 ghost pod since ")
     assert lines[2].split()[:2] == ["default/web-1", "uid-web-1"]
@@ -131,7 +138,7 @@ def test_report_names_the_stale_replica_and_the_runbook(populated: str) -> None:
         "kube-scheduler only if it still tries to bind the ghost afterwards (kubernetes#123072).",
     ]
     as_json = run("report", "--db", populated, "-o", "json")
-    assert as_json.returncode == 0, as_json.stderr
+    assert as_json.returncode == 1, as_json.stderr
     report = json.loads(as_json.stdout)
     assert [r["replica"] for r in report["stale_replicas"]] == [R2]
     assert [h["replica"] for h in report["healed_replicas"]] == [R3]
@@ -148,7 +155,7 @@ def test_report_names_the_stale_replica_and_the_runbook(populated: str) -> None:
 )
 def test_report_filters(populated: str, args: list[str], stale: list[str], unattributed: list[str]) -> None:
     result = run("report", "--db", populated, "-o", "json", *args)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == (1 if stale else 0), result.stderr
     report = json.loads(result.stdout)
     assert [r["replica"] for r in report["stale_replicas"]] == stale
     assert [g["uid"] for g in report["unattributed_ghosts"]] == unattributed
@@ -157,7 +164,7 @@ def test_report_filters(populated: str, args: list[str], stale: list[str], unatt
 def test_cli_does_not_change_the_store(populated: str) -> None:
     before = Path(populated).read_bytes()
     assert run("audit", "--db", populated).returncode == 0
-    assert run("report", "--db", populated).returncode == 0
+    assert run("report", "--db", populated).returncode == 1  # R2 serves a ghost
     assert Path(populated).read_bytes() == before
 
 

@@ -68,9 +68,9 @@ def worker(lab, tmp_path: Path) -> Iterator[Worker]:
     kube.close()
 
 
-def cli(*args: str) -> dict | list:
+def cli(*args: str, status: int = 0) -> dict | list:
     result = subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == status, result.stderr
     return json.loads(result.stdout)
 
 
@@ -118,7 +118,7 @@ def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker, caps
     assert [(r.query, r.source) for r in lab.replicas[1].requests(method="GET", path=PODS)] == [
         ({"fieldSelector": "metadata.name=web-1", "resourceVersion": "0"}, "cache")] * 2
 
-    report = cli("report", "--db", db, "-o", "json")
+    report = cli("report", "--db", db, "-o", "json", status=1)  # a replica serves a ghost: exit 1, as diagnose
     assert [r["replica"] for r in report["stale_replicas"]] == [stale]
     assert [(g["namespace"], g["name"], g["uid"]) for g in report["stale_replicas"][0]["ghosts"]] == [
         ("default", "web-1", uid)]

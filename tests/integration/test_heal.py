@@ -161,6 +161,13 @@ def test_a_frozen_replica_is_named_with_advice_and_no_placeholder_is_left(lab):
         assert res["advice"].startswith(f"restart apiserver replica {stale.ip}:{stale.port} only")
         assert quorum_pod(lab.core_v1(0), "web-0") is None
         assert cache_uids(lab, 1, "web-0") == [ghost]
+        assert "waiting" not in err  # -o json: no phase lines
+        # on a terminal (table output) it says what it waits for, a line per phase on stderr (issue 26, finding 3)
+        r = ghost_guard("heal", f"{NS}/web-0", "--timeout", "1.5", "--kubeconfig", lab.kubeconfig(0))
+        assert r.returncode == 1, r.stderr
+        phases = [line for line in r.stderr.splitlines() if line.startswith(f"ghost-guard heal: {NS}/web-0: ")]
+        assert [p.split(": ", 2)[2].split(" ")[0] for p in phases] == ["reading", "placeholder", "placeholder"], phases
+        assert "waiting up to" in phases[1] and "a frozen one never does" in phases[2]
     finally:
         lab.replicas[1].faults.unfreeze_watch()
     # the placeholder's delete did happen: once the watch flows, the replica catches up on both writes

@@ -80,3 +80,12 @@ def test_every_route_has_the_role_of_its_endpoint():
 def test_an_empty_role_is_refused_by_validation(field):
     with pytest.raises(SettingsError, match=field.replace("_", "-")):
         Settings(insecure_http=True, bind="127.0.0.1:1", **{field: " , "}).validate()
+
+
+def test_the_refusal_reads_as_english():
+    """issue 26, finding 10: "it needs an apiserver identity", not "a apiserver"."""
+    policy = RolePolicy.from_settings(Settings())
+    _, reason = policy.refuse("/validate/binding", peer("someone"))
+    assert "needs an apiserver identity" in reason
+    _, reason = policy.refuse("/filter", peer("someone"))
+    assert "needs a scheduler identity" in reason

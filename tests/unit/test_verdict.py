@@ -170,3 +170,23 @@ def test_the_incident_recorders_two_halves_are_serves_ghost(read_name, copies_na
     recorder name the same replicas."""
     read, items = READS[read_name], COPIES[copies_name]
     assert (not pending_in_etcd(read, "u1") and shows_pending(items, "u1")) is serves_ghost(items, read, "u1")
+
+
+def test_a_heal_placeholder_is_never_a_replacement():
+    """issue 26, finding 1: the quorum read finds ghost-guard's own heal placeholder under the ghost's name
+    (heal keeps it while it waits on a frozen replica): the ghost is deleted, and the placeholder's UID is
+    never named as its replacement."""
+    from guard.healing import is_placeholder, placeholder_pod
+    from guard.records import block_evidence
+
+    meta = placeholder_pod("web-5", ["uid-ghost"], at="2026-01-01T00:00:00Z")["metadata"]
+    assert is_placeholder(meta) and not is_placeholder({"labels": {"app": "web"}}) and not is_placeholder(None)
+    read = QuorumRead.found("uid-holder", resource_version="9", placeholder=True)
+    assert verdict_for("uid-ghost", read) is Verdict.GHOST_DELETED
+    decision = decide(PodRef("default", "web-5", "uid-ghost"), read)
+    assert decision.is_ghost and "placeholder" in decision.reason and "uid-holder" not in decision.reason
+    assert "replaced" not in decision.reason
+    assert block_evidence(decision, read)["quorum_get"]["heal_placeholder"] is True
+    # a real pod under the name is still a replacement, and the placeholder itself is what etcd has
+    assert verdict_for("uid-ghost", QuorumRead.found("uid-other")) is Verdict.GHOST_REPLACED
+    assert "heal_placeholder" not in block_evidence(decision, QuorumRead.found("uid-other"))["quorum_get"]

@@ -1,0 +1,66 @@
+"""What an operator meets first at the command line (issue 26, findings 4 and 10).
+
+- Commands load the Kubernetes client only when they talk to a cluster: `ghost-guard --help`, every
+  command's `--help` and the offline commands (`report`/`audit` on a SQLite store) never import
+  `kubernetes` (about 1 s of CPU; docs/OPERATIONS.md "Start-up" has the measurements).
+- The top-level `--help` lists every command without cutting its description ("...").
+- `--events` help names every Event the guard emits; the no-credentials error names $KUBECONFIG.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from clirun import ghost_guard
+
+pytestmark = pytest.mark.timeout(120)
+
+EVENTS = ("GhostPodBlocked", "StaleWatchCache", "PodMissingFromReplica", "GhostHealed", "GhostHealFailed")
+
+
+def imported_after(args: list[str], env: dict[str, str] | None = None) -> tuple[set[str], str]:
+    """The heavy packages a fresh interpreter holds after ``ghost-guard *args`` (in it), and its stdout."""
+    code = ("import sys\nfrom guard.cli import main\n"
+            f"try:\n    main({args!r}, prog_name='ghost-guard')\nexcept SystemExit:\n    pass\n"
+            "print('IMPORTED', sorted(m for m in ('kubernetes', 'flask', 'gunicorn', 'guard.lab') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, **(env or {})})
+    line = [x for x in r.stdout.splitlines() if x.startswith("IMPORTED")][-1]
+    return set(ast.literal_eval(line[len("IMPORTED "):])), r.stdout
+
+
+def test_help_and_offline_commands_never_import_the_kubernetes_client(tmp_path):
+    from guard.cli import main
+
+    for args in [["--help"], *([c, "--help"] for c in sorted(main.commands)), ["audit", "export", "--help"]]:
+        held, _ = imported_after(args)
+        assert not held, (args, held)
+    db = str(tmp_path / "audit.db")
+    from guard.audit import AuditStore
+
+    AuditStore(db).close()
+    for args in (["report", "--db", db], ["audit", "--db", db]):
+        held, _ = imported_after(args)
+        assert "kubernetes" not in held, (args, held)
+
+
+def test_top_level_help_lists_every_command_uncut():
+    r = ghost_guard("--help")
+    commands = r.stdout.split("Commands:", 1)[1].strip().splitlines()
+    assert len(commands) == 8 and not any(line.rstrip().endswith("...") for line in commands), commands
+
+
+def test_events_help_names_every_event():
+    text = " ".join(ghost_guard("serve", "--help").stdout.split())
+    assert all(e in text for e in EVENTS), text
+
+
+def test_no_credentials_names_kubeconfig(tmp_path):
+    r = ghost_guard("diagnose", "default/web-0", env={"KUBECONFIG": None, "HOME": str(tmp_path),
+                                                       "KUBERNETES_SERVICE_HOST": None})
+    assert r.returncode == 2 and "$KUBECONFIG" in r.stderr and "Traceback" not in r.stderr, r.stderr
