@@ -728,7 +728,7 @@ def demo(seconds: float, kube_bin: str | None) -> None:
 
     With --kube-bin (or $GHOST_GUARD_KUBE_BIN, $KUBEBUILDER_ASSETS): 2 real kube-apiserver replicas and
     the real kube-scheduler (the product's KubeSchedulerConfiguration), binding 404s counted from the
-    apiserver's metrics, then `ghost-guard heal` clearing replica 2's stale cache without a restart.
+    apiserver's metrics, then `ghost-guard heal` clearing replica 1's stale cache without a restart.
     """
     binaries = _kube_binaries("demo", kube_bin)
     if binaries is not None:

@@ -23,21 +23,22 @@ class DropSpec:
 
 
 def parse_drop_deletes(spec: str, replicas: int) -> DropSpec:
-    """``[N:]NAMESPACE[/NAME]`` or ``[N:]*``; N is the replica number 1..replicas (127.0.0.N), default 2.
+    """``[N:]NAMESPACE[/NAME]`` or ``[N:]*``; N is the replica number 0..replicas-1 (127.0.0.N+1,
+    ``kubeconfig-N``), default 1 (the second; the only one with a single replica).
 
     Raises ValueError with a one-line reason.
     """
     m = re.fullmatch(r"(?:(\d+):)?(\*|[a-z0-9]([-a-z0-9]*[a-z0-9])?(?:/[a-z0-9]([-a-z0-9.]*[a-z0-9])?)?)", spec.strip())
     if not m:
         raise ValueError(f"--drop-deletes {spec!r}: expected [N:]NAMESPACE[/NAME] or [N:]*")
-    number = int(m.group(1)) if m.group(1) else min(2, replicas)
-    if not 1 <= number <= replicas:
-        raise ValueError(f"--drop-deletes {spec!r}: replica {number} does not exist (1..{replicas})")
+    number = int(m.group(1)) if m.group(1) else min(1, replicas - 1)
+    if not 0 <= number < replicas:
+        raise ValueError(f"--drop-deletes {spec!r}: replica {number} does not exist (0..{replicas - 1})")
     target = m.group(2)
     if target == "*":
-        return DropSpec(number - 1, None, None)
+        return DropSpec(number, None, None)
     ns, _, name = target.partition("/")
-    return DropSpec(number - 1, ns, name or None)
+    return DropSpec(number, ns, name or None)
 
 
 def run_lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str | None, *,
@@ -45,7 +46,7 @@ def run_lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: 
     """Start etcd and ``replicas`` replicas, print where they are, block until Ctrl-C/SIGTERM, clean up.
 
     ``kube_bin``: run the real backend (real kube-apiserver replicas, each behind its etcd fault proxy;
-    ``scheduler``/``controller_manager`` start kube-scheduler and kube-controller-manager on replica 1);
+    ``scheduler``/``controller_manager`` start kube-scheduler and kube-controller-manager on replica 0);
     None: the Python lab. Returns the process exit code: 0 after a clean stop, 2 for bad arguments, 1 if
     the lab can't start.
     """
@@ -103,7 +104,7 @@ def run_lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: 
             if drop is not None and drop.replica == i:
                 what = "/".join(x for x in (drop.namespace, drop.name) if x) or "all pods"
                 note = f"   (drops deletes: {what})"
-            print(f"replica {i + 1}   {r.url}   kubeconfig {lab.kubeconfig(i)}{note}")
+            print(f"replica {i}   {r.url}   kubeconfig {lab.kubeconfig(i)}{note}")
         if kube_bin is None:
             print(f"faults      POST {lab.replicas[0].url}/lab/faults (same bearer token); Ctrl-C to stop", flush=True)
         else:

@@ -4,15 +4,15 @@ Everything runs on this machine and is cleaned up on exit:
 
 1. a lab (real etcd + 3 apiserver replicas with watch caches); nodes ``node-a``
    and ``node-b``;
-2. Pod ``default/web-1`` is created Pending, replica 2 (``lab.replicas[1]``) is
+2. Pod ``default/web-1`` is created Pending, replica 1 (``lab.replicas[1]``) is
    told to drop its deletion, and the pod is deleted: the quorum GET answers
-   404 while replica 2's watch cache still serves it Pending (a ghost);
-3. **without the guard**: a scheduler simulator whose informer reads replica 2
+   404 while replica 1's watch cache still serves it Pending (a ghost);
+3. **without the guard**: a scheduler simulator whose informer reads replica 1
    loops on the ghost (every Binding POST answers 404), while a live pod still
    schedules;
 4. **with the guard**: ``ghost-guard serve`` starts as a child process over
    HTTPS with mTLS (certificates from :mod:`guard.certs`), and a new scheduler
-   on replica 2 registers it as extender (``filter`` + ``preempt`` verbs,
+   on replica 1 registers it as extender (``filter`` + ``preempt`` verbs,
    ``nodeCacheCapable``): the ghost is rejected on every node, the loop stops.
 
 :func:`run_demo` prints a before/after table and returns 0 only if the guard
@@ -147,10 +147,10 @@ def _scenario(lab: Any, workdir: Path, say: Callable[[str], None], out: IO[str],
     for name in ("node-a", "node-b"):
         create(api, node_manifest(name))
     uid = make_ghost(lab, "default", "web-1", stale=1)
-    say(f"  default/web-1 (uid {uid}) deleted; replica 2 ({lab.replicas[1].url}) dropped the deletion:")
-    say("    quorum GET -> 404 NotFound;  replica 2's cache (resourceVersion=0) -> still Pending")
+    say(f"  default/web-1 (uid {uid}) deleted; replica 1 ({lab.replicas[1].url}) dropped the deletion:")
+    say("    quorum GET -> 404 NotFound;  replica 1's cache (resourceVersion=0) -> still Pending")
 
-    say(f"\n[1/2] kube-scheduler (simulated) reading replica 2, no extender, {seconds:.0f} s:")
+    say(f"\n[1/2] kube-scheduler (simulated) reading replica 1, no extender, {seconds:.0f} s:")
     with Scheduler(lab.kubeconfig(1), timings=DEMO_TIMINGS) as scheduler:
         live_before = _phase(lab, scheduler, "web-2", out, seconds)
         before = scheduler.stats().get("default/web-1", PodStats())
@@ -158,7 +158,7 @@ def _scenario(lab: Any, workdir: Path, say: Callable[[str], None], out: IO[str],
     say("\n[2/2] ghost-guard serve (HTTPS, mTLS) registered as extender: filter + preempt verbs")
     guard = start_guard_process(lab.kubeconfig(0), workdir)
     guards.append(guard)
-    say(f"      guard ready at {guard.base}; scheduler restarted on replica 2 (the ghost is listed again)")
+    say(f"      guard ready at {guard.base}; scheduler restarted on replica 1 (the ghost is listed again)")
     with Scheduler(lab.kubeconfig(1), extenders=[guard.extender()], timings=DEMO_TIMINGS) as scheduler:
         live_after = _phase(lab, scheduler, "web-3", out, seconds)
         after = scheduler.stats().get("default/web-1", PodStats())

@@ -21,18 +21,19 @@ SCRIPT = "import sys; from guard.lab.commands import run_lab; sys.exit(run_lab({
 @pytest.mark.parametrize(("spec", "replicas", "want"), [
     ("default/web-1", 3, DropSpec(1, "default", "web-1")),
     ("default", 3, DropSpec(1, "default", None)),
-    ("3:kube-system/x", 3, DropSpec(2, "kube-system", "x")),
+    ("2:kube-system/x", 3, DropSpec(2, "kube-system", "x")),
+    ("0:default", 3, DropSpec(0, "default", None)),
     ("*", 1, DropSpec(0, None, None)),
-], ids=["name-default-replica", "namespace", "explicit-replica", "all-on-single-replica"])
+], ids=["name-default-replica", "namespace", "explicit-replica", "replica-zero", "all-on-single-replica"])
 def test_parse_drop_deletes(spec, replicas, want):
     assert parse_drop_deletes(spec, replicas) == want
 
 
 @pytest.mark.parametrize(("spec", "replicas", "message"), [
     ("Bad!", 3, "--drop-deletes 'Bad!': expected [N:]NAMESPACE[/NAME] or [N:]*"),
-    ("4:default", 3, "--drop-deletes '4:default': replica 4 does not exist (1..3)"),
-    ("0:default", 3, "--drop-deletes '0:default': replica 0 does not exist (1..3)"),
-], ids=["garbage", "replica-too-high", "replica-zero"])
+    ("3:default", 3, "--drop-deletes '3:default': replica 3 does not exist (0..2)"),
+    ("9:default", 3, "--drop-deletes '9:default': replica 9 does not exist (0..2)"),
+], ids=["garbage", "replica-too-high", "replica-far-too-high"])
 def test_parse_drop_deletes_rejects(spec, replicas, message):
     with pytest.raises(ValueError) as e:
         parse_drop_deletes(spec, replicas)

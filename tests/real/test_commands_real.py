@@ -44,12 +44,12 @@ def test_lab_command_prints_one_kubeconfig_per_replica_and_leaves_nothing(kube_b
         assert proc.poll() is None, text + proc.stderr.read()
         kubeconfigs = re.findall(r"kubeconfig (\S+)", text)
         assert kubeconfigs == [str(out / "kubeconfig-0"), str(out / "kubeconfig-1")], text
-        assert re.search(r"^replica 1   https://127\.0\.0\.1:\d+ ", text, re.M), text
-        assert "replica 2   https://127.0.0.2:" in text and "(drops deletes: default/web-1)" in text, text
+        assert re.search(r"^replica 0   https://127\.0\.0\.1:\d+ ", text, re.M), text
+        assert "replica 1   https://127.0.0.2:" in text and "(drops deletes: default/web-1)" in text, text
         children = child_pids(proc.pid)
         names = sorted(open(f"/proc/{p}/comm").read().strip() for p in children)
         assert names == ["etcd", "kube-apiserver", "kube-apiserver", "kube-controller"], names  # comm: 15 characters
-        # kubectl through replica 2; the controller-manager is at work: it gives a new namespace its ServiceAccount
+        # kubectl through replica 1; the controller-manager is at work: it gives a new namespace its ServiceAccount
         kubectl = ["kubectl", "--kubeconfig", kubeconfigs[1]]
         r = subprocess.run([*kubectl, "create", "namespace", "cli-smoke"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
@@ -79,4 +79,4 @@ def test_demo_on_real_kubernetes(kube_binaries):
     out = io.StringIO()
     assert run_real_demo(kube_binaries, out, seconds=5.0) == 0, out.getvalue()
     text = out.getvalue()
-    assert "after heal: replica 2 serves default/web-1: no; replica 2 restarted: no" in text, text
+    assert "after heal: replica 1 serves default/web-1: no; replica 1 restarted: no" in text, text

@@ -1,19 +1,19 @@
 """``ghost-guard demo --kube-bin DIR``: the seed incident on real Kubernetes, then the guard, then ``heal``.
 
 1. real etcd and 2 real kube-apiserver replicas (each behind its etcd fault proxy); Nodes ``node-a``
-   and ``node-b``; Pod ``default/web-1`` created, replica 2's proxy drops its deletion, deleted: a
-   quorum GET answers 404 while replica 2's watch cache still serves it Pending (a ghost);
-2. **without the guard**: the real kube-scheduler, reading replica 2, loops on the ghost: its binding
-   404s are counted from replica 2's ``apiserver_request_total{resource="pods",subresource="binding",code="404"}``,
+   and ``node-b``; Pod ``default/web-1`` created, replica 1's proxy drops its deletion, deleted: a
+   quorum GET answers 404 while replica 1's watch cache still serves it Pending (a ghost);
+2. **without the guard**: the real kube-scheduler, reading replica 1, loops on the ghost: its binding
+   404s are counted from replica 1's ``apiserver_request_total{resource="pods",subresource="binding",code="404"}``,
    while a live pod still schedules;
 3. **with the guard**: ``ghost-guard serve`` (HTTPS, mTLS, ``ghost-guard certs`` files) and kube-scheduler
    restarted with the product's KubeSchedulerConfiguration pointing at it: the ghost is rejected on
    every node (each new Node makes the scheduler try it again), no binding 404;
 4. **heal**: ``ghost-guard heal default/web-1`` (the product command, as a process) replaces the stale
-   copy in replica 2's cache: the ghost is gone from it, and replica 2 was not restarted.
+   copy in replica 1's cache: the ghost is gone from it, and replica 1 was not restarted.
 
 Returns 0 only when all of that holds (at least two binding 404s without the guard, at most one
-with it, both live pods bound, replica 2 healed in place), 1 otherwise, 2 if the demo could not run.
+with it, both live pods bound, replica 1 healed in place), 1 otherwise, 2 if the demo could not run.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from guard.lab.real.controlplane import RealLab
 
 __all__ = ["run_real_demo"]
 
-STALE = 1  # replica 2 (127.0.0.2)
+STALE = 1  # replica 1 (127.0.0.2, kubeconfig-1)
 GHOST = ("default", "web-1")
 
 
@@ -85,10 +85,10 @@ def _scenario(lab: RealLab, workdir: Path, say: Callable[[str], None], seconds: 
         create(lab.core_v1(0), node_manifest(node))
     uid = make_ghost(lab, ns, name, stale=STALE, timeout=60)
     lab.replicas[STALE].faults.clear()  # one lost delete; the watch flows on
-    say(f"  {ns}/{name} (uid {uid}) deleted; replica 2 ({lab.urls[STALE]}) lost the deletion:")
-    say("    quorum GET -> 404 NotFound;  replica 2's cache (resourceVersion=0) -> still Pending")
+    say(f"  {ns}/{name} (uid {uid}) deleted; replica 1 ({lab.urls[STALE]}) lost the deletion:")
+    say("    quorum GET -> 404 NotFound;  replica 1's cache (resourceVersion=0) -> still Pending")
 
-    say(f"\n[1/3] the real kube-scheduler reading replica 2, no extender, {seconds:.0f} s:")
+    say(f"\n[1/3] the real kube-scheduler reading replica 1, no extender, {seconds:.0f} s:")
     base = lab.binding_404s(STALE)
     lab.start_scheduler(None, replica=STALE)
     try:
@@ -101,7 +101,7 @@ def _scenario(lab: RealLab, workdir: Path, say: Callable[[str], None], seconds: 
     finally:
         lab.stop_scheduler()
     live_before = _bound(lab, "web-2")
-    say(f"      binding 404s for the ghost: {before:.0f} (replica 2's apiserver_request_total)")
+    say(f"      binding 404s for the ghost: {before:.0f} (replica 1's apiserver_request_total)")
 
     say("\n[2/3] ghost-guard serve (HTTPS, mTLS) registered through the product's KubeSchedulerConfiguration")
     guard = start_guard_process(lab.kubeconfig(0), workdir, ["--apiserver-replicas", ",".join(lab.urls)],
@@ -151,6 +151,6 @@ def _scenario(lab: RealLab, workdir: Path, say: Callable[[str], None], seconds: 
     say(f"  {'':24}{'without guard':>20}{'with guard':>20}")
     for label, left, right in rows:
         say(f"  {label:24}{left:>20}{right:>20}")
-    say(f"  after heal: replica 2 serves {ns}/{name}: {'no' if healed else 'YES'}; "
-        f"replica 2 restarted: {'no' if same_process else 'YES'}")
+    say(f"  after heal: replica 1 serves {ns}/{name}: {'no' if healed else 'YES'}; "
+        f"replica 1 restarted: {'no' if same_process else 'YES'}")
     return before >= 2 and after <= 1 and bool(live_before) and bool(live_after) and healed and same_process
