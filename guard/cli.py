@@ -619,7 +619,8 @@ def lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str 
 
 
 @main.command("demo")
-@option("--seconds", type=float, default=6.0, help="How long each phase (without, then with the guard) runs (with --kube-bin: at least until it shows its point).")
+@option("--seconds", type=float, default=6.0,
+        help="How long each phase (without, then with the guard) runs (with --kube-bin: at least until it shows its point).")
 @click.option("--kube-bin", default=None, metavar="DIR|TARBALL", help=KUBE_BIN_HELP)
 def demo(seconds: float, kube_bin: str | None) -> None:
     """Reproduce the ghost-pod incident on a local lab, then break the loop with the guard.
