@@ -51,6 +51,7 @@ def _uses_shared_lab(item: pytest.Item | None) -> bool:
     return item is not None and "real_lab" in getattr(item, "fixturenames", ())
 
 
+@pytest.hookimpl(trylast=True)  # after a shuffle (pytest-randomly): the shared lab's tests still run in a row
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     mine = [i for i, item in enumerate(items) if here in Path(str(item.fspath)).parents]
