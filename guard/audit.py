@@ -99,7 +99,8 @@ class AuditStore:
 
     ``max_age_seconds``/``max_records`` bound retention: :meth:`prune` drops
     records not seen for longer than ``max_age_seconds``, then the least
-    recently seen beyond ``max_records``. :meth:`record_block` prunes by itself
+    recently seen beyond ``max_records``, unconfirmed records (no replica
+    seen serving the ghost) before confirmed ones. :meth:`record_block` prunes by itself
     every 1000 writes or 60 s (of its ``at`` times), per process.
 
     ``on_new`` (a :data:`guard.records.NewRecordHook`): called with each record
@@ -281,7 +282,8 @@ class AuditStore:
             raise AuditError(f"cannot record a heal of ghost {uid} in {self.path}: {e}") from e
 
     def prune(self, *, now: float) -> int:
-        """Drop records last seen before ``now - max_age_seconds``, then the oldest beyond ``max_records``.
+        """Drop records last seen before ``now - max_age_seconds``, then, beyond ``max_records``, the least
+        recently seen unconfirmed ones (no probe saw a replica serve the ghost), then confirmed ones.
 
         Returns how many ghost records were dropped (their replica rows go too).
         """
@@ -290,8 +292,13 @@ class AuditStore:
         try:
             with _immediate(conn):
                 by_age = conn.execute("DELETE FROM ghosts WHERE last_seen < ?", (now - self.max_age_seconds,)).rowcount
+                # Confirmed records (a probe saw a replica serve the ghost) are kept before unconfirmed ones,
+                # the most recently seen first within each (guard.flood.prune_key): a flood of forged names
+                # never pushes out the records that name a stale replica.
                 by_count = conn.execute(
-                    "DELETE FROM ghosts WHERE uid IN (SELECT uid FROM ghosts ORDER BY last_seen DESC, uid LIMIT -1 OFFSET ?)",
+                    "DELETE FROM ghosts WHERE uid IN (SELECT uid FROM ghosts ORDER BY EXISTS (SELECT 1 FROM"
+                    " replica_observations r WHERE r.uid = ghosts.uid AND r.first_seen_serving IS NOT NULL) DESC,"
+                    " last_seen DESC, uid LIMIT -1 OFFSET ?)",
                     (self.max_records,),
                 ).rowcount
                 if by_age or by_count:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from guard import metrics
+from guard import flood, metrics
 from guard.cache import Flight, Read, VerdictCache
 from guard.settings import Settings
 from guard.verdict import Decision, PodRef, QuorumRead, Verdict, decide
@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 FOLLOWUP_BACKLOG = 1000
 FOLLOWUP_OVERFLOW = 100_000
+# Shed first sightings remembered (so that the ghost's next call asks the budget again) at most.
+MAX_SHED = 100_000
 
 # Called once per newly seen ghost UID, off the request path.
 GhostListener = Callable[[PodRef, Decision, QuorumRead], None]
@@ -72,6 +74,19 @@ class Checker:
         self._overflow: collections.OrderedDict[tuple[str, PodRef], tuple[Sequence[Callable[..., None]], tuple[object, ...]]] = (
             collections.OrderedDict())
         self._overflow_lock = threading.Lock()
+        # Sighting follow-ups queued or running, by pod: for a ghost no replica ever listed, one at a time,
+        # the rest coalesced (counted), so a caller repeating a forged identity cannot fill the queue.
+        self._sightings_pending: set[PodRef] = set()
+        self._lanes: tuple[collections.deque[tuple[Sequence[Callable[..., None]], PodRef, tuple[object, ...]]], ...] = (
+            collections.deque(), collections.deque())
+        self._lanes_lock = threading.Lock()
+        # What a first sighting costs besides the verdict (record, Event, follow-up), for ghosts no
+        # replica ever listed (guard/flood.py). ``tier`` (set by guard.wiring) says which tier a
+        # ghost is in; None: every ghost is treated as sighted (nothing budgeted).
+        self.tier: Callable[[PodRef], str] | None = None
+        self.budget = flood.FloodBudget(settings.unsighted_ghost_rate, settings.unsighted_ghost_burst, timer)
+        self._shed: collections.OrderedDict[PodRef, None] = collections.OrderedDict()
+        self._shed_lock = threading.Lock()
 
     def _timed_get(self, namespace: str, name: str, timeout: float) -> QuorumRead:
         start = time.perf_counter()
@@ -273,12 +288,33 @@ class Checker:
             self._first_sighting(pod, decision, read or QuorumRead.not_found())
         elif entry.first:
             self._first_sighting(pod, entry.decision, entry.read)
+        elif self._shed and pod in self._shed:  # shed at its first sighting: ask the budget again
+            self._first_sighting(pod, entry.decision, entry.read)
         else:
             self._record_block(pod, entry.decision, None)
             if self.sighting_listeners:
                 self._followup(self.sighting_listeners, pod, entry.decision)
 
+    def _admitted(self, pod: PodRef) -> bool:
+        """Whether this first sighting gets its record, Event and follow-up: always for a ghost some
+        replica listed or served; for one no replica ever showed, if the flood budget has a token for
+        its namespace (guard/flood.py). A shed one is remembered, so its next call asks again."""
+        tier = self.tier(pod) if self.tier is not None else flood.SIGHTED
+        reason = self.budget.admit(pod.namespace) if tier == flood.UNSIGHTED else None
+        with self._shed_lock:
+            if reason is None:
+                self._shed.pop(pod, None)
+                return True
+            self._shed[pod] = None
+            if len(self._shed) > MAX_SHED:
+                self._shed.popitem(last=False)
+        metrics.labelled(metrics.FLOOD_SHED, reason).inc()
+        log.debug("ghost %s uid %s shed (%s): no replica ever listed it; blocked, not recorded", pod, pod.uid, reason)
+        return False
+
     def _first_sighting(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
+        if not self._admitted(pod):
+            return
         metrics.labelled(metrics.GHOSTS_BLOCKED, decision.verdict.value).inc()
         log.warning("%s", decision.reason)
         self._record_block(pod, decision, read)
@@ -294,21 +330,47 @@ class Checker:
 
     def _followup(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
         """Call each of ``listeners`` (GhostListener or SightingListener) with ``pod, *args``, off the request path."""
+        sighting = listeners is not self.listeners
+        if sighting:
+            with self._overflow_lock:
+                if pod in self._sightings_pending and self.tier is not None and self.tier(pod) == flood.UNSIGHTED:
+                    metrics.FOLLOWUPS_COALESCED.inc()
+                    return
+                self._sightings_pending.add(pod)
         if self._followup_slots.acquire(blocking=False):
             self._submit(listeners, pod, args)
             return
-        key = ("new" if listeners is self.listeners else "sighting", pod)
+        key = ("sighting" if sighting else "new", pod)
         with self._overflow_lock:
             if key in self._overflow:
                 metrics.FOLLOWUPS_COALESCED.inc()
                 if key[0] == "sighting":  # the newest sighting's decision; a first sighting keeps its read
                     self._overflow[key] = (listeners, args)
                 return
-            if len(self._overflow) >= FOLLOWUP_OVERFLOW:
+            if len(self._overflow) >= FOLLOWUP_OVERFLOW and not self._make_room(pod):
                 metrics.FOLLOWUPS_DROPPED.inc()
+                if sighting:
+                    self._sightings_pending.discard(pod)
                 return
             self._overflow[key] = (listeners, args)
         self._drain()  # a slot may have been released since the acquire failed
+
+    def _make_room(self, pod: PodRef) -> bool:
+        """The overflow is full (under ``_overflow_lock``): drop the oldest waiting follow-up of a ghost
+        no replica ever listed to make room for ``pod``'s, unless ``pod`` is one too. True if room was made."""
+        if self.tier is None or self.tier(pod) == flood.UNSIGHTED:
+            if self.tier is not None:
+                metrics.labelled(metrics.FLOOD_SHED, flood.QUEUE_FULL).inc()
+            return False
+        for key in self._overflow:
+            if self.tier(key[1]) == flood.UNSIGHTED:
+                del self._overflow[key]
+                if key[0] == "sighting":
+                    self._sightings_pending.discard(key[1])
+                metrics.FOLLOWUPS_DROPPED.inc()
+                metrics.labelled(metrics.FLOOD_SHED, flood.QUEUE_FULL).inc()
+                return True
+        return False
 
     def _submit(self, listeners: Sequence[Callable[..., None]], pod: PodRef, args: tuple[object, ...]) -> None:
         """Run the follow-up on a slot already taken; the slot goes back (and the overflow moves) when done."""
@@ -319,8 +381,19 @@ class Checker:
                 self._followup_slots.release()
             self._drain()
             return
-        future = self._background.submit(self._notify, listeners, pod, *args)
+        # Two lanes: a ghost some replica listed or served goes ahead of every ghost none ever showed, so
+        # the follow-ups a flood of forged names was admitted for never delay a real ghost's.
+        lane = 1 if self.tier is not None and self.tier(pod) == flood.UNSIGHTED else 0
+        with self._lanes_lock:
+            self._lanes[lane].append((listeners, pod, args))
+        future = self._background.submit(self._run_next)
         future.add_done_callback(self._followup_done)
+
+    def _run_next(self) -> None:
+        """One follow-up task: the oldest of the first lane, else of the second (one queued per task)."""
+        with self._lanes_lock:
+            listeners, pod, args = (self._lanes[0] or self._lanes[1]).popleft()
+        self._notify(listeners, pod, *args)
 
     def _followup_done(self, _future: object) -> None:
         self._followup_slots.release()
@@ -340,6 +413,9 @@ class Checker:
             return len(self._overflow)
 
     def _notify(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
+        if listeners is not self.listeners:
+            with self._overflow_lock:
+                self._sightings_pending.discard(pod)
         for listener in listeners:
             try:
                 listener(pod, *args)

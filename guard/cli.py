@@ -14,12 +14,20 @@ import sys
 import click
 
 from guard import __version__
+from guard.names import pod_identity_problem, visible
 from guard.settings import DEFAULT_AUDIT_DB, Settings
 
 # The default of every `serve` option, and of the options other commands share with it: the Settings
 # field's (guard/settings.py is the one place a default is written).
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 
+
+
+def _check_pod_arg(namespace: str, name: str, hint: str) -> None:
+    """A pod named on the command line is one the apiserver could hold (guard.names), else a usage error."""
+    problem = pod_identity_problem(namespace, name, "")
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint=hint)
 
 def option(flag: str, **kwargs):
     """A long kebab-case option with its ``GHOST_GUARD_<FLAG>`` environment variable, shown in --help."""
@@ -167,6 +175,15 @@ def main() -> None:
          help="Heal automatically: once a replica is confirmed to serve a ghost, write under its name as "
               "`ghost-guard heal` does (placeholder or one annotation), one heal at a time. Needs create, delete and "
               "patch on pods (the opt-in manifests/heal).")
+@setting("--unsighted-ghost-rate", type=float,
+         help="First sightings per second, per namespace, of ghosts no apiserver replica ever listed to this guard "
+              "(a forged /filter for a pod that never existed, mostly) that get an audit record, a GhostPodBlocked "
+              "Event and replica probes; all namespaces together get 10 times this. Beyond, they are still blocked "
+              "but shed (ghost_guard_flood_shed_total) and asked again at their next call. Ghosts a replica listed or "
+              "was seen serving are never budgeted.")
+@setting("--unsighted-ghost-burst", type=int,
+         help="Such first sightings at once, per namespace, before --unsighted-ghost-rate applies (10 times this "
+              "for all namespaces together).")
 @setting("--heal-rate", type=float, help="Automatic heals per second at most, on average (with --heal).")
 @setting("--heal-burst", type=int, help="Automatic heals at once at most before --heal-rate applies.")
 @setting("--heal-timeout", type=float, help="Seconds one automatic heal may take until every replica agrees with etcd.")
@@ -492,6 +509,7 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
     namespace, sep, name = pod.partition("/")
     if not sep or not namespace or not name or "/" in name:
         raise click.BadParameter("expected NAMESPACE/NAME", param_hint="POD")
+    _check_pod_arg(namespace, name, "POD")
     kube, pool = _cluster("diagnose", kubeconfig, apiserver_replicas, apiserver_server_name, probe_timeout, 4)
     clients = pool.clients()
     etcd = EtcdAccess(etcd_endpoint, etcd_ca, etcd_cert, etcd_key) if etcd_endpoint else None
@@ -545,7 +563,8 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     for pod in pods:
         namespace, sep, name = pod.partition("/")
         if not sep or not namespace or not name or "/" in name:
-            raise click.BadParameter(f"expected NAMESPACE/NAME, got {pod!r}", param_hint="NAMESPACE/NAME")
+            raise click.BadParameter(f"expected NAMESPACE/NAME, got {visible(pod)!r}", param_hint="NAMESPACE/NAME")
+        _check_pod_arg(namespace, name, "NAMESPACE/NAME")
         targets.append((namespace, name))
     if not timeout > 0:
         raise click.BadParameter("must be positive", param_hint="--timeout")

@@ -14,6 +14,7 @@ from typing import Any, Literal, TypedDict
 
 import orjson
 
+from guard.names import pod_identity_problem
 from guard.verdict import PodRef
 
 Mode = Literal["names", "nodes"]
@@ -99,7 +100,8 @@ def _short(value: Any) -> str:
 
 
 def pod_ref(pod: Any, field: str = "Pod") -> PodRef:
-    """The namespace/name/uid of an embedded v1.Pod (no apiVersion/kind required)."""
+    """The namespace/name/uid of an embedded v1.Pod (no apiVersion/kind required), validated as the
+    apiserver validates them (guard.names): else ProtocolError (400) with the reason."""
     if not isinstance(pod, dict):
         raise ProtocolError(f"missing {field}: expected a v1.Pod object, got {_short(pod)}")
     meta = pod.get("metadata")
@@ -116,8 +118,11 @@ def pod_ref(pod: Any, field: str = "Pod") -> PodRef:
         uid = ""
     if not isinstance(uid, str):
         raise ProtocolError(f"{field}.metadata.uid is not a string")
-    if len(name) > 253 or len(namespace) > 253 or len(uid) > 128:
-        raise ProtocolError(f"{field}.metadata name/namespace/uid too long for a Kubernetes object")
+    # As the apiserver validates them (guard.names): every read, selector, record and Event the guard
+    # builds from this pod uses these values, so nothing else may come through.
+    problem = pod_identity_problem(namespace, name, uid)
+    if problem is not None:
+        raise ProtocolError(f"{field}.metadata: {problem}")
     return PodRef(namespace=namespace, name=name, uid=uid)
 
 

@@ -33,7 +33,8 @@ A write that reached the apiserver but whose answer was lost (a timeout) is appl
 again: ``timesBlocked`` may then count those blocks twice. Nothing else is counted.
 
 **Retention.** ``prune`` deletes objects last seen before ``now - max_age_seconds``
-(and the least recently seen beyond ``max_records``) with uid and resourceVersion
+(and the least recently seen beyond ``max_records``, unconfirmed records before those naming a replica
+seen serving the ghost) with uid and resourceVersion
 preconditions: deletes are safe to repeat and every replica may run them (a record
 written since is kept, a record already deleted is a 404, both ignored). The writer
 runs it every ``PRUNE_INTERVAL`` seconds.
@@ -56,7 +57,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from guard import metrics
+from guard import flood, metrics
 from guard.kube import GHOSTPOD_GROUP, GHOSTPOD_VERSION, GhostPodError, GhostPods
 from guard.records import (
     MAX_HEALS_PER_GHOST, MAX_NAME, MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt, NewRecordHook,
@@ -745,9 +746,11 @@ class KubeAuditStore:
         for obj in objs:
             rec = to_record(obj)
             last = rec.last_seen if rec is not None else (from_time((obj.get("metadata") or {}).get("creationTimestamp")) or 0.0)
-            keyed.append((last, obj))
-        keyed.sort(key=lambda t: -t[0])
-        doomed = [obj for i, (last, obj) in enumerate(keyed) if last < now - self.max_age_seconds or i >= self.max_records]
+            keyed.append((last, flood.prune_key(rec) if rec is not None else (True, -last), obj))
+        # Confirmed records (a probe saw a replica serve the ghost) before unconfirmed ones, then the most
+        # recently seen (guard.flood.prune_key): a flood of forged names never pushes out a stale replica's record.
+        keyed.sort(key=lambda t: t[1])
+        doomed = [obj for i, (last, _, obj) in enumerate(keyed) if last < now - self.max_age_seconds or i >= self.max_records]
         deleted = 0
         for obj in doomed:
             meta = obj.get("metadata") or {}

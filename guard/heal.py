@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from guard import healing
 from guard.healing import Action, CacheView, HealResult, Outcome, Plan, ReplicaResult
 from guard.kube import Kube, KubeWriteError, ReplicaClient
+from guard.names import pod_identity_problem
 from guard.verdict import QuorumRead, ReadStatus, pending_in_etcd
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,10 @@ class Healer:
     def heal(self, namespace: str, name: str, *, dry_run: bool = False) -> HealResult:
         start = time.monotonic()
         deadline = start + self.timeout
+        problem = pod_identity_problem(namespace, name, "")
+        if problem is not None:  # no read, no selector, no placeholder from a name the apiserver would refuse
+            return HealResult(namespace, name, Action.NONE, Outcome.FAILED, f"invalid pod identity: {problem}; "
+                              "nothing read or written", time.monotonic() - start, etcd="not read")
         clients = list(self._replicas())
         if not clients:
             return HealResult(namespace, name, Action.NONE, Outcome.FAILED,

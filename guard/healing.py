@@ -358,3 +358,7 @@ class TokenBucket:
             self._tokens -= 1.0
             return 0.0
         return (1.0 - self._tokens) / self.rate
+
+    def give_back(self) -> None:
+        """Return a token :meth:`take` took (the caller did not use it after all)."""
+        self._tokens = min(float(self.burst), self._tokens + 1.0)

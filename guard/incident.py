@@ -207,6 +207,11 @@ class IncidentRecorder:
         """Ask etcd whether ``pod`` may be called a ghost: True when etcd has no pending pod with its
         UID, None when the read failed (no claim either way). When etcd has it pending after all,
         the ghost verdict is withdrawn at once and its audit record marked retracted: False."""
+        if not pod.uid:
+            # A read of a name says nothing about a pod created under it a moment later (kubernetes-facts
+            # section 9): with no UID to compare, any replica could be blamed for a live pod. No claim.
+            log.info("attribution of %s skipped: the call named no UID, so no replica is named", pod)
+            return None
         with self._lock:  # a round begins (bounds the re-probe rate, whatever etcd answers)
             self._last_probe[pod] = time.monotonic()
             if len(self._last_probe) > 100_000:
@@ -342,6 +347,10 @@ class IncidentRecorder:
             metrics.REPLICA_PROBE_ERRORS.labels(obs.replica, outcome).inc()
         with self._lock:
             self._last_probes[obs.replica] = {"outcome": outcome, "at": format_time(obs.checked_at), "error": obs.error}
+
+    def confirmed(self, pod: PodRef) -> bool:
+        """Whether a probe confirmed some replica serving this ghost (and no later probe saw it healed)."""
+        return pod in self._stale_pods
 
     def probe_status(self) -> dict[str, dict]:
         """Per replica, the newest cache probe's outcome (stale, consistent, not-ready, unreachable, error)."""

@@ -27,6 +27,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from guard.attribution import ReplicaObservation, http_error, transport_error
 from guard.httpget import Connections, GetError
+from guard.names import namespace_problem, pod_identity_problem, pod_name_problem, visible
 from guard.settings import Replica
 from guard.verdict import QuorumRead, shows_pending
 
@@ -309,6 +310,24 @@ def _pinned_refresh_hook(hook, host: str, server_name: str | None):
     return refresh
 
 
+def name_selector(namespace: str, name: str) -> str | None:
+    """``metadata.name=NAME`` for a LIST of one pod name, or None when the namespace or name is not
+    one the apiserver accepts (guard.names): a selector is built from validated values only, so
+    ``live,metadata.namespace=default`` can never become two terms that match a live pod."""
+    if namespace_problem(namespace) is not None or pod_name_problem(name) is not None:
+        return None
+    return f"metadata.name={name}"
+
+
+def only_object(items: object, namespace: str, name: str) -> list[dict]:
+    """The items of a LIST that are the object asked about (this namespace, this name): what a
+    replica says about anything else is not an answer to the question."""
+    if not isinstance(items, list):
+        return []
+    return [i for i in items if isinstance(i, dict) and isinstance(i.get("metadata"), dict)
+            and i["metadata"].get("namespace") == namespace and i["metadata"].get("name") == name]
+
+
 # A watch event is one object (a pod: at most about 1.5 MiB in etcd); a line longer than this is no event.
 MAX_WATCH_EVENT_BYTES = 8 * 1024 * 1024
 
@@ -332,9 +351,16 @@ class ReplicaClient:
 
     def read_cache(self, namespace: str, name: str) -> tuple[list[dict], str | None, str | None]:
         """This replica's watch cache for one pod name (LIST resourceVersion=0):
-        (items, the list's resourceVersion, None) or ([], None, error) with an attribution error string."""
+        (items, the list's resourceVersion, None) or ([], None, error) with an attribution error string.
+
+        The selector is built only from a valid namespace and name (:func:`name_selector`), and only the
+        items that are this very object (same namespace and name) are returned: a replica's answer is
+        trusted for the object asked about and nothing else (issue 25)."""
+        selector = name_selector(namespace, name)
+        if selector is None:
+            return [], None, f"invalid pod identity: {pod_identity_problem(namespace, name, '')}"
         try:
-            resp = self.core.list_namespaced_pod(namespace, field_selector=f"metadata.name={name}",
+            resp = self.core.list_namespaced_pod(namespace, field_selector=selector,
                                                  resource_version="0", _preload_content=False,
                                                  _request_timeout=self.timeout)
             doc = orjson.loads(resp.data)
@@ -352,7 +378,7 @@ class ReplicaClient:
         except ValueError as e:
             return [], None, f"undecodable reply: {type(e).__name__}"
         rv = (doc.get("metadata") or {}).get("resourceVersion")
-        return doc.get("items") or [], str(rv) if rv else None, None
+        return only_object(doc.get("items"), namespace, name), str(rv) if rv else None, None
 
     def consistent_revision(self, namespace: str, name: str, *, timeout: float = 5.0) -> tuple[int | None, str | None]:
         """A consistent read of one pod name on this replica (LIST without resourceVersion):
@@ -360,8 +386,11 @@ class ReplicaClient:
         current revision and waits (up to 3 s) until this replica's cache reaches it, else falls back
         to etcd (or answers 429): the revision is one etcd had, and a flowing cache is there after it
         (k8s.io/apiserver pkg/storage/cacher delegator.go GetList, watch_cache.go waitUntilFreshLocked)."""
+        selector = name_selector(namespace, name)
+        if selector is None:
+            return None, f"invalid pod identity: {pod_identity_problem(namespace, name, '')}"
         try:
-            resp = self.core.list_namespaced_pod(namespace, field_selector=f"metadata.name={name}",
+            resp = self.core.list_namespaced_pod(namespace, field_selector=selector,
                                                  _preload_content=False, _request_timeout=timeout)
             rv = (orjson.loads(resp.data).get("metadata") or {}).get("resourceVersion")
         except ApiException as e:
@@ -383,7 +412,10 @@ class ReplicaClient:
 
     def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
         """Does this replica's watch cache still serve the ghost with this UID (as a pod to schedule)?
-        The cache half of ``verdict.serves_ghost``: the caller asked etcd first."""
+        The cache half of ``verdict.serves_ghost``: the caller asked etcd first. Only a copy with this
+        namespace, name and UID counts; without a UID there is nothing to compare, and no answer."""
+        if not uid:
+            return ReplicaObservation(self.replica.address, None, None, "no UID to compare", at)
         items, rv, error = self.read_cache(namespace, name)
         if error:
             return ReplicaObservation(self.replica.address, None, None, error, at)
@@ -548,7 +580,7 @@ def emit_event(kube: Kube, *, namespace: str, pod_name: str, pod_uid: str, reaso
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"name": name, "namespace": namespace},
         "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": pod_name, "uid": pod_uid},
-        "reason": reason, "message": message[:1024], "type": event_type,
+        "reason": reason, "message": visible(message)[:1024], "type": event_type,
         "source": {"component": "ghost-guard", "host": socket.gethostname()},
         "reportingComponent": "ghost-guard", "reportingInstance": socket.gethostname(),
         "firstTimestamp": now, "lastTimestamp": now, "count": 1,
@@ -561,7 +593,7 @@ def emit_event(kube: Kube, *, namespace: str, pod_name: str, pod_uid: str, reaso
             raise
     resp = kube.core.read_namespaced_event(name, namespace, _preload_content=False, _request_timeout=kube.timeout * 2)
     count = int((orjson.loads(resp.data).get("count") or 1)) + 1
-    kube.core.patch_namespaced_event(name, namespace, {"count": count, "lastTimestamp": now, "message": message[:1024]},
+    kube.core.patch_namespaced_event(name, namespace, {"count": count, "lastTimestamp": now, "message": visible(message)[:1024]},
                                      _content_type="application/merge-patch+json", _request_timeout=kube.timeout * 2)
 
 

@@ -94,9 +94,16 @@ AUDIT_RECORDS_DROPPED = Counter("ghost_guard_audit_records_dropped", "Audit reco
                                 "Should stay 0.", ["reason"])
 AUDIT_PRUNED = Counter("ghost_guard_audit_pruned", "GhostPods deleted by retention (--audit-retention, "
                        "--audit-max-records).")
+FLOOD_SHED = Counter("ghost_guard_flood_shed", "Ghost first sightings that got no audit record, Event or "
+                     "follow-up (still blocked), and follow-ups dropped, for ghosts no apiserver replica ever listed "
+                     "(forged names, mostly), by reason (namespace-budget, global-budget: --unsighted-ghost-rate and "
+                     "--unsighted-ghost-burst; queue-full). Ghosts a replica listed or served are never shed.", ["reason"])
+for _reason in ("namespace-budget", "global-budget", "queue-full"):  # guard.flood.SHED_REASONS, shown from 0
+    FLOOD_SHED.labels(_reason)
 FOLLOWUPS_COALESCED = Counter("ghost_guard_followups_coalesced", "Ghost follow-ups merged into one already waiting "
                               "for the same pod identity because more than 1,000 were pending (a repeated sighting "
-                              "of a looping ghost; its extra blocks are not counted in the audit).")
+                              "of a looping ghost), or, for a ghost no replica ever listed, because one sighting of "
+                              "it was pending; its extra blocks are not counted in the audit.")
 REPLICA_WATCH_UP = Gauge("ghost_guard_replica_watch_up", "1 while the guard's view of an apiserver replica's "
                          "unscheduled pods (its last listing, or the watch on it) is synced, 0 while it is retrying.", ["replica"], multiprocess_mode="livemin")
 WATCH_FALLBACK = Gauge("ghost_guard_watch_fallback", "1 while no apiserver replica answers and pre-verification "

@@ -621,6 +621,17 @@ class Preparer:
                 log.warning("apiserver replica %s watched again; stopped pre-verifying through the kubeconfig's "
                             "server", ", ".join(str(v.client.replica) for v in views if v.state == "synced"))
 
+    def knows(self, pod: PodRef) -> bool:
+        """Whether some replica's cache showed this identity pending to this guard (its watch or a
+        listing, within --prepared-max-age, or the view still lists it): a pod that really existed."""
+        with self._lock:
+            if pod in self._seen:
+                return True
+            views = list(self._views.values())
+            if self._fallback is not None:
+                views.append(self._fallback)
+        return any(v.pods.get(pod.uid) == pod for v in views)
+
     def pending_views(self) -> dict[str, tuple[bool, dict[str, PodRef]]]:
         """Per replica (the kubeconfig-server fallback excluded): whether its view is synced, and a
         copy of the pending pods it shows (uid -> PodRef). Read by guard.cache_health."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from guard.attribution import ReplicaObservation
+from guard.names import hidden
 from guard.verdict import Decision, QuorumRead, Verdict
 
 VERDICTS: Final = tuple(v.value for v in Verdict)
@@ -146,13 +147,16 @@ def block_evidence(decision: Decision, read: QuorumRead | None) -> dict[str, Any
 
 
 def check_text(label: str, value: object, max_len: int) -> None:
-    """ValueError unless ``value`` is a string of 1 to ``max_len`` characters without control characters."""
+    """ValueError unless ``value`` is a string of 1 to ``max_len`` characters without control, bidirectional
+    or other invisible characters (guard.names.hidden)."""
     if not isinstance(value, str):
         raise ValueError(f"{label} must be a string, not {type(value).__name__}")
     if not value or len(value) > max_len:
         raise ValueError(f"{label} must be 1 to {max_len} characters, got {len(value)}")
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise ValueError(f"{label} must not contain control characters")
+    if not value.isascii() and any(hidden(c) for c in value):  # U+202E and the like: what a reader sees is not what is there
+        raise ValueError(f"{label} must not contain bidirectional, format or other invisible characters")
 
 
 def check_time(label: str, value: object) -> float:

@@ -4,8 +4,12 @@ Pure: no I/O and no clock. Records come in (:class:`guard.records.AuditRecord`,
 whichever store read them), text goes out; ``now`` is passed in where needed.
 
 Every cell that can hold upstream text (errors, evidence) is flattened to one
-line without control characters, so a table cannot be broken or used to
-inject terminal escapes.
+line with control and bidirectional characters escaped (guard.names.visible),
+so a table cannot be broken or used to inject terminal escapes. Every command a
+person may paste (``ghost-guard heal …``, ``ghost-guard diagnose …``) is built
+by guard.names.shell_line: each argument passed through ``shlex.quote``; a pod whose name
+holds control or bidirectional characters (no pod the apiserver accepts can) is
+left out of the command and named, escaped, beside it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from guard.attribution import (
     latest,
     stale_replicas,
 )
+from guard.names import pastable, shell_line, visible
 from guard.records import AuditRecord
 
 OUTPUTS: Final = ("table", "json", "jsonl")
@@ -81,8 +86,11 @@ def new_ghost_line(record: AuditRecord) -> str:
                       sort_keys=False, separators=(",", ":"), allow_nan=False)
 
 
+_WHITESPACE: Final = {ord(c): " " for c in "\t\n\v\f\r"}  # flattened to spaces; other hidden characters escaped
+
+
 def _cell(value: object) -> str:
-    text = "-" if value is None or value == "" else str(value)
+    text = "-" if value is None or value == "" else visible(str(value).translate(_WHITESPACE))
     text = "".join(c if c.isprintable() else " " for c in text)
     text = " ".join(text.split())
     if len(text) > _CELL_MAX:
@@ -258,19 +266,19 @@ def remediation_steps(replicas: Sequence[Mapping[str, Any]], unattributed: Seque
 
     ``ghost-guard heal`` first: a write under the ghost's name corrects every cache whose watch still
     flows, and kube-scheduler's informer with it; a restart only for a replica heal reports frozen."""
-    pods = sorted({f"{g['namespace']}/{g['name']}" for r in replicas for g in r["ghosts"]})
+    pods, odd = _pastable_pods(f"{g['namespace']}/{g['name']}" for r in replicas for g in r["ghosts"])
     steps: list[str] = []
     if replicas:
-        names = ", ".join(r["replica"] for r in replicas)
+        names = ", ".join(visible(str(r["replica"])) for r in replicas)
         steps.append(
-            f"Heal without restarting anything: ghost-guard heal {' '.join(pods)} (a placeholder created and deleted "
+            f"Heal without restarting anything: {_command('heal', pods)}{odd} (a placeholder created and deleted "
             "under a deleted ghost's name, or one annotation on the pod etcd has, replaces the stale copy in every "
             "watch cache that still follows etcd, and in kube-scheduler's informer with it; exit 0 when every replica "
             "agrees with etcd)."
         )
         steps.append(
             "Confirm no cache serves the ghost any more: "
-            + "; ".join(f"ghost-guard diagnose {p}" for p in pods)
+            + "; ".join(_command("diagnose", [p]) for p in pods)
             + " (expect 'verdict: consistent')."
         )
         steps.append(
@@ -279,11 +287,11 @@ def remediation_steps(replicas: Sequence[Mapping[str, Any]], unattributed: Seque
             f"kube-scheduler only if it still tries to bind the ghost afterwards ({SCHEDULER_ISSUE})."
         )
     elif unattributed:
-        others = sorted({f"{g['namespace']}/{g['name']}" for g in unattributed})
+        others, odd = _pastable_pods(f"{g['namespace']}/{g['name']}" for g in unattributed)
         steps.append(
             "No replica is known to serve these ghosts now. Check: "
-            + "; ".join(f"ghost-guard diagnose {p}" for p in others)
-            + f". If a replica serves one, heal it: ghost-guard heal {' '.join(others)} (restart a replica only if heal "
+            + "; ".join(_command("diagnose", [p]) for p in others)
+            + f"{odd}. If a replica serves one, heal it: {_command('heal', others)} (restart a replica only if heal "
             "reports it frozen)."
         )
         steps.append(
@@ -291,6 +299,35 @@ def remediation_steps(replicas: Sequence[Mapping[str, Any]], unattributed: Seque
             f"kube-scheduler only if it still does afterwards ({SCHEDULER_ISSUE})."
         )
     return steps
+
+
+def _pastable_pods(pods: Iterable[str]) -> tuple[list[str], str]:
+    """The ``NS/NAME`` arguments that can go into a pasted command (sorted), and a note naming,
+    escaped, those that cannot (control or bidirectional characters: no pod the apiserver accepts
+    has them, so such a record came from a forged call; empty when there are none)."""
+    unique = sorted(set(pods))
+    ok = [p for p in unique if pastable(p)]
+    left = [visible(p) for p in unique if not pastable(p)]
+    note = (f" (left out of the commands, their names hold control or bidirectional characters no pod can have: "
+            f"{', '.join(left)})") if left else ""
+    return ok, note
+
+
+def _command(verb: str, args: Sequence[str]) -> str:
+    """``ghost-guard VERB ARGS…`` as one line to paste (guard.names.shell_line: every argument quoted)."""
+    return shell_line(["ghost-guard", verb, *args])
+
+
+def remediation_commands(replicas: Sequence[Mapping[str, Any]],
+                         unattributed: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """The commands :func:`remediation_steps` prints, as argv lists (what pasting one must run)."""
+    if replicas:
+        pods, _ = _pastable_pods(f"{g['namespace']}/{g['name']}" for r in replicas for g in r["ghosts"])
+    elif unattributed:
+        pods, _ = _pastable_pods(f"{g['namespace']}/{g['name']}" for g in unattributed)
+    else:
+        return []
+    return [["ghost-guard", "heal", *pods]] + [["ghost-guard", "diagnose", p] for p in pods]
 
 
 def render_report(records: Sequence[AuditRecord], output: str = "table") -> str:
@@ -462,9 +499,9 @@ def render_replica_caches(caches: Sequence[Mapping[str, Any]], output: str = "ta
                         [(r, f"{m['namespace']}/{m['name']}", m["uid"], m["resource_version"], m["cache_resource_version"])
                          for r, m in missing], indent="  ")
     steps = []
-    pods = sorted({f"{m['namespace']}/{m['name']}" for _, m in missing})
-    if pods:
-        steps.append(f"`ghost-guard heal {' '.join(pods)}`: one write to each pod reaches every cache whose watch "
+    pods, odd = _pastable_pods(f"{m['namespace']}/{m['name']}" for _, m in missing)
+    if pods or odd:
+        steps.append(f"`{_command('heal', pods)}`{odd}: one write to each pod reaches every cache whose watch "
                      "flows")
     for c in caches:
         if c["frozen"]:
@@ -481,4 +518,7 @@ def render_replica_caches(caches: Sequence[Mapping[str, Any]], output: str = "ta
     return "\n".join(lines) + "\n"
 def heal_advice(namespace: str, name: str) -> str:
     """What ``diagnose`` recommends for a pod some replica serves stale."""
-    return (f"ghost-guard heal {namespace}/{name} (no restart; restart a replica only if heal reports it frozen)")
+    pod = f"{namespace}/{name}"
+    if not pastable(pod):
+        return (f"no command: the name {visible(pod)} holds control or bidirectional characters no pod can have")
+    return f"{_command('heal', [pod])} (no restart; restart a replica only if heal reports it frozen)"

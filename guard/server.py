@@ -17,6 +17,7 @@ import tempfile
 import orjson
 from gunicorn.app.base import BaseApplication
 
+from guard.names import json_hidden_escaped
 from guard.settings import Settings
 
 
@@ -32,7 +33,7 @@ class JsonFormatter(logging.Formatter):
             entry["msg"] = record.getMessage()
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return orjson.dumps(entry).decode()
+        return json_hidden_escaped(orjson.dumps(entry).decode())  # U+202E and the like: escaped (guard.names)
 
 
 def configure_logging(level: str) -> None:

@@ -69,6 +69,11 @@ class Settings:
     audit_write_interval: float = 10.0  # seconds between two writes of one record by one guard process
     audit_queue_size: int = 50_000
     events: bool = True
+    # First sightings of ghosts no replica ever listed (forged names, mostly: guard/flood.py) that get
+    # a record, an Event and a follow-up: per namespace per second, and at once; all namespaces
+    # together get ten times both. Sighted and confirmed ghosts are never budgeted.
+    unsighted_ghost_rate: float = 0.2
+    unsighted_ghost_burst: int = 10
     # pre-verification: watch unscheduled pods, quorum-verify each new UID before the scheduler asks
     prepare: bool = True
     prepared_max_age: float = 300.0
@@ -186,6 +191,11 @@ class Settings:
         if self.apiserver_replicas is not None:
             parse_replicas(self.apiserver_replicas)
         self._validate_serving()
+        if not 0 < self.unsighted_ghost_rate <= 1000:
+            raise SettingsError(f"--unsighted-ghost-rate must be between 0 and 1000 per second, got "
+                                f"{self.unsighted_ghost_rate:g}")
+        if not 1 <= self.unsighted_ghost_burst <= 100_000:
+            raise SettingsError(f"--unsighted-ghost-burst must be between 1 and 100000, got {self.unsighted_ghost_burst}")
         if not 0 < self.heal_rate <= 100:
             raise SettingsError(f"--heal-rate must be between 0 and 100 heals per second, got {self.heal_rate:g}")
         if not 1 <= self.heal_burst <= 100:

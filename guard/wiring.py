@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from guard import flood
 from guard.autoheal import AutoHealer
 from guard.cache_health import CacheHealthMonitor
 from guard.check import Checker
@@ -20,6 +21,7 @@ from guard.kube import Kube, load_configuration
 from guard.prepare import Preparer
 from guard.replicas import ReplicaPool
 from guard.settings import Settings
+from guard.verdict import PodRef
 
 # Readiness results are reused for this long, so probes never load the apiserver.
 READY_CACHE_SECONDS = 2.0
@@ -91,6 +93,7 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
         preparer = Preparer(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
         preparer.start()
     # Replica caches that miss pods or froze: metrics, Events, a /readyz detail (guard/cache_health.py).
+    checker.tier = lambda pod: ghost_tier(pod, incidents, preparer)
     cache_health = CacheHealthMonitor(settings, kube, pool, preparer.pending_views if preparer else None)
     cache_health.start()
     return Guard(settings, kube, checker, incidents, preparer, readiness_checks=list(readiness_checks),
@@ -99,6 +102,16 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
                      "replicas": lambda: replica_details(incidents, preparer),
                      "replica_caches": cache_health.status,
                      "prepare": lambda: prepare_details(preparer)})
+
+
+def ghost_tier(pod: PodRef, incidents: IncidentRecorder, preparer: Preparer | None) -> str:
+    """The ghost's tier (guard/flood.py): a replica was seen serving it (confirmed), some replica's cache
+    listed it (sighted, known only with pre-verification on), or neither (unsighted: budgeted)."""
+    if incidents.confirmed(pod):
+        return flood.CONFIRMED
+    if preparer is not None and preparer.knows(pod):
+        return flood.SIGHTED
+    return flood.UNSIGHTED
 
 
 def replica_details(incidents: IncidentRecorder, preparer: Preparer | None) -> dict[str, dict[str, object]]:

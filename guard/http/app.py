@@ -22,7 +22,8 @@ from guard.extender import ProtocolError
 from guard.http import binding, probes
 from guard.http import filter as filter_routes
 from guard.http.exchange import BodyBudget, json_error, record_request
-from guard.identity import RolePolicy
+from guard.identity import ROLE_OF_ENDPOINT, ROLE_OF_PATH, RolePolicy, exact_route
+from guard.names import visible
 from guard.settings import Settings
 from guard.wiring import build_guard
 from guard.worker import DIRECT_LANE, PEER_CERT
@@ -56,11 +57,12 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
     guard = build_guard(settings, readiness_checks)
     # Bodies over SMALL_BODY_BYTES in flight: at most two of the largest accepted.
     bodies = BodyBudget.for_settings(settings)
-    app = Flask("guard")
+    app = Flask("guard", static_folder=None)  # no /static route: every route has a role (check_routes)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.register_blueprint(filter_routes.blueprint(guard, bodies))
     app.register_blueprint(binding.blueprint(guard, bodies))
     app.register_blueprint(probes.blueprint(guard))
+    check_routes(app)
 
     @app.errorhandler(ProtocolError)
     def protocol_error(e: ProtocolError) -> Response:
@@ -103,9 +105,59 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
     if settings.client_ca and not settings.insecure_http:
         roles = RoleCheck(app.wsgi_app, settings)
         app.wsgi_app = roles  # type: ignore[method-assign]
+    # Outermost of all, in every setup: a path that is not exactly a route is a 404 before anything
+    # else (the role check, the fast lane, Flask's router, which would merge "//filter" into /filter).
+    app.wsgi_app = RouteGate(app.wsgi_app, settings)  # type: ignore[method-assign]
+    # The direct lane (guard.worker.plain_call) takes only the exact bytes "/filter" and "/preempt".
     app.extensions[DIRECT_LANE] = filter_routes.DirectLane(fast, roles.refusal if roles is not None else None,
                                                            roles.allowed if roles is not None else None)
     return app
+
+
+def check_routes(app: Flask) -> None:
+    """Start-up check that the role checked is the role of the view that runs: Flask's URL map has
+    exactly the routes of guard.identity.ROLE_OF_PATH, and each path, spelled exactly, is routed to
+    the endpoint guard.identity.ROLE_OF_ENDPOINT gives that same role. Raises RuntimeError."""
+    rules = {rule.rule: rule for rule in app.url_map.iter_rules()}
+    if set(rules) != set(ROLE_OF_PATH):
+        raise RuntimeError(f"the app's routes {sorted(rules)} are not guard.identity's {sorted(ROLE_OF_PATH)}")
+    adapter = app.url_map.bind("guard")
+    for path, rule in rules.items():
+        for method in sorted(rule.methods or ()):
+            endpoint, _ = adapter.match(path, method=method)
+            if ROLE_OF_ENDPOINT.get(str(endpoint)) != ROLE_OF_PATH[path]:
+                raise RuntimeError(f"{method} {path} runs {endpoint}, whose role is not {ROLE_OF_PATH[path]}")
+
+
+class RouteGate:
+    """WSGI middleware, outermost: a request whose path is not exactly one of the routes is answered
+    404 (guard.identity.exact_route), before the role check, the fast lane or Flask's router see it.
+
+    Routers normalize: werkzeug merges duplicate slashes, gunicorn decodes percent-escapes, so a
+    role check by the spelling would let ``//filter`` or ``/%66ilter`` reach /filter unchecked
+    (issue 25). Past this gate the spelling is the route that runs. Counted as endpoint ``other``.
+    """
+
+    PAYLOAD = orjson.dumps({"error": "no such endpoint: the path must be exactly one of "
+                                     + ", ".join(sorted(ROLE_OF_PATH))
+                                     + " (no other spelling: no percent-encoding, duplicate or trailing slash, "
+                                       "dot segment, case or parameter)"})
+
+    def __init__(self, app: Callable, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+
+    def __call__(self, environ: dict, start_response: Callable) -> Any:
+        raw = environ.get("RAW_URI", environ.get("REQUEST_URI"))
+        if exact_route(raw, environ.get("SCRIPT_NAME", ""), environ.get("PATH_INFO", "")) is not None:
+            return self.app(environ, start_response)
+        # The access log shows the target as sent (escaped, cut); the metrics count it as "other".
+        record_request(self.settings, visible(environ.get("REQUEST_METHOD", "")[:16]),
+                       visible(str(raw if raw is not None else environ.get("PATH_INFO", ""))[:200]), 404, 0.0,
+                       environ.get("REMOTE_ADDR"))
+        start_response("404 Not Found", [("Content-Type", "application/json"),
+                                         ("Content-Length", str(len(self.PAYLOAD)))])
+        return [self.PAYLOAD]
 
 
 class RoleCheck:
@@ -138,7 +190,7 @@ class RoleCheck:
         if refused is None:
             return None
         role, reason = refused
-        metrics.REQUESTS_FORBIDDEN.labels(path, role).inc()
+        metrics.REQUESTS_FORBIDDEN.labels(path if path in ROLE_OF_PATH else "other", role).inc()
         log.warning("refused %s %s from %s: %s", method, path[:200], remote, reason)
         record_request(self.settings, method, path, 403, 0.0, remote)
         return orjson.dumps({"error": reason})

@@ -134,8 +134,9 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def status(self) -> Obj:
-        s: Obj = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                  "message": self.message, "reason": self.reason}
+        s: Obj = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": self.message}
+        if self.reason:  # omitempty: an error without a StatusReason (e.g. a GET's unparsable resourceVersion, a 500)
+            s["reason"] = self.reason
         if self.details is not None:
             s["details"] = self.details
         s["code"] = self.code
@@ -173,6 +174,18 @@ def uid_precondition_failed(r: Resource, key: str, name: str, want: str, have: s
     return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {r.qualified} "{name}": {why}', _details(name, r))
 
 
+def delete_precondition_failed(r: Resource, name: str, what: str, want: str, have: str) -> ApiError:
+    """A DELETE's precondition mismatch (rest.BeforeDelete): the conflict is named by the kind, not the resource:
+    ``Operation cannot be fulfilled on Pod "x": the UID in the precondition (A) does not match the UID in record
+    (B). The object might have been deleted and then recreated`` (or ``ResourceVersion ... modified``)."""
+    qualified = f"{r.kind}.{r.group}" if r.group else r.kind
+    tail = "deleted and then recreated" if what == "UID" else "modified"
+    details: Obj = {k: v for k, v in (("name", name), ("group", r.group), ("kind", r.kind)) if v}
+    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {qualified} "{name}": the {what} in the '
+                    f"precondition ({want}) does not match the {what} in record ({have}). The object might have been {tail}",
+                    details)
+
+
 def modified_conflict(r: Resource, name: str) -> ApiError:
     return ApiError(409, "Conflict",
                     f'Operation cannot be fulfilled on {r.qualified} "{name}": the object has been modified; '
@@ -184,10 +197,93 @@ def bad_request(message: str) -> ApiError:
 
 
 def invalid(r: Resource, name: str, field: str, detail: str, kind_value: str = "Required value") -> ApiError:
+    details: Obj = {"name": name, "group": r.group, "kind": r.kind}
     return ApiError(422, "Invalid", f'{r.kind} "{name}" is invalid: {field}: {kind_value}: {detail}',
-                    {"name": name, "group": r.group, "kind": r.kind,
+                    {**{k: v for k, v in details.items() if v},  # name and group are omitempty in StatusDetails
                      "causes": [{"reason": "FieldValueRequired" if kind_value == "Required value" else "FieldValueInvalid",
                                  "message": f"{kind_value}: {detail}", "field": field}]})
+
+
+def goquote(s: str) -> str:
+    """Go's ``%q`` of a string (strconv.Quote), as field errors and NewInvalid print values and names."""
+    out = ['"']
+    for ch in s:
+        o = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch in "\a\b\f\n\r\t\v":
+            out.append({"\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\v": "\\v"}[ch])
+        elif ch.isprintable():
+            out.append(ch)
+        elif o < 0x80:
+            out.append(f"\\x{o:02x}")
+        elif o < 0x10000:
+            out.append(f"\\u{o:04x}")
+        else:
+            out.append(f"\\U{o:08x}")
+    out.append('"')
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One field.Error: ``FIELD: Invalid value: "VALUE": DETAIL`` (type "Invalid value" / reason FieldValueInvalid)."""
+    field: str
+    value: str
+    detail: str
+
+    def body(self) -> str:
+        return f"Invalid value: {goquote(self.value)}: {self.detail}"
+
+
+def invalid_fields(r: Resource, name: str, errors: list[FieldError]) -> ApiError:
+    """errors.NewInvalid: one error as is, several as ``[e1, e2]`` (utilerrors aggregate), a cause per error."""
+    texts = [f"{e.field}: {e.body()}" for e in errors]
+    agg = texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"
+    details: Obj = {k: v for k, v in (("name", name), ("group", r.group), ("kind", r.kind)) if v}
+    details["causes"] = [{"reason": "FieldValueInvalid", "message": e.body(), "field": e.field} for e in errors]
+    return ApiError(422, "Invalid", f"{r.kind} {goquote(name)} is invalid: {agg}", details)
+
+
+# k8s.io/apimachinery/pkg/util/validation/validation.go (IsDNS1123Subdomain, IsDNS1123Label, IsDNS1035Label):
+# Go's regexp.MatchString("^...$") anchors at the very end, as re.fullmatch does (Python's "$" would also
+# match before a final newline).
+_DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS1123_SUBDOMAIN = _DNS1123_LABEL + r"(\." + _DNS1123_LABEL + r")*"
+_DNS1035_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
+_SUBDOMAIN_MSG = ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
+                  "start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is "
+                  f"'{_DNS1123_SUBDOMAIN}')")
+_LABEL_MSG = ("a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and "
+              f"end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '{_DNS1123_LABEL}')")
+_DNS1035_MSG = ("a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic "
+                "character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', regex used for "
+                f"validation is '{_DNS1035_LABEL}')")
+
+
+def name_errors(r: Resource, name: str) -> list[str]:
+    """Why the apiserver refuses ``name`` for ``r`` (ValidateObjectMeta's name function), [] when it takes it:
+    namespaces are RFC 1123 labels (ValidateNamespaceName, "must not contain dots" for an otherwise valid
+    subdomain), services RFC 1035 labels, every other resource the lab serves RFC 1123 subdomains."""
+    if r.kind == "Namespace":
+        if re.fullmatch(_DNS1123_SUBDOMAIN, name) and "." in name and len(name) <= 253:
+            return ["must not contain dots"]
+        limit, regex, msg = 63, _DNS1123_LABEL, _LABEL_MSG
+    elif r.kind == "Service":
+        limit, regex, msg = 63, _DNS1035_LABEL, _DNS1035_MSG
+    else:
+        limit, regex, msg = 253, _DNS1123_SUBDOMAIN, _SUBDOMAIN_MSG
+    out = [f"must be no more than {limit} characters"] if len(name) > limit else []
+    if not re.fullmatch(regex, name):
+        out.append(msg)
+    return out
+
+
+def validate_name(r: Resource, name: str) -> None:
+    """422 Invalid with the real apiserver's message when ``name`` is not a valid name for ``r``."""
+    errs = name_errors(r, name)
+    if errs:
+        raise invalid_fields(r, name, [FieldError("metadata.name", name, e) for e in errs])
 
 
 def too_many_requests(message: str = "Too many requests, please try again later.") -> ApiError:
@@ -273,16 +369,71 @@ class FieldRequirement:
         return (v == self.value) if self.op == "=" else (v != self.value)
 
 
+def _split_terms(selector: str) -> list[str]:
+    """fields.splitTerms: split on commas not escaped by a backslash."""
+    terms, start, slash = [], 0, False
+    for i, ch in enumerate(selector):
+        if slash:
+            slash = False
+        elif ch == "\\":
+            slash = True
+        elif ch == ",":
+            terms.append(selector[start:i])
+            start = i + 1
+    terms.append(selector[start:])
+    return terms
+
+
+def _split_term(term: str) -> tuple[str, str, str] | None:
+    """fields.splitTerm: the first position where "!=", "==" or "=" starts; no whitespace is trimmed."""
+    for i in range(len(term)):
+        for op in ("!=", "==", "="):
+            if term.startswith(op, i):
+                return term[:i], op, term[i + len(op):]
+    return None
+
+
+def _unescape_value(value: str) -> str:
+    """fields.UnescapeValue: ``\\\\``, ``\\,`` and ``\\=`` are escapes; any other escape, a lone trailing
+    backslash, or an unescaped ``,`` or ``=`` is an error."""
+    out, slash = [], False
+    for ch in value:
+        if slash:
+            if ch not in "\\,=":
+                raise bad_request(f"invalid field selector: invalid escape sequence: \\{ch}")
+            out.append(ch)
+            slash = False
+        elif ch == "\\":
+            slash = True
+        elif ch in ",=":
+            raise bad_request(f"invalid field selector: unescaped character in value: {ord(ch)}")
+        else:
+            out.append(ch)
+    if slash:
+        raise bad_request("invalid field selector: invalid escape sequence: \\")
+    return "".join(out)
+
+
 def parse_field_selector(s: str | None, r: Resource) -> list[FieldRequirement]:
-    """fields.ParseSelector: ``a=b,c!=d`` (``==`` too); labels a resource doesn't index are a 400."""
+    """fields.ParseSelector (k8s.io/apimachinery/pkg/fields/selector.go) then the resource's field label
+    conversion, as the real apiserver does them: terms split on unescaped commas and sorted, empty terms
+    skipped, the operator found at its first position ("!=", "==", "="), the value unescaped, and nothing
+    trimmed: ``metadata.name = x`` asks for the field label ``"metadata.name "`` (400, not supported) and
+    ``metadata.name=x `` for the name ``"x "``."""
     reqs: list[FieldRequirement] = []
-    for term in filter(None, (t.strip() for t in (s or "").split(","))):
-        m = re.fullmatch(r"([^!=]+)(==|!=|=)(.*)", term)
-        if not m:
-            raise bad_request(f'unable to parse requirement: invalid selector: \'{s}\'; can\'t understand \'{term}\'')
-        field, op, value = m.group(1).strip(), m.group(2), m.group(3).strip()
+    selector = s or ""
+    parsed = []
+    for term in sorted(_split_terms(selector)) if selector else []:
+        if term == "":
+            continue
+        split = _split_term(term)
+        if split is None:
+            raise bad_request(f"invalid selector: '{selector}'; can't understand '{term}'")
+        field, op, value = split
+        parsed.append((field, op, _unescape_value(value)))
+    for field, op, value in parsed:
         if field not in r.field_labels:
-            raise bad_request(f'field label not supported: {field}')
+            raise bad_request(f"field label not supported: {field}")
         reqs.append(FieldRequirement(field, "!=" if op == "!=" else "=", value))
     return reqs
 
@@ -325,7 +476,34 @@ def _split_top(s: str) -> list[str]:
         else:
             cur += ch
     out.append(cur)
-    return [t.strip() for t in out if t.strip()]
+    terms = [t.strip() for t in out]
+    if terms == [""]:
+        return []
+    # labels.Parse's lexer skips whitespace but wants an identifier after every comma
+    for i, t in enumerate(terms):
+        if not t:
+            if i == 0:
+                raise bad_request("found ',', expected: !, identifier, or 'end of string'")
+            found = "" if i == len(terms) - 1 else ","
+            raise bad_request(f"found '{found}', expected: identifier after ','")
+    return terms
+
+
+_LABEL_VALUE = r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?"
+_LABEL_VALUE_MSG = ("a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and "
+                    "must start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', "
+                    f"regex used for validation is '{_LABEL_VALUE}')")
+
+
+def _check_label_values(key: str, values: tuple[str, ...]) -> None:
+    """labels.NewRequirement's validateLabelValue: at most 63 bytes, the label-value regex."""
+    for i, v in enumerate(values):
+        errs = ["must be no more than 63 bytes"] if len(v.encode()) > 63 else []
+        if not re.fullmatch(_LABEL_VALUE, v):
+            errs.append(_LABEL_VALUE_MSG)
+        if errs:
+            texts = [f"values[{i}][{key}]: Invalid value: {goquote(v)}: {e}" for e in errs]
+            raise bad_request("unable to parse requirement: " + (texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"))
 
 
 def parse_label_selector(s: str | None) -> list[LabelRequirement]:
@@ -334,8 +512,10 @@ def parse_label_selector(s: str | None) -> list[LabelRequirement]:
     for term in _split_top(s or ""):
         if m := re.fullmatch(rf"({_LABEL_KEY})\s+(in|notin)\s+\(([^)]*)\)", term):
             vals = tuple(v.strip() for v in m.group(3).split(",") if v.strip())
+            _check_label_values(m.group(1), vals)
             reqs.append(LabelRequirement(m.group(1), m.group(2), vals))
         elif m := re.fullmatch(rf"({_LABEL_KEY})\s*(==|!=|=)\s*([-A-Za-z0-9_.]*)", term):
+            _check_label_values(m.group(1), (m.group(3),))
             reqs.append(LabelRequirement(m.group(1), "!=" if m.group(2) == "!=" else "=", (m.group(3),)))
         elif m := re.fullmatch(rf"!\s*({_LABEL_KEY})", term):
             reqs.append(LabelRequirement(m.group(1), "!"))

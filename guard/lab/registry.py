@@ -21,7 +21,7 @@ import orjson
 
 from guard.lab.api import (
     ApiError, Obj, Resource, already_exists, apply_patch, bad_request, conflict, invalid, modified_conflict, not_found,
-    known_resource, now_micro, now_rfc3339, uid_precondition_failed,
+    known_resource, now_micro, now_rfc3339, uid_precondition_failed, validate_name, delete_precondition_failed,
 )
 from guard.lab.watchcache import decode
 from guard.lab.store import KV, EtcdClient
@@ -208,6 +208,9 @@ class Registry:
             else:
                 raise invalid(r, "", "metadata.name", "name or generateName is required")
         name = meta["name"]
+        if not isinstance(name, str):
+            raise _type_error("ObjectMeta.metadata.name", "string", name)
+        validate_name(r, name)  # 422 as the real apiserver answers (ValidateObjectMeta), e.g. for "web-0,x=y"
         if r.namespaced:
             if meta.get("namespace") and meta["namespace"] != namespace:
                 raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
@@ -327,9 +330,9 @@ class Registry:
             cur, kv = self._read(r, key, name)
             meta = _meta(cur)
             if uid and uid != meta.get("uid"):
-                raise uid_precondition_failed(r, key, name, uid, meta.get("uid", ""))
+                raise delete_precondition_failed(r, name, "UID", uid, meta.get("uid", ""))
             if resource_version and resource_version != meta.get("resourceVersion"):
-                raise modified_conflict(r, name)
+                raise delete_precondition_failed(r, name, "ResourceVersion", resource_version, meta.get("resourceVersion", ""))
             if (r is PODS or meta.get("finalizers")) and not meta.get("deletionTimestamp"):
                 spec, status = cur.get("spec") or {}, cur.get("status") or {}
                 period = grace if grace is not None else int(spec.get("terminationGracePeriodSeconds", 0) or 0)

@@ -9,8 +9,10 @@ Requests pass through the replica's faults first, and every request is logged.
 
 from __future__ import annotations
 
+import base64
 import collections
 import logging
+import re
 import select
 import socket
 import ssl
@@ -44,6 +46,40 @@ KUBE_VERSION = {"major": "1", "minor": "34", "gitVersion": "v1.34.0-ghost-lab", 
                 "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.24.0", "compiler": "gc",
                 "platform": "linux/amd64"}
 ANONYMOUS_PATHS = ("/healthz", "/livez", "/readyz", "/version")
+
+
+def _list_options_invalid(reason: str, kind: str, detail: str) -> ApiError:
+    """ValidateListOptions' 422: ``ListOptions.meta.k8s.io "" is invalid: resourceVersionMatch: KIND: DETAIL``."""
+    return ApiError(422, "Invalid", f'ListOptions.meta.k8s.io "" is invalid: resourceVersionMatch: {kind}: {detail}',
+                    {"group": "meta.k8s.io", "kind": "ListOptions",
+                     "causes": [{"reason": reason, "message": f"{kind}: {detail}", "field": "resourceVersionMatch"}]})
+
+
+def _limit_param(value: str | None) -> int:
+    """``limit`` as ParseInt reads it; 0 or negative: no limit."""
+    if value in (None, ""):
+        return 0
+    if not re.fullmatch(r"[+-]?[0-9]+", value):
+        raise bad_request(f'strconv.ParseInt: parsing "{value}": invalid syntax')
+    return max(0, int(value))
+
+
+def _decode_continue(token: str) -> tuple[str, int]:
+    """A continue token (storage.DecodeContinue): base64url JSON {"v": "meta.k8s.io/v1", "rv": N, "start": KEY}."""
+    try:
+        doc = orjson.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        if not isinstance(doc, dict):
+            raise ValueError("continue key is not valid: the token is not a JSON object")
+        if doc.get("v") != "meta.k8s.io/v1":
+            raise ValueError(f"continue key is not valid: server does not recognize this encoded version {doc.get('v') or ''}")
+        start, rv = doc.get("start"), doc.get("rv")
+        if not isinstance(start, str) or not isinstance(rv, int) or isinstance(rv, bool) or rv <= 0 \
+                or start.startswith("/") or ".." in start.split("/"):
+            raise ValueError("continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)")
+    except ValueError as e:  # binascii.Error and orjson.JSONDecodeError are ValueErrors
+        why = str(e) if str(e).startswith("continue key") else f"continue key is not valid: {e}"
+        raise bad_request(f"invalid continue token: {why}") from e
+    return start, rv
 
 
 @dataclass(frozen=True)
@@ -629,11 +665,19 @@ class ApiserverReplica:
                            {"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
                             "retryAfterSeconds": 1})
 
-    def _rv_param(self, ctx: _Ctx) -> str | None:
+    def _rv_param(self, ctx: _Ctx, *, listing: bool = False) -> str | None:
+        """The resourceVersion parameter, parsed as the real apiserver does (strconv.ParseUint): a LIST answers
+        400 BadRequest, a GET and a WATCH 500 without a reason (what v1.36.2 answers; docs/LAB.md)."""
         rv = ctx.query.get("resourceVersion")
-        if rv not in (None, "") and not rv.isdigit():
-            raise bad_request(f"invalid resource version {rv!r}")
-        return rv or None
+        if rv in (None, ""):
+            return None
+        if not re.fullmatch(r"[0-9]+", rv) or int(rv) >= 2**64:
+            why = "invalid syntax" if not re.fullmatch(r"[0-9]+", rv) else "value out of range"
+            text = f'resourceVersion: Invalid value: "{rv}": strconv.ParseUint: parsing "{rv}": {why}'
+            if listing:
+                raise bad_request(f"invalid resource version: {text}")
+            raise ApiError(500, "", text)
+        return rv
 
     def _get(self, ctx: _Ctx, r: Resource, namespace: str | None, name: str) -> None:
         rv = self._rv_param(ctx)
@@ -661,14 +705,26 @@ class ApiserverReplica:
 
     def _list(self, ctx: _Ctx, r: Resource, namespace: str | None) -> None:
         sel = self._selector(ctx, r, namespace)
-        rv = self._rv_param(ctx)
+        rv = self._rv_param(ctx, listing=True)
+        limit = _limit_param(ctx.query.get("limit"))
+        cont = ctx.query.get("continue") or None
+        if cont is not None:
+            start, cont_rv = _decode_continue(cont)  # a bad token is named before a resourceVersion beside it
+            if rv is not None:
+                raise bad_request("specifying resource version is not allowed when using continue")
+            return self._list_page(ctx, r, namespace, sel, limit, start, cont_rv)
+        if limit and rv != "0":  # a resourceVersion=0 list is served whole from the cache: limit is ignored
+            return self._list_first_page(ctx, r, namespace, sel, rv, limit)
         match = ctx.query.get("resourceVersionMatch")
         if match not in (None, "", "NotOlderThan", "Exact"):
-            raise bad_request(f'resourceVersionMatch: Unsupported value: "{match}"')
+            raise _list_options_invalid("FieldValueNotSupported", "Unsupported value",
+                                       f'"{match}": supported values: "Exact", "NotOlderThan", ""')
         if match and rv is None:
-            raise bad_request("resourceVersionMatch is forbidden unless resourceVersion is provided")
+            raise _list_options_invalid("FieldValueForbidden", "Forbidden",
+                                       "resourceVersionMatch is forbidden unless resourceVersion is provided")
         if match == "Exact" and rv == "0":
-            raise bad_request('resourceVersionMatch "exact" is forbidden for resourceVersion "0"')
+            raise _list_options_invalid("FieldValueForbidden", "Forbidden",
+                                       'resourceVersionMatch "exact" is forbidden for resourceVersion "0"')
         if match == "Exact":
             ctx.source = "etcd"
             try:
@@ -704,6 +760,78 @@ class ApiserverReplica:
             out_items.append(o)
         self._send(ctx, 200, {"kind": f"{r.kind}List", "apiVersion": r.api_version,
                               "metadata": {"resourceVersion": str(list_rv)}, "items": out_items})
+
+    # --- pagination (limit / continue; storage/etcd3 store.go GetList) ---------------------------------
+
+    def _list_first_page(self, ctx: _Ctx, r: Resource, namespace: str | None, sel: Selector, rv: str | None,
+                         limit: int) -> None:
+        """The first page of a list with ``limit`` (resourceVersion not "0"): read as the unpaged list would
+        be (rv "" is a quorum read; resourceVersionMatch=Exact at that revision), then cut at ``limit``."""
+        match = ctx.query.get("resourceVersionMatch")
+        if match not in (None, "", "NotOlderThan", "Exact"):
+            raise _list_options_invalid("FieldValueNotSupported", "Unsupported value",
+                                       f'"{match}": supported values: "Exact", "NotOlderThan", ""')
+        if match and rv is None:
+            raise _list_options_invalid("FieldValueForbidden", "Forbidden",
+                                       "resourceVersionMatch is forbidden unless resourceVersion is provided")
+        if match == "Exact" or rv is None:
+            return self._list_page(ctx, r, namespace, sel, limit, "", int(rv or 0))
+        cache = self._ready_cache()
+        ctx.source = "cache"
+        self._wait_fresh(cache, int(rv or 0))
+        items, list_rv = cache.list(r.prefix(namespace), lambda o: True)
+        self._send_page(ctx, r, namespace, sel, limit, "", items, list_rv)
+
+    def _list_page(self, ctx: _Ctx, r: Resource, namespace: str | None, sel: Selector, limit: int, start: str,
+                   revision: int) -> None:
+        """A page from etcd at ``revision`` (0: now), from the key ``start`` (relative to the list's prefix)."""
+        ctx.source = "etcd"
+        try:
+            items, list_rv = self.registry.list_quorum(r, namespace, revision)
+        except EtcdUnavailable as e:
+            if "compacted" in str(e):
+                raise gone("The provided continue parameter is too old to display a consistent list result. You "
+                           "can start a new list without the continue parameter.") from e
+            raise
+        self._send_page(ctx, r, namespace, sel, limit, start, items, list_rv)
+
+    def _send_page(self, ctx: _Ctx, r: Resource, namespace: str | None, sel: Selector, limit: int, start: str,
+                   items: list[Obj], list_rv: int) -> None:
+        prefix = r.prefix(namespace)
+
+        def rel(o: Obj) -> str:
+            meta = o.get("metadata") or {}
+            return r.key(meta.get("namespace"), meta.get("name", ""))[len(prefix):]
+
+        keyed = sorted(((rel(o), o) for o in items), key=lambda kv: kv[0])
+        page: list[Obj] = []
+        last, remaining = "", 0
+        for k, o in keyed:
+            if k < start:
+                continue
+            if limit and len(page) == limit:
+                remaining += 1
+                continue
+            if sel.matches(o):
+                page.append(o)
+                last = k
+        meta: Obj = {"resourceVersion": str(list_rv)}
+        if remaining:
+            token = orjson.dumps({"v": "meta.k8s.io/v1", "rv": list_rv, "start": last + "\x00"})
+            meta["continue"] = base64.urlsafe_b64encode(token).rstrip(b"=").decode()
+            if not sel.fields and not sel.labels:
+                meta["remainingItemCount"] = remaining
+        if r.printer_columns and wants_table(ctx.headers.get("Accept")):  # kubectl get pages with limit=500
+            doc = table(r, page, str(list_rv), time.time())
+            doc.setdefault("metadata", {}).update(meta)
+            return self._send(ctx, 200, doc)
+        out_items = []
+        for o in page:
+            o = output_form(r, o)
+            o.pop("apiVersion", None)
+            o.pop("kind", None)
+            out_items.append(o)
+        self._send(ctx, 200, {"kind": f"{r.kind}List", "apiVersion": r.api_version, "metadata": meta, "items": out_items})
 
     def _watch(self, ctx: _Ctx, r: Resource, namespace: str | None) -> None:
         cache = self._ready_cache()

@@ -20,6 +20,9 @@ import pytest
 from guard.lab.harness import eventually, pod_manifest
 
 pytestmark = pytest.mark.timeout(120)
+# Each step blocks a new ghost that never existed, to make an audit write: these test the store, not the flood
+# budget for such ghosts (--unsighted-ghost-rate/-burst, tests/integration/test_forged_flood.py), so it is lifted.
+UNBUDGETED = ["--unsighted-ghost-rate", "1000", "--unsighted-ghost-burst", "100000"]
 
 NAMES = ["n1", "n2"]
 
@@ -87,7 +90,7 @@ class Verdicts:
 
 def test_audit_disk_full_during_a_run(shared_lab, lab_namespace, start_guard, disk):
     g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", str(disk / "audit.db"), "--no-events",
-                     "--no-prepare"])
+                     "--no-prepare", *UNBUDGETED])
     verdicts = Verdicts(g, shared_lab, lab_namespace)
     verdicts.check()
     assert audit_detail(g)["writable"] is True
@@ -131,7 +134,7 @@ def test_audit_disk_turns_read_only_during_a_run(shared_lab, lab_namespace, star
         device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(mnt)], check=True, capture_output=True,
                                 text=True).stdout.strip().rsplit("/", 1)[-1]
         g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", str(mnt / "audit.db"),
-                         "--no-events", "--no-prepare"])
+                         "--no-events", "--no-prepare", *UNBUDGETED])
         verdicts = Verdicts(g, shared_lab, lab_namespace)
         verdicts.check()
         assert audit_detail(g)["writable"] is True
@@ -162,7 +165,7 @@ def test_audit_disk_read_only(shared_lab, lab_namespace, start_guard, disk, tmp_
     try:
         mount("-o", "remount,bind,ro", str(view))
         g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", str(view / "audit.db"),
-                         "--no-events", "--no-prepare"])  # waits for /readyz 200
+                         "--no-events", "--no-prepare", *UNBUDGETED])  # waits for /readyz 200
         verdicts = Verdicts(g, shared_lab, lab_namespace)
         verdicts.check()
         detail = audit_detail(g)

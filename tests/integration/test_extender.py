@@ -252,7 +252,7 @@ def test_fail_closed_rejects_when_undecided(start_guard, shared_lab, lab_namespa
     pytest.param("POST", "/preempt", b"[]", "application/json", 400, "request body must be a JSON object", id="preempt-array"),
     pytest.param("POST", "/validate/binding", b'{"kind":"Pod"}', "application/json", 400, "expected apiVersion",
                  id="review-not-a-review"),
-    pytest.param("POST", "/nowhere", b"{}", "application/json", 404, "The requested URL was not found", id="unknown-path"),
+    pytest.param("POST", "/nowhere", b"{}", "application/json", 404, "no such endpoint: the path must be exactly one of", id="unknown-path"),
 ])
 def test_bad_input_gets_a_4xx_with_a_reason(guard, method, path, body, ctype, status, reason):
     headers = {"Content-Type": ctype} if ctype else {}

@@ -140,6 +140,24 @@ def test_retention_deletes_are_safe_to_repeat(shared_lab, lab_namespace):
         b.close()
 
 
+def test_retention_by_count_keeps_the_record_naming_a_stale_replica_over_newer_forged_ones(lab):
+    """--audit-max-records (issue 25, hole 8): unconfirmed records go first, whatever their age."""
+    store = store_for(lab, 0, min_interval=0.0, max_records=2)
+    try:
+        now = time.time()
+        block(store, "default", "real", "uid-real", now - 100)
+        store.record_probe(uid="uid-real", replica="10.0.0.2:6443", serves=True, cache_resource_version="7",
+                           error=None, at=now - 99, namespace="default", name="real")
+        for i in range(3):  # forged names, each seen after the real ghost
+            block(store, "default", f"forged-{i}", f"uid-forged-{i}", now - 50 + i)
+        assert store.flush(20)
+        assert lab.wait_synced()
+        assert store.prune(now=now) == 2
+        assert sorted(r.name for r in store.records(namespace="default")) == ["forged-2", "real"]
+    finally:
+        store.close()
+
+
 # 10,000 (the issue's flood) took 110 s on the shared 2-core machine on 2026-12-01 (91 records/s, every record
 # written); the suite floods 3,000 to keep its wall time (the queue and writers are the same). Set FLOOD to
 # 10_000 to measure the issue's case again.

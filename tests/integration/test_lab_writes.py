@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from kubernetes.client import ApiException
 
@@ -95,7 +97,12 @@ def test_delete_with_uid_precondition(shared_lab, lab_namespace):
     with pytest.raises(ApiException) as e:
         api.delete_namespaced_pod("p", lab_namespace, body={"preconditions": {"uid": "not-it"}}, _request_timeout=5)
     assert e.value.status == 409
-    assert "Precondition failed: UID in precondition: not-it" in e.value.body
+    # rest.BeforeDelete's message, as the real v1.36 apiserver answers (docs/LAB.md "Lab fidelity")
+    uid = api.read_namespaced_pod("p", lab_namespace, _request_timeout=5).metadata.uid
+    assert json.loads(e.value.body)["message"] == (
+        f'Operation cannot be fulfilled on Pod "p": the UID in the precondition (not-it) does not match the UID in '
+        f"record ({uid}). The object might have been deleted and then recreated")
+    assert json.loads(e.value.body)["details"] == {"name": "p", "kind": "Pod"}
     deleted = api.delete_namespaced_pod("p", lab_namespace, grace_period_seconds=0, _request_timeout=5)
     assert deleted.metadata.name == "p"
     with pytest.raises(ApiException) as e:

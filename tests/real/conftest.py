@@ -9,13 +9,13 @@ nothing names binaries), the fixtures FAIL instead: a broken setup never skips s
 Fixture API (stable; scenario branches build on it):
 
 - ``kube_binaries`` (session): the :class:`guard.lab.real.binaries.KubeBinaries` found.
-- ``real_lab`` (function, on a control plane shared across modules): one started
+- ``real_lab`` (session; module-scoped fixtures may use it): one started
   :class:`guard.lab.real.controlplane.RealLab` for every test that asks for it: 2 replicas
   (``127.0.0.1``, ``127.0.0.2``, one port), a fault proxy per replica when ``guard.lab.real.etcdproxy``
   exists, no scheduler, no controller-manager. The real tier's tests are ordered so those using it run
-  in a row; it starts with the first and is closed after the last. Tests sharing it use their own
-  namespace (``real_namespace``) and clear the faults they set (done after each test by
-  ``real_namespace``'s teardown too: ``replicas[i].faults.clear()`` and stopped replicas restarted).
+  in a row; it starts with the first and is closed once no test left to run asks for it. Tests
+  sharing it use their own namespace (``real_namespace``) and clear the faults they set (done after each test on it too:
+  ``replicas[i].faults.clear()`` and stopped replicas restarted).
 - ``real_namespace`` (function): a fresh namespace (with its ``default`` ServiceAccount) in ``real_lab``.
 - ``real_lab_factory`` (function) / ``real_lab_module_factory`` (module):
   ``factory(replicas=2, scheduler=False, controller_manager=False, proxies=None, **RealLab options)``
@@ -121,7 +121,7 @@ def real_lab_module_factory(request: pytest.FixtureRequest, kube_binaries: KubeB
 
 class _SharedLab:
     """The session's shared 2-replica RealLab: started by the first test that asks for ``real_lab``, closed
-    after the last one in a row (or at the session's end), started again if a later test asks."""
+    once no test left to run asks for it (or at the session's end)."""
 
     def __init__(self) -> None:
         self.lab: RealLab | None = None
@@ -140,26 +140,33 @@ class _SharedLab:
 _shared = _SharedLab()
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures (module-scoped ones on real_lab too) are torn down
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    if _shared.lab is not None and not _uses_shared_lab(nextitem):
+    if _shared.lab is None or _uses_shared_lab(nextitem):
+        return
+    items = item.session.items
+    later = items[items.index(item) + 1:] if item in items else [nextitem]
+    if not any(_uses_shared_lab(i) for i in later):  # the run order as it is, whatever reordered it
         _shared.close()
 
 
 @pytest.fixture(scope="session")
-def _shared_real_lab() -> Iterator[_SharedLab]:
+def real_lab(kube_binaries: KubeBinaries) -> Iterator[RealLab]:
+    """The shared 2-replica RealLab (see the module docstring). After each test on it
+    (``_real_lab_after_test``): the logs printed if it failed, every fault cleared, a stopped replica
+    started again, so the next test finds the lab as it was."""
     try:
-        yield _shared
+        yield _shared.get(kube_binaries)
     finally:
         _shared.close()
 
 
-@pytest.fixture
-def real_lab(_shared_real_lab: _SharedLab, kube_binaries: KubeBinaries, request: pytest.FixtureRequest) -> Iterator[RealLab]:
-    """The shared 2-replica RealLab (see the module docstring). After each test: the logs printed if it
-    failed, every fault cleared, a stopped replica started again (the next test finds the lab as it was)."""
-    lab = _shared_real_lab.get(kube_binaries)
-    yield lab
+@pytest.fixture(autouse=True)
+def _real_lab_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    lab = _shared.lab
+    if lab is None or "real_lab" not in request.fixturenames:
+        return
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
         print(f"\n--- real lab logs ({lab.out_dir}) ---\n{lab.logs()}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from guard.identity import ROLE_OF_PATH, RolePolicy, certificate_names
+from guard.identity import ROLE_OF_ENDPOINT, ROLE_OF_PATH, RolePolicy, certificate_names, exact_route
 from guard.settings import Settings, SettingsError
 
 
@@ -47,8 +47,33 @@ def test_a_dns_san_matches_and_identities_are_configurable():
     assert policy.refuse("/filter", None)[1].startswith("client certificate (no CN or DNS name)")
 
 
-def test_unknown_paths_need_no_role():
-    assert RolePolicy.from_settings(Settings()).refuse("/nope", peer("anyone")) is None
+def test_a_path_that_is_no_route_is_refused_whatever_the_certificate():
+    policy = RolePolicy.from_settings(Settings())
+    for path in ("/nope", "//filter", "/filter/", "/FILTER"):
+        for cn in ("system:kube-scheduler", "ghost-guard-monitoring", "anyone"):
+            assert policy.refuse(path, peer(cn)) is not None, (path, cn)
+
+
+@pytest.mark.parametrize("raw", ["//filter", "///filter", "/%66ilter", "/%2Ffilter", "/./filter", "/a/../filter",
+                                 "/FILTER", "/filter/", "/filter;x", "/filter%00", "/filter#x",
+                                 "https://h/filter", "/filter%20"])
+def test_exact_route_refuses_every_other_spelling(raw):
+    # whatever the server decoded the target to, including the route itself
+    for decoded in ("/filter", raw.partition("?")[0]):
+        assert exact_route(raw, "", decoded) is None, (raw, decoded)
+
+
+def test_exact_route_takes_the_route_with_or_without_a_query():
+    for path in ROLE_OF_PATH:
+        assert exact_route(path, "", path) == path
+        assert exact_route(path + "?a=b&c", "", path) == path
+        assert exact_route(None, "", path) == path  # a server without RAW_URI: the decoded path decides
+        assert exact_route(path, "/prefix", path) is None  # a SCRIPT_NAME: not the route as declared
+    assert exact_route("/nope", "", "/nope") is None
+
+
+def test_every_route_has_the_role_of_its_endpoint():
+    assert set(ROLE_OF_ENDPOINT.values()) == set(ROLE_OF_PATH.values())
 
 
 @pytest.mark.parametrize("field", ["scheduler_identities", "apiserver_identities", "monitoring_identities"])

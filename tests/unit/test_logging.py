@@ -39,3 +39,16 @@ def test_log_lines_are_json_and_records_collect_no_caller_thread_or_process():
     for func, lineno, thread, process in seen:
         assert func == "(unknown function)" and lineno == 0  # no caller lookup (sys._getframe) per record
         assert thread is None and process is None
+
+
+def test_bidi_and_control_characters_are_escaped_in_the_log_line():
+    """A pod name a caller made up (U+202E, an isolate, a zero-width mark, a tag character, ESC) shows
+    escaped in the raw line; the JSON value is unchanged (issue 25, hole 7)."""
+    from guard.server import JsonFormatter
+    import logging
+
+    text = "pod a\u202eb \u2066c\u2069 d\u200be \U000e0001 \x1b[31m \x7f"
+    record = logging.LogRecord("guard.check", logging.WARNING, __file__, 1, "blocked %s", (text,), None)
+    line = JsonFormatter().format(record)
+    assert line.isascii() and "\n" not in line, line
+    assert json.loads(line)["msg"] == f"blocked {text}"

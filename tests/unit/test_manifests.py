@@ -4,8 +4,9 @@ other and with the guard's code (RBAC verbs, the extender fields
 KubeSchedulerConfiguration's ``extenders[]`` accepts, ports, paths, metric names).
 
 Rendering uses ``kubectl kustomize`` when it is installed and always the small
-renderer below (resources + JSON 6902 patches: the only kustomize features the
-manifests use; it refuses any other). Where both exist their output must be
+renderer below (resources, JSON 6902 patches, components and replacements from a
+local-config ConfigMap: the only kustomize features the manifests use; it refuses
+any other). Where both exist their output must be
 identical, so the renderer is checked against the real thing.
 """
 
@@ -28,7 +29,10 @@ from guard.verdict import Verdict
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
-KUSTOMIZATIONS = sorted(p.parent.relative_to(MANIFESTS).as_posix() for p in MANIFESTS.rglob("kustomization.yaml"))
+ALL_KUSTOMIZATIONS = sorted(p.parent.relative_to(MANIFESTS).as_posix() for p in MANIFESTS.rglob("kustomization.yaml"))
+COMPONENTS = [k for k in ALL_KUSTOMIZATIONS if yaml.safe_load((MANIFESTS / k / "kustomization.yaml").read_text())["kind"] == "Component"]
+KUSTOMIZATIONS = [k for k in ALL_KUSTOMIZATIONS if k not in COMPONENTS]  # a Component builds only inside a Kustomization
+LOCAL_CONFIG = "config.kubernetes.io/local-config"  # kustomize reads such an object and never emits it
 NODE_PODS = ["scheduler/kube-scheduler.yaml", "overlays/sidecar/node/kube-scheduler.yaml"]
 SCHEDULER_CONFIGS = ["scheduler/kube-scheduler-config.yaml", "overlays/sidecar/node/scheduler-config.yaml"]
 CRD_KINDS = {"PrometheusRule", "ServiceMonitor"}  # monitoring.coreos.com: no schema in kubernetes-validate
@@ -68,21 +72,60 @@ def _json6902(obj: dict, ops: list[dict]) -> None:
             raise ValueError(f"unsupported JSON 6902 op {op['op']!r}")
 
 
-def render(directory: Path) -> list[dict]:
+def _patch(directory: Path, objs: list[dict], patch: dict) -> None:
+    target, ops = patch["target"], yaml.safe_load(patch["patch"])
+    hits = [o for o in objs if o["kind"] == target["kind"] and o["metadata"]["name"] == target.get("name", o["metadata"]["name"])
+            and o["metadata"].get("namespace") == target.get("namespace", o["metadata"].get("namespace"))]
+    assert hits, f"{directory}: patch target {target} matches nothing"
+    for o in hits:
+        _json6902(o, ops)
+
+
+def _replace(directory: Path, objs: list[dict], rep: dict) -> None:
+    """A replacement from one field of one object (a dotted fieldPath) into dotted fieldPaths of the targets."""
+    src = rep["source"]
+    sources = [o for o in objs if o["kind"] == src["kind"] and o["metadata"]["name"] == src["name"]]
+    assert len(sources) == 1, f"{directory}: nothing selected by {src['kind']}/{src['name']}:{src['fieldPath']}"
+    value = sources[0]
+    for key in src["fieldPath"].split("."):
+        value = value[int(key)] if isinstance(value, list) else value[key]
+    for target in rep["targets"]:
+        sel = target["select"]
+        hits = [o for o in objs if o["kind"] == sel["kind"] and o["metadata"]["name"] == sel.get("name", o["metadata"]["name"])
+                and o["metadata"].get("namespace") == sel.get("namespace", o["metadata"].get("namespace"))]
+        assert hits, f"{directory}: replacement target {sel} matches nothing"
+        for o in hits:
+            for field in target["fieldPaths"]:
+                *parents, last = field.split(".")
+                node = o
+                for key in parents:
+                    node = node[int(key)] if isinstance(node, list) else node[key]
+                node[int(last) if isinstance(node, list) else last] = copy.deepcopy(value)
+
+
+def render(directory: Path, *, top: bool = True) -> list[dict]:
     k = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unsupported = set(k) - {"apiVersion", "kind", "resources", "patches"}
+    unsupported = set(k) - {"apiVersion", "kind", "resources", "patches", "components", "replacements"}
     assert not unsupported, f"{directory}: the test renderer does not implement {sorted(unsupported)}"
+    assert k["kind"] == "Kustomization", f"{directory}: a {k['kind']} is not built alone"
     objs: list[dict] = []
     for ref in k.get("resources", []):
         path = (directory / ref).resolve()
-        objs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+        objs += render(path, top=False) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
     for patch in k.get("patches", []):
-        target, ops = patch["target"], yaml.safe_load(patch["patch"])
-        hits = [o for o in objs if o["kind"] == target["kind"] and o["metadata"]["name"] == target.get("name", o["metadata"]["name"])
-                and o["metadata"].get("namespace") == target.get("namespace", o["metadata"].get("namespace"))]
-        assert hits, f"{directory}: patch target {target} matches nothing"
-        for o in hits:
-            _json6902(o, ops)
+        _patch(directory, objs, patch)
+    for rep in k.get("replacements", []):
+        _replace(directory, objs, rep)
+    for ref in k.get("components", []):  # after this kustomization's own resources and patches, as kustomize does
+        path = (directory / ref).resolve()
+        comp = yaml.safe_load((path / "kustomization.yaml").read_text())
+        assert comp["kind"] == "Component" and set(comp) <= {"apiVersion", "kind", "patches", "replacements"}, path
+        for patch in comp.get("patches", []):
+            _patch(path, objs, patch)
+        for rep in comp.get("replacements", []):
+            _replace(path, objs, rep)
+    if top:
+        objs = [o for o in objs if (o["metadata"].get("annotations") or {}).get(LOCAL_CONFIG) != "true"]
     ids = [ident(o) for o in objs]
     assert len(ids) == len(set(ids)), f"{directory}: duplicate objects"
     return objs
@@ -125,13 +168,16 @@ EXPECTED["rbac"] = {i for i in EXPECTED["base"] if i[0] in ("ClusterRole", "Clus
 EXPECTED["crd"] = {("CustomResourceDefinition", "", "ghostpods.kube-ghost-guard.io")}
 EXPECTED["overlays/deployment"] = EXPECTED["base"]
 EXPECTED["overlays/deployment-webhook"] = EXPECTED["base"] | EXPECTED["webhook"]
-EXPECTED["heal"] = {("ClusterRole", "", "ghost-guard-heal"), ("ClusterRoleBinding", "", "ghost-guard-heal")}
+EXPECTED["heal"] = {("ClusterRole", "", "ghost-guard-heal"), ("ClusterRoleBinding", "", "ghost-guard-heal"),
+                    ("ValidatingAdmissionPolicy", "", "ghost-guard-heal"),
+                    ("ValidatingAdmissionPolicyBinding", "", "ghost-guard-heal")}
 EXPECTED["overlays/deployment-heal"] = EXPECTED["base"] | EXPECTED["heal"]
 EXPECTED["overlays/sidecar"] = EXPECTED["rbac"] | EXPECTED["crd"]
 
 
 def test_every_kustomization_is_known():
     assert KUSTOMIZATIONS == sorted(EXPECTED)
+    assert COMPONENTS == ["components/control-plane-cidr"]
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
@@ -230,6 +276,35 @@ def test_the_heal_overlay_adds_exactly_the_pod_writes_and_turns_heal_on(rendered
     assert args_to_settings(container["args"]).heal is True
     (default,) = one(rendered["base"], "Deployment")["spec"]["template"]["spec"]["containers"]
     assert args_to_settings(default["args"]).heal is False
+
+
+def test_heal_admission_policy_names_what_heal_writes(rendered):
+    """The ValidatingAdmissionPolicy (manifests/heal) spells the placeholder the code makes, the one annotation it
+    patches, and the identities heal runs as; it ships with the heal overlay. Its behaviour is tested on a real
+    apiserver (tests/real/test_manifests_real.py)."""
+    from guard import healing
+
+    for k in ("heal", "overlays/deployment-heal"):
+        policy, binding = one(rendered[k], "ValidatingAdmissionPolicy"), one(rendered[k], "ValidatingAdmissionPolicyBinding")
+        assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+        assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["pods", "pods/*"] and {"CREATE", "UPDATE", "DELETE"} <= set(rule["operations"])
+    (cond,) = spec["matchConditions"]
+    sa = one(rendered["base"], "ServiceAccount")["metadata"]
+    assert f"'system:serviceaccount:{sa['namespace']}:{sa['name']}'" in cond["expression"]
+    assert f"'{SIDECAR_USER}'" in cond["expression"]
+    text = yaml.safe_dump(spec)
+    body = healing.placeholder_pod("n", ["u"], at="t")
+    assert f"'{healing.PLACEHOLDER_IMAGE}'" in text and f"'{healing.PLACEHOLDER_GATE}'" in text
+    assert f"'{healing.HEAL_ANNOTATION}'" in text
+    for key, value in body["metadata"]["labels"].items():
+        assert f"'{key}'" in text, key
+        if key != healing.GHOST_UID_KEY:
+            assert f"'{value}'" in text, value
+    assert [c["name"] for c in body["spec"]["containers"]] == ["placeholder"] and "c.name == 'placeholder'" in text
 
 
 @pytest.mark.parametrize("kustomization,subject", [
@@ -331,66 +406,101 @@ def test_pdb_service_networkpolicy_match_the_pods(base, pod):
     assert np["spec"]["policyTypes"] == ["Ingress"]
 
 
-CONTROL_PLANE_PLACEHOLDER = "REPLACE_WITH_CONTROL_PLANE_CIDR"
+ANY_SOURCE = [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}]
 
 
-def test_networkpolicy_admits_the_control_plane_to_the_verbs_and_monitoring_to_the_metrics(base, pod):
+def test_networkpolicy_admits_the_verbs_from_any_address_and_monitoring_to_the_metrics(base, pod):
+    """As shipped, rule 1 admits any address (every overlay applies unchanged; the client certificate is what
+    authenticates); the control-plane-cidr component narrows it (docs/INSTALL.md, step 3)."""
     np = one(base, "NetworkPolicy")
     (container,) = pod["spec"]["containers"]
     serving = {p["containerPort"] for p in container["ports"]}
     verbs, scrape = np["spec"]["ingress"]
     for rule in (verbs, scrape):
-        assert rule["from"], "a rule without `from` admits every source"
+        assert rule["from"], "the component replaces /spec/ingress/0/from: it must be there"
         assert {(p["protocol"], p["port"]) for p in rule["ports"]} <= {("TCP", port) for port in serving}
-    # 1. verbs: only from the control plane's addresses, a placeholder until the installer sets them
-    assert verbs["from"] == [{"ipBlock": {"cidr": CONTROL_PLANE_PLACEHOLDER}}]
+    assert verbs["from"] == ANY_SOURCE
     assert verbs["ports"] == [{"protocol": "TCP", "port": args_to_settings(container["args"]).host_port()[1]}]
     # 2. metrics: only from the monitoring namespace (by the label every namespace carries)
     assert scrape["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     assert len(scrape["ports"]) == 1
 
 
-def test_control_plane_placeholder_is_not_a_cidr_and_install_replaces_it():
-    """A forgotten placeholder must be an apply error (the apiserver validates ipBlock.cidr), not a policy that
-    silently drops kube-scheduler's calls; docs/INSTALL.md shows the patch that replaces it."""
-    with pytest.raises(ValueError):
-        ipaddress.ip_network(CONTROL_PLANE_PLACEHOLDER)
-    assert CONTROL_PLANE_PLACEHOLDER in (REPO / "docs/INSTALL.md").read_text()
+def _walk(node):
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
 
 
-def install_site_overlay(directory: Path) -> Path:
-    """docs/INSTALL.md's own overlay (step 3: the heredoc, with the monitoring-namespace op appended), written
-    under ``directory`` next to a ``manifests`` link to this checkout, as a platform engineer would have it."""
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_shipped_value_the_apiserver_checks_is_valid(rendered, kustomization):
+    """What kubernetes-validate's schemas do not check and the apiserver does: every ipBlock CIDR (and its
+    excepts) parses, and no placeholder is left for the installer (the REPLACE_WITH_CONTROL_PLANE_CIDR the
+    apiserver refused, issue 24). Server-side, tests/real/test_manifests_real.py dry-runs every overlay."""
+    for o in rendered[kustomization]:
+        assert "REPLACE_WITH" not in yaml.safe_dump(o), ident(o)
+        for node in _walk(o):
+            if "ipBlock" in node:
+                block = node["ipBlock"]
+                for cidr in [block["cidr"], *block.get("except", [])]:
+                    ipaddress.ip_network(cidr)  # strict: host bits set is an error, as in the apiserver
+
+
+def install_site_overlay(directory: Path, base: str = "deployment") -> Path:
+    """docs/INSTALL.md's own overlay (step 3: the two heredocs, with the monitoring-namespace patch appended),
+    written under ``directory`` next to a ``manifests`` link to this checkout, as a platform engineer would."""
     install = (REPO / "docs/INSTALL.md").read_text()
-    m = re.search(r"^    cat > ghost-guard-site/kustomization.yaml <<'EOF'\n(.*?)^    EOF$", install, re.S | re.M)
-    assert m, "docs/INSTALL.md lost its site overlay"
-    text = "\n".join(line.removeprefix("    ") for line in m.group(1).splitlines())
-    extra = re.search(r"^(        - op: replace\n          path: /spec/ingress/1/from/.*?\n          value: .*?)$", install, re.M | re.S)
-    assert extra, "docs/INSTALL.md lost the monitoring-namespace op"
-    text += "\n" + "\n".join(line.removeprefix("    ") for line in extra.group(1).splitlines()) + "\n"
-    (directory / "manifests").symlink_to(MANIFESTS)
     site = directory / "ghost-guard-site"
     site.mkdir()
-    (site / "kustomization.yaml").write_text(text)
+    for name in ("kustomization.yaml", "control-plane.yaml"):
+        m = re.search(rf"^    cat > ghost-guard-site/{name} <<'EOF'\n(.*?)^    EOF$", install, re.S | re.M)
+        assert m, f"docs/INSTALL.md lost its site overlay's {name}"
+        text = "\n".join(line.removeprefix("    ") for line in m.group(1).splitlines()) + "\n"
+        if name == "kustomization.yaml":
+            text = text.replace("overlays/deployment\n", f"overlays/{base}\n")
+            extra = re.search(r"^    (patches:\n.*?)\n\n", install[install.index("If Prometheus runs in another namespace"):], re.M | re.S)
+            assert extra, "docs/INSTALL.md lost the monitoring-namespace patch"
+            text += "\n".join(line.removeprefix("    ") for line in extra.group(1).splitlines()) + "\n"
+        (site / name).write_text(text)
+    (directory / "manifests").symlink_to(MANIFESTS)
     return site
 
 
-def test_install_site_overlay_sets_the_cidrs(tmp_path):
+SITE_CIDR = "10.0.0.0/24"  # the example in docs/INSTALL.md
+
+
+def test_install_site_overlay_sets_the_cidr(tmp_path):
     site = install_site_overlay(tmp_path)
     objs = render(site)
-    assert {ident(o) for o in objs} == EXPECTED["overlays/deployment"]
+    assert {ident(o) for o in objs} == EXPECTED["overlays/deployment"]  # the local-config ConfigMap is not sent
     np = one(objs, "NetworkPolicy")
     kubernetes_validate.validate(np, K8S_VERSIONS[-1], strict=True)
     verbs, scrape = np["spec"]["ingress"]
-    cidrs = [peer["ipBlock"]["cidr"] for peer in verbs["from"]]
-    assert cidrs and all(ipaddress.ip_network(c) for c in cidrs)  # the placeholder is gone: every entry is a CIDR
+    assert verbs["from"] == [{"ipBlock": {"cidr": SITE_CIDR}}]
     assert verbs["ports"] == one(render(MANIFESTS / "base"), "NetworkPolicy")["spec"]["ingress"][0]["ports"]
-    (peer,) = scrape["from"]
-    assert set(peer) == {"namespaceSelector"} and list(peer["namespaceSelector"]["matchLabels"]) == ["kubernetes.io/metadata.name"]
+    assert scrape["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "YOUR-MONITORING-NAMESPACE"}}}]
     if shutil.which("kubectl"):
         out = subprocess.run(["kubectl", "kustomize", str(site)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert sorted((d for d in yaml.safe_load_all(out.stdout) if d), key=ident) == sorted(objs, key=ident)
+
+
+def test_component_without_its_cidr_fails_to_build(tmp_path):
+    """Forgetting the CIDR is a build error before anything reaches the cluster, never a half-applied install."""
+    site = install_site_overlay(tmp_path)
+    (site / "control-plane.yaml").unlink()
+    k = yaml.safe_load((site / "kustomization.yaml").read_text())
+    k["resources"].remove("control-plane.yaml")
+    (site / "kustomization.yaml").write_text(yaml.safe_dump(k))
+    with pytest.raises(AssertionError, match="nothing selected by ConfigMap/ghost-guard-control-plane"):
+        render(site)
+    if shutil.which("kubectl"):
+        out = subprocess.run(["kubectl", "kustomize", str(site)], capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "nothing selected" in out.stderr
 
 
 def test_critical_priority_quota_covers_the_rollout(base, pod):
@@ -669,7 +779,7 @@ def test_prometheus_rules_use_real_metrics(rendered):
     assert set(alerts) == {"GhostGuardGhostsBlocked", "GhostGuardStaleApiserverReplica", "GhostGuardFailingOpen",
                            "GhostGuardDown", "GhostGuardPodsMissingFromReplica", "GhostGuardApiserverReplicaFrozen",
                            "GhostGuardReplicaWatchDown", "GhostGuardAuditStoreUnwritable", "GhostGuardHealFailing",
-                           "GhostGuardAuditRecordsDropped"}
+                           "GhostGuardAuditRecordsDropped", "GhostGuardForgedGhosts"}
     used = set()
     for a in alerts.values():
         assert set(a) == {"alert", "expr", "for", "labels", "annotations"}

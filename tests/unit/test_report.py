@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import json
+import shlex
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from guard.attribution import ReplicaObservation
+from guard.names import hidden, pastable, shell_line, visible
 from guard.records import AuditRecord, HealAttempt, ReplicaState
 from guard.report import (
+    build_report,
     format_time,
+    heal_advice,
     new_ghost_line,
     parse_since,
     render_diagnosis,
     render_records,
+    remediation_commands,
     render_report,
 )
 
@@ -184,7 +192,9 @@ def test_table_cells_cannot_break_lines_or_inject_escapes() -> None:
                        first_seen=T0, last_seen=T0, times_blocked=1, replicas=())
     out = render_records([evil], "table")
     assert "\x1b" not in out
-    assert out.splitlines()[1] == "2026-05-28T20:26:40Z  ns         a b   unknown  1        2026-05-28T20:26:40Z  -               u [31m"
+    # escaped, so what the table shows is what the record holds (guard.names.visible)
+    assert out.splitlines()[1] == ("2026-05-28T20:26:40Z  ns         a b   unknown  1        2026-05-28T20:26:40Z  -"
+                                   "               u\\x1b[31m")
 
 
 # -- ghost-guard report ----------------------------------------------------------------
@@ -355,7 +365,7 @@ def probe(replica: str, serves: bool | None, rv: str | None = None, error: str |
                 "Pod default/web-1",
                 "SOURCE       SERVED-BY                  RESULT",
                 "quorum GET   etcd (no resourceVersion)  404 NotFound",
-                f"watch cache  {A}     error: [2J evil second line",
+                f"watch cache  {A}     error: \\x1b[2J evil second line",
                 "verdict: consistent",
                 f"unchecked: {A} (error)",
             ],
@@ -448,3 +458,61 @@ def test_audit_and_report_show_heal_attempts_newest_first() -> None:
         {"at": "2026-05-28T20:27:45Z", "action": "placeholder", "outcome": "healed", "detail": "every replica agrees"}]
     assert "Heal attempts (ghost-guard serve --heal), newest first:" in render_report([healed], "table")
     assert "Heal attempts" not in render_records([WEB], "table") + render_report([WEB], "table")
+
+
+# -- what operators paste (issue 25, hole 7) -----------------------------------------------------
+
+_label = st.from_regex(r"[a-z0-9]([-a-z0-9]{0,20}[a-z0-9])?", fullmatch=True)
+api_names = st.lists(_label, min_size=1, max_size=3).map(".".join)  # every name the API allows is such a subdomain
+hostile = st.sampled_from(["x$(touch${IFS}/tmp/PWNED)", "`id`", "a;rm -rf ~", "'", '"', "a b", "-rf", "$HOME", "*",
+                           "a\u202eb", "\u2066x\u2069", "a\u200eb", "\u061c", "a\nb", "a\x1b[31m", "a\x00", "\\", "#",
+                           "a\u2028b", "\ufeff"])
+any_names = api_names | hostile | st.text(min_size=1, max_size=20)
+
+
+def _no_hidden(text: str) -> bool:
+    return all(c == "\n" or not hidden(c) for c in text)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(namespace=any_names, name=any_names)
+def test_remediation_lines_are_safe_to_paste(namespace: str, name: str) -> None:
+    """Every command in ``report`` and ``diagnose`` output shlex.splits back to exactly the intended argv
+    (nothing else runs when it is pasted) and no output holds a bidirectional or control character; a
+    name that cannot be pasted safely is left out of the commands and shown escaped."""
+    pod = f"{namespace}/{name}"
+    for rec in (replace(WEB, namespace=namespace, name=name), replace(OLD, namespace=namespace, name=name)):
+        report = build_report([rec])
+        steps = report["remediation"]
+        assert steps and all(_no_hidden(s) for s in steps), steps
+        assert _no_hidden(render_report([rec], "table"))
+        commands = remediation_commands(report["stale_replicas"], report["unattributed_ghosts"])
+        if pastable(pod):
+            assert ["ghost-guard", "heal", pod] in commands and ["ghost-guard", "diagnose", pod] in commands
+        else:
+            assert all(pod not in argv for argv in commands)
+            assert any(visible(pod) in s for s in steps), steps
+        for argv in commands:
+            line = shell_line(argv)
+            assert shlex.split(line) == argv
+            assert any(line in s for s in steps), (line, steps)
+    advice = heal_advice(namespace, name)
+    assert _no_hidden(advice)
+    if pastable(pod):
+        assert advice.startswith(shell_line(["ghost-guard", "heal", pod]) + " (")
+        assert shlex.split(advice.split(" (", 1)[0] if "'" not in advice else advice[:len(shell_line(
+            ["ghost-guard", "heal", pod]))]) == ["ghost-guard", "heal", pod]
+    obs = [ReplicaObservation(B, True, "100", None, T0)]
+    out = render_diagnosis(namespace=namespace, name=name, quorum_status=404, quorum_detail="NotFound",
+                           observations=obs)
+    assert _no_hidden(out)
+
+
+def test_a_name_built_to_run_code_is_quoted() -> None:
+    rec = replace(WEB, name="x$(touch${IFS}/tmp/PWNED)")
+    steps = build_report([rec])["remediation"]
+    assert "ghost-guard heal 'default/x$(touch${IFS}/tmp/PWNED)' (" in steps[0]
+    assert "ghost-guard diagnose 'default/x$(touch${IFS}/tmp/PWNED)' (" in steps[1]
+    bidi = replace(WEB, name="a\u202eb")
+    steps = build_report([bidi])["remediation"]
+    assert "\u202e" not in "".join(steps) and "default/a\\u202eb" in steps[0]
