@@ -603,7 +603,8 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
 @setting("--apiserver-server-name", help="TLS server name verified when dialling a replica by IP.")
 @option("--timeout", type=float, default=10.0,
         help="Seconds per pod, from the first read to the last check of every replica.")
-@option("--probe-timeout", type=float, default=2.0, help="Seconds allowed for each read.")
+@option("--probe-timeout", type=float, default=5.0,
+        help="Seconds allowed for each read (a slower read counts that replica unreadable: not healed).")
 @click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", help="Output format.")
 def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | None, apiserver_replicas: str | None,
          apiserver_server_name: str, timeout: float, probe_timeout: float, output: str) -> None:
@@ -717,7 +718,8 @@ def lab(replicas: int, drop_deletes: str | None, port: int | None, out_dir: str 
 
 
 @main.command("demo", short_help="Reproduce the ghost-pod incident; the guard breaks the loop.")
-@option("--seconds", type=float, default=6.0, help="How long each phase (without, then with the guard) runs.")
+@option("--seconds", type=float, default=6.0,
+        help="How long each phase (without, then with the guard) runs (with --kube-bin: at least until it shows its point).")
 @click.option("--kube-bin", default=None, metavar="DIR|TARBALL", help=KUBE_BIN_HELP)
 def demo(seconds: float, kube_bin: str | None) -> None:
     """Reproduce the ghost-pod incident on a local lab, then break the loop with the guard.

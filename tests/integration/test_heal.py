@@ -114,6 +114,19 @@ def test_a_deleted_ghost_is_healed_with_two_writes_and_the_loop_stops(lab, world
     loop_stopped(sched, f"{NS}/web-0", ghost)
 
 
+def test_a_replica_slower_than_the_former_2s_probe_timeout_is_healed_with_the_default(lab):
+    """``--probe-timeout`` (default 5 s) bounds each read, not the command: a busy replica whose cache reads take
+    2.5 s (a real one under load took longer) is healed, not reported unreadable (as with the former 2 s)."""
+    ghost = make_ghost(lab, NS, "web-0", stale=1)
+    lab.replicas[1].faults.clear()  # the watch lost the delete and flows on
+    lab.replicas[1].faults.add("latency", method="GET", path=PODS, seconds=2.5)
+    rc, doc, err = heal(lab, f"{NS}/web-0", "--timeout", "30")
+    assert rc == 0, (doc, err)
+    (res,) = doc["results"]
+    assert (res["action"], res["outcome"], res["ghostUIDs"]) == ("placeholder", "healed", [ghost])
+    assert all(r["agrees"] for r in res["replicas"]) and len(res["replicas"]) == 3
+
+
 def test_a_replaced_ghost_is_healed_by_one_annotation_on_the_live_pod(lab, world):
     """No scheduler here: kube-scheduler's own status patch after a failed bind goes by name without a UID
     precondition, so it writes the live pod and heals the cache itself (any real write to the key replaces the

@@ -73,10 +73,12 @@ def test_lab_command_names_unusable_binaries(tmp_path):
     assert (r.returncode, r.stderr) == (2, f"ghost-guard lab: --kube-bin={tmp_path}: no kube-apiserver in {tmp_path}\n")
 
 
-def test_demo_on_real_kubernetes(kube_binaries):
+def test_demo_on_real_kubernetes(kube_binaries, real_lab):
+    """The demo end to end, on the shared control plane (``ghost-guard demo`` starts its own the same way), each
+    phase just long enough to show its point; the ghost loop's finer assertions are in test_scenarios_real."""
     from guard.lab.real.demo import run_real_demo
 
     out = io.StringIO()
-    assert run_real_demo(kube_binaries, out, seconds=5.0) == 0, out.getvalue()
+    assert run_real_demo(kube_binaries, out, seconds=0.0, lab=real_lab) == 0, out.getvalue()
     text = out.getvalue()
     assert "after heal: replica 1 serves default/web-1: no; replica 1 restarted: no" in text, text

@@ -4,8 +4,8 @@ ghosts exactly as in the incident), the real kube-controller-manager and, per te
 kube-scheduler with the product's KubeSchedulerConfiguration, with or without a real ``ghost-guard serve``
 (HTTPS + mTLS) as its extender.
 
-One control plane and one guard serve the whole module (starting them is most of the cost); each test
-works in its own namespace and on its own Nodes (a label per test, every pod selects it), stops its
+One control plane and one guard serve the whole module (starting them is most of the cost; the ghost-loop
+test runs here too); each test works in its own namespace and on its own Nodes (a label per test, every pod selects it), stops its
 scheduler, clears the replicas' faults and heals the ghosts it left, so the next test starts clean.
 Nothing here sleeps: every wait polls the state it asserts about (guard metrics and logs, apiserver
 reads, the real apiserver's ``apiserver_request_total``).
@@ -196,10 +196,14 @@ class Scenario:
         return self.apiserver("apiserver_request_total", replica, verb="POST", resource="pods",
                               subresource="binding", code=code)
 
-    def scheduler(self, *, guarded: bool) -> None:
+    def scheduler(self, *, guarded: bool, preempt: bool = True) -> None:
         """The real kube-scheduler on replica STALE (the product's configuration; the guard as its extender
-        when ``guarded``)."""
-        self.lab.start_scheduler(self.guard.extender() if guarded else None, replica=STALE)
+        when ``guarded``; ``preempt=False``: registered without the preempt verb, filter only)."""
+        self.lab.start_scheduler(self.guard.extender(preempt=preempt) if guarded else None, replica=STALE)
+
+    def bound(self, name: str) -> str:
+        """The node the pod is bound to (a quorum read), "" while pending or gone."""
+        return ((self.quorum(name) or {}).get("spec") or {}).get("nodeName") or ""
 
     def heal(self, *args: str) -> tuple[int, dict[str, Any], str]:
         """``ghost-guard heal ARGS -o json`` (in-process, tests/clirun.py): (exit status, output, stderr)."""
@@ -262,6 +266,31 @@ def t(world, request):
         yield test
 
 
+# --- the ghost loop -----------------------------------------------------------------------------------------
+
+
+def test_the_guard_stops_the_real_scheduler_loop(t):
+    """With the guard as extender (the product's configuration, HTTPS, mTLS): at most one binding 404 for the
+    ghost while live pods still schedule; each new Node makes kube-scheduler try the ghost again, and the
+    guard answer again. (The loop without the guard, binding 404s counted from the stale apiserver's
+    ``apiserver_request_total``, is shown by the eviction test below and by the demo's test.)"""
+    t.node("a")
+    ghost = t.ghost("web-1")
+    blocked_before = t.guard.metric("ghost_guard_ghosts_blocked_total")
+    before = t.binds("404")
+    t.scheduler(guarded=True)
+    t.pod("live-after")
+    eventually(lambda: t.bound("live-after"), WAIT, what="the live pod bound through the guard", process=t.guard)
+    eventually(lambda: t.blocked(ghost, "/filter"), WAIT, what="the ghost blocked by the guard", process=t.guard)
+    for k in range(2):  # rejected on every node, the ghost waits for a cluster event: a new Node is one
+        seen = len(t.blocked(ghost, "/filter"))
+        t.node(f"extra-{k}")
+        eventually(lambda: len(t.blocked(ghost, "/filter")) > seen, WAIT,
+                   what=f"the ghost tried again after extra-{k}", process=t.guard)
+    assert t.binds("404") - before <= 1
+    assert t.guard.metric("ghost_guard_ghosts_blocked_total") - blocked_before == 1
+
+
 # --- preemption ---------------------------------------------------------------------------------------------
 
 
@@ -298,6 +327,21 @@ def test_a_ghost_that_fits_only_by_eviction_evicts_a_pod_without_the_guard_and_n
     assert t.access(ghost, "/filter") == []  # NodeResourcesFit failed the node: only the preempt verb helps
     assert not [e for e in t.access(live["metadata"]["uid"]) if e.get("verdict") in BLOCKING]
     assert t.events("Preempted", victim["metadata"]["uid"]) == []
+
+
+def test_a_filter_only_guard_lets_a_ghost_that_fits_only_by_eviction_evict_a_pod(t):
+    """Why the product registers the preempt verb: with the filter verb alone, NodeResourcesFit rejects the
+    node before the extender is asked, DefaultPreemption (which skips an extender without the preempt verb)
+    evicts the real pod for the ghost, and only then is the ghost's filter call refused."""
+    node = t.node("n", cpu="2")
+    victim = t.pod("batch", cpu="1500m", priority_class=LOW, node_name=node)
+    ghost = t.ghost("web-1", cpu="1", priority_class=HIGH)
+    t.scheduler(guarded=True, preempt=False)
+    eventually(lambda: t.quorum("batch") is None, WAIT, what="the victim evicted for the ghost")
+    eventually(lambda: t.events("Preempted", victim["metadata"]["uid"]), WAIT, what="the victim's Preempted Event")
+    eventually(lambda: t.blocked(ghost, "/filter"), WAIT, what="the ghost refused by the filter verb, too late",
+               process=t.guard)
+    assert t.access(ghost, "/preempt") == []  # never asked: no preempt verb
 
 
 def test_a_live_high_priority_pod_still_preempts_with_the_guard(t):

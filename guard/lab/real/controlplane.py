@@ -270,8 +270,9 @@ def _proxy_class() -> Any | None:
 def render_scheduler_config(kubeconfig: str, extender: ExtenderConfig | None, *, initial_backoff: int | None = None,
                             max_backoff: int | None = None, source: Path = PRODUCT_SCHEDULER_CONFIG) -> dict[str, Any]:
     """The product's KubeSchedulerConfiguration (``manifests/scheduler/kube-scheduler-config.yaml``) for the lab:
-    its kubeconfig, leader election off, the extender entry's ``urlPrefix`` and ``tlsConfig`` files from
-    ``extender`` (everything else as shipped, ``serverName`` included); ``extender=None``: no extender at all.
+    its kubeconfig, leader election off, the extender entry's ``urlPrefix``, ``filterVerb``/``preemptVerb`` (an
+    empty verb: left out, never called) and ``tlsConfig`` files from ``extender`` (everything else as shipped,
+    ``serverName`` included); ``extender=None``: no extender at all.
     ``initial_backoff``/``max_backoff``: ``podInitialBackoffSeconds``/``podMaxBackoffSeconds`` (real fields)."""
     import yaml  # PyYAML: a dependency of the kubernetes client
 
@@ -288,6 +289,13 @@ def render_scheduler_config(kubeconfig: str, extender: ExtenderConfig | None, *,
         return cfg
     (entry,) = cfg["extenders"]
     entry["urlPrefix"] = extender.url_prefix
+    # The verbs are the caller's (``GuardProcess.extender(preempt=False)``: a filter-only registration);
+    # an empty verb is left out, as kube-scheduler then never calls it.
+    for key, verb in (("filterVerb", extender.filter_verb), ("preemptVerb", extender.preempt_verb)):
+        if verb:
+            entry[key] = verb
+        else:
+            entry.pop(key, None)
     entry["enableHTTPS"] = extender.enable_https
     if extender.enable_https and extender.tls_config is not None:
         tls = entry.setdefault("tlsConfig", {})

@@ -12,12 +12,17 @@
 4. **heal**: ``ghost-guard heal default/web-1`` (the product command, as a process) replaces the stale
    copy in replica 1's cache: the ghost is gone from it, and replica 1 was not restarted.
 
+Each phase lasts ``seconds`` and at least until it shows its point: the first until two binding 404s
+(or two minutes), the second until one new Node made the scheduler try the ghost again
+(``seconds=0``: just that; the test suite runs it so).
+
 Returns 0 only when all of that holds (at least two binding 404s without the guard, at most one
 with it, both live pods bound, replica 1 healed in place), 1 otherwise, 2 if the demo could not run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -26,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from guard.lab.harness import GuardProcess, create, eventually, make_ghost, node_manifest, pod_manifest
+from guard.lab.harness import GuardProcess, NotReached, create, eventually, make_ghost, node_manifest, pod_manifest
 from guard.lab.real.binaries import KubeBinaries
 from guard.lab.real.controlplane import RealLab
 
@@ -40,8 +45,13 @@ def _bound(lab: RealLab, name: str) -> str:
     return lab.core_v1(0).read_namespaced_pod(name, "default", _request_timeout=10).spec.node_name or ""
 
 
-def run_real_demo(binaries: KubeBinaries, out: IO[str] = sys.stdout, *, seconds: float = 10.0) -> int:
-    """Run the incident on real Kubernetes without, then with the guard, then heal; print a table."""
+def run_real_demo(binaries: KubeBinaries, out: IO[str] = sys.stdout, *, seconds: float = 10.0,
+                  lab: RealLab | None = None) -> int:
+    """Run the incident on real Kubernetes without, then with the guard, then heal; print a table.
+
+    ``lab``: a started 2-replica RealLab (each replica behind its fault proxy, no scheduler) to run on
+    instead of starting one, left running (the test suite shares one; the demo uses ``default/web-*``
+    and Nodes ``node-a``, ``node-b``, ``node-extra-*``)."""
     started = time.monotonic()
     guards: list[GuardProcess] = []
 
@@ -51,15 +61,16 @@ def run_real_demo(binaries: KubeBinaries, out: IO[str] = sys.stdout, *, seconds:
 
     try:
         with tempfile.TemporaryDirectory(prefix="ghost-guard-demo-") as tmp:
-            say(f"ghost-guard demo (real Kubernetes from {binaries.dir}): starting etcd and 2 kube-apiserver replicas ...")
-            with RealLab(replicas=2, kube_bin=binaries) as lab:
+            if lab is None:
+                say(f"ghost-guard demo (real Kubernetes from {binaries.dir}): starting etcd and 2 kube-apiserver replicas ...")
+            with contextlib.nullcontext(lab) if lab is not None else RealLab(replicas=2, kube_bin=binaries) as real:
                 try:
-                    ok = _scenario(lab, Path(tmp), say, seconds, guards)
+                    ok = _scenario(real, Path(tmp), say, seconds, guards)
                 except Exception as e:  # noqa: BLE001 (NotReached is an AssertionError) - the demo reports, never tracebacks at the user
                     say(f"\ndemo failed: {type(e).__name__}: {e}")
                     if guards:
                         say("guard log (tail):\n" + guards[0].logs()[-2000:])
-                    say(lab.logs(10))
+                    say(real.logs(10))
                     return 2
                 finally:
                     for g in guards:
@@ -94,9 +105,13 @@ def _scenario(lab: RealLab, workdir: Path, say: Callable[[str], None], seconds: 
     try:
         create(lab.core_v1(0), pod_manifest("web-2"))
         eventually(lambda: _bound(lab, "web-2"), 120, what="web-2 bound")
+        # for ``seconds``, and at least until the loop shows (two binding 404s; bounded)
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            time.sleep(0.5)
+        try:
+            eventually(lambda: time.monotonic() >= end and lab.binding_404s(STALE) - base >= 2, seconds + 120,
+                       what="two binding 404s for the ghost", interval=0.5)
+        except NotReached:
+            pass  # no loop: the table shows it and the demo fails (1)
         before = lab.binding_404s(STALE) - base
     finally:
         lab.stop_scheduler()
@@ -119,7 +134,7 @@ def _scenario(lab: RealLab, workdir: Path, say: Callable[[str], None], seconds: 
         eventually(lambda: verdicts() >= 1, 120, what="the ghost blocked by the guard", process=guard)
         end = time.monotonic() + seconds
         k = 0
-        while time.monotonic() < end:  # new Nodes: each makes kube-scheduler try the ghost again
+        while k == 0 or time.monotonic() < end:  # new Nodes (at least one): each makes kube-scheduler try the ghost again
             seen = verdicts()
             create(lab.core_v1(0), node_manifest(f"node-extra-{k}"))
             k += 1
