@@ -88,7 +88,8 @@ def test_a_forged_flood_is_shed_before_it_costs_a_real_ghost_its_record_event_or
     codes = flood(g, forged[:half])
     # the real ghost, asked in the middle of the flood, as kube-scheduler would
     out = g.post("/filter", filter_body("default", "real-ghost", real_uid)).json()
-    assert out["NodeNames"] == [] and "real-ghost" in out["FailedAndUnresolvableNodes"]["n1"]
+    # blocked on every node; the per-node reason is the verdict alone (the pod is named in the log and record)
+    assert out["NodeNames"] == [] and out["FailedAndUnresolvableNodes"]["n1"].startswith("ghost pod: ")
     codes += flood(g, forged[half:])
     elapsed = time.monotonic() - started
     assert codes == [200] * FORGED
