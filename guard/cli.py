@@ -117,6 +117,10 @@ def main() -> None:
 @setting("--prepare/--no-prepare",
          help="Keep views of every replica's unscheduled pods, watch one while called, and verify new pods before "
               "kube-scheduler asks.")
+@setting("--ghost-nodes/--no-ghost-nodes",
+         help="Watch every replica's Node names (metadata only); a Node one replica serves and another does not is "
+              "read once from etcd, and one etcd lacks (a ghost Node) is refused as a candidate in /filter "
+              "(FailedAndUnresolvableNodes) and /preempt, never the whole pod.")
 @setting("--prepared-max-age", type=float, help="Seconds a background-verified verdict stays usable.")
 @setting("--prepared-grace", type=float,
          help="Seconds after a pod's first call during which its prepared verdict still answers.")

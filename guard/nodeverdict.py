@@ -120,11 +120,13 @@ class NodeKnowledge:
 
     # --- the quorum reads --------------------------------------------------------------------------
 
-    def due(self, now: float) -> list[tuple[str, int]]:
-        """(name, change number) of every name to read now; each is marked in flight until
-        :meth:`landed` is called with that count."""
-        out = []
+    def due(self, now: float, limit: int | None = None) -> list[tuple[str, int]]:
+        """(name, change number) of every name to read now (at most ``limit``); each is marked in
+        flight until :meth:`landed` is called with that number."""
+        out: list[tuple[str, int]] = []
         for name in list(self._watch):
+            if limit is not None and len(out) >= limit:
+                break
             state = self._names.get(name)
             if state is None or state.verdict == "real" or not self._differs(name):
                 self._watch.discard(name)  # back here on its next change
