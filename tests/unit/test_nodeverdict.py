@@ -177,3 +177,44 @@ def test_every_interleaving(order, read):
         assert k.due(t + 100) == []  # replicas agree: nothing to read
     else:
         assert [name for name, _ in k.due(t + 100)] == ["n1"]  # still disagree: one new read
+
+
+# --- the reply (guard/extender.py): only the ghost Nodes fail, in the request's own mode -------------
+
+import orjson  # noqa: E402
+
+from guard import extender  # noqa: E402
+
+POD = {"metadata": {"name": "web-1", "namespace": "default", "uid": "u1"}}
+
+
+def test_filter_some_in_names_mode_from_kube_schedulers_own_bytes():
+    body = b'{"Pod":' + orjson.dumps(POD) + b',"Nodes":null,"NodeNames":["a","ghost","b"]}'
+    args = extender.parse_filter(body)
+    assert args.names_json is not None  # the fast path: names kept as bytes
+    failed = ghost_candidates(extender.candidate_names(args), {"ghost": object()})
+    out = orjson.loads(extender.filter_some(args, failed))
+    assert out == {"Nodes": None, "NodeNames": ["a", "b"], "FailedNodes": {},
+                   "FailedAndUnresolvableNodes": {"ghost": GHOST_NODE_REASON}, "Error": ""}
+
+
+def test_filter_some_in_nodes_mode_keeps_the_list_metadata():
+    items = [{"metadata": {"name": n}, "status": {}} for n in ("a", "ghost")]
+    args = extender.parse_filter(orjson.dumps({"Pod": POD, "Nodes": {"metadata": {"resourceVersion": "7"},
+                                                                     "items": items}}))
+    failed = ghost_candidates(extender.candidate_names(args), {"ghost": object()})
+    out = orjson.loads(extender.filter_some(args, failed))
+    assert out["Nodes"] == {"metadata": {"resourceVersion": "7"}, "items": [items[0]]}
+    assert out["FailedAndUnresolvableNodes"] == {"ghost": GHOST_NODE_REASON} and out["NodeNames"] is None
+
+
+def test_filter_some_with_nothing_failed_is_the_pass_reply():
+    body = b'{"Pod":' + orjson.dumps(POD) + b',"Nodes":null,"NodeNames":["a"]}'
+    args = extender.parse_filter(body)
+    assert extender.filter_some(args, {}) == extender.filter_pass(args)
+
+
+def test_preempt_without_drops_only_the_ghost_node():
+    victims = {n: {"Pods": [{"UID": "v"}], "NumPDBViolations": 0} for n in ("a", "ghost")}
+    args = extender.parse_preempt(orjson.dumps({"Pod": POD, "NodeNameToMetaVictims": victims}))
+    assert orjson.loads(extender.preempt_without(args, {"ghost"})) == {"NodeNameToMetaVictims": {"a": victims["a"]}}
