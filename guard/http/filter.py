@@ -85,10 +85,8 @@ def _allow(guard: Guard, path: str, args: Any) -> bytes:
     """A live pod's answer: every candidate, except ghost Nodes (guard/nodeverdict.py). With no ghost
     Node known (the normal case) that is one attribute test, no work per node name."""
     nodes = guard.nodes
-    if nodes is not None:
-        ghosts = nodes.ghosts
-        if ghosts:
-            return _allow_real_nodes(path, args, ghosts)
+    if nodes is not None and nodes.knowledge.ghosts:
+        return _allow_real_nodes(path, args, nodes.knowledge.ghosts)
     return VERBS[path][2](args)
 
 
