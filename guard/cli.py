@@ -173,8 +173,8 @@ def main() -> None:
          help="Client-certificate names (CN or DNS SAN) allowed to call /metrics, /healthz and /readyz "
               "(with --client-ca only).")
 @setting("--max-nodes", type=int,
-         help="Most Nodes.items accepted in a nodes-mode /filter (whole v1.Node objects; 413 above). "
-              "Names mode (nodeCacheCapable: true) is bounded by --max-body-bytes only.")
+         help="Most nodes accepted in a /filter, in either mode (NodeNames, or Nodes.items: whole v1.Node "
+              "objects); 413 with the reason above. A Kubernetes cluster has at most 5,000 nodes.")
 @setting("--heal/--no-heal",
          help="Heal automatically: once a replica is confirmed to serve a ghost, write under its name as "
               "`ghost-guard heal` does (placeholder or one annotation), one heal at a time. Needs create, delete and "

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypedDict
 import orjson
 
 from guard.names import pod_identity_problem
-from guard.verdict import PodRef
+from guard.verdict import PodRef, Verdict
 
 Mode = Literal["names", "nodes"]
 
@@ -181,12 +181,16 @@ def parse_filter(body: bytes, max_nodes: int | None = None) -> FilterArgs:
     Every other body (and any the fast path cannot prove well-formed) is decoded
     whole, which also gives the reason for a bad one.
 
-    ``max_nodes`` caps ``Nodes.items`` (nodes mode, whole v1.Node objects): more
-    raise :class:`TooLarge` right after decoding, before any node is looked at
-    or any reply built. The decoded document itself is bounded by the body
-    limit (``--max-body-bytes``), which alone bounds names mode.
+    ``max_nodes`` caps the nodes of either mode (``NodeNames``, or ``Nodes.items``:
+    whole v1.Node objects): more raise :class:`TooLarge` before any node is looked
+    at or any reply built (names kept as bytes are counted without decoding them).
+    The decoded document itself is bounded by the body limit (``--max-body-bytes``).
     """
     parts = _split_names_mode(body)
+    if parts is not None and max_nodes is not None:
+        count = 0 if parts[1] == b"[]" else parts[1].count(b'","') + 1
+        if count > max_nodes:
+            raise TooLarge(_too_many("NodeNames", count, max_nodes))
     if parts is not None:
         try:
             pod = decode(parts[0])
@@ -205,16 +209,31 @@ def parse_filter(body: bytes, max_nodes: int | None = None) -> FilterArgs:
     if names is not None:
         if not isinstance(names, list):
             raise ProtocolError("NodeNames must be a list of node names")
+        if max_nodes is not None and len(names) > max_nodes:
+            raise TooLarge(_too_many("NodeNames", len(names), max_nodes))
         return FilterArgs(pod, "names", names, None)
     if nodes is not None:
         if not isinstance(nodes, dict) or not isinstance(nodes.get("items", []), list):
             raise ProtocolError("Nodes must be a v1.NodeList object with an items list")
         items = nodes.get("items") or []
         if max_nodes is not None and len(items) > max_nodes:
-            raise TooLarge(f"Nodes.items has {len(items)} nodes, more than the limit of {max_nodes} (--max-nodes); "
-                           "for large clusters register the extender with nodeCacheCapable: true (NodeNames)")
+            raise TooLarge(_too_many("Nodes.items", len(items), max_nodes))
         return FilterArgs(pod, "nodes", None, nodes)
     raise ProtocolError("neither Nodes nor NodeNames is set; the scheduler sends exactly one")
+
+
+def _too_many(field: str, count: int, limit: int) -> str:
+    return (f"{field} has {count} nodes, more than the limit of {limit} (--max-nodes); a Kubernetes cluster has at "
+            "most 5,000 nodes")
+
+
+def node_reason(verdict: Verdict) -> str:
+    """What every node of a blocked pod says (kube-scheduler shows it in the pod's FailedScheduling event,
+    counted per reason): the verdict, short. The pod's identity and the whole reason are in the guard's
+    log and its audit record, once, not repeated per node (a reply grows by this per node name)."""
+    if verdict.is_ghost:
+        return f"ghost pod: {verdict} (see kube-ghost-guard log/record)"
+    return f"{verdict}: failing closed (see kube-ghost-guard log)"
 
 
 def node_names(args: FilterArgs) -> list[str]:
@@ -251,7 +270,8 @@ def filter_pass(args: FilterArgs) -> bytes:
 
 
 def filter_reject(args: FilterArgs, reason: str) -> bytes:
-    """Every node fails as *unresolvable* (preemption skips them), in the request's own mode."""
+    """Every node fails as *unresolvable* (preemption skips them), in the request's own mode, each with
+    ``reason`` (:func:`node_reason`: short, it is repeated per node)."""
     failed = dict.fromkeys(node_names(args), reason)
     result: dict[str, Any]
     if args.mode == "names":

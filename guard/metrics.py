@@ -64,8 +64,10 @@ STALE_REPLICA = Gauge("ghost_guard_stale_replica", "1 while an apiserver replica
 STALE_REPLICA_DETECTIONS = Counter("ghost_guard_stale_replica_detections",
                                    "Probes that found an apiserver replica serving a ghost.", ["replica"])
 CONNECTIONS_REJECTED = Counter("ghost_guard_connections_rejected", "Client connections refused or cut off by the "
-                               "serving layer, by reason (over-client-limit, over-total-limit, idle-evicted: kept "
-                               "alive and idle, closed at the total limit to admit a new one, tls-handshake-timeout, "
+                               "serving layer, by reason (over-client-limit, over-total-limit, stalled-evicted: no "
+                               "request head sent yet, closed at the total limit to admit a new one, "
+                               "over-client-calls: a large call whose turn did not come within the budget, "
+                               "tls-handshake-timeout, "
                                "tls-handshake-failed, header-timeout, body-timeout, write-timeout, head-too-large, "
                                "body-too-large, body-incomplete, bad-framing, over-buffer-limit).", ["reason"])
 CONNECTIONS_OPEN = Gauge("ghost_guard_connections_open", "Client connections open (sampled every second), "
@@ -73,6 +75,12 @@ CONNECTIONS_OPEN = Gauge("ghost_guard_connections_open", "Client connections ope
 CALLS_PARKED = Gauge("ghost_guard_calls_parked", "Scheduler calls waiting, without a thread, for their pod's quorum "
                      "GET already in flight (sampled every second), summed over the live worker processes.",
                      multiprocess_mode="livesum")
+BUFFERED_BYTES = Gauge("ghost_guard_buffered_bytes", "Bytes of --max-buffered-bytes held by requests being read, "
+                       "run or answered and by replies not yet sent (sampled every second), summed over the live "
+                       "worker processes.", multiprocess_mode="livesum")
+CALLS_QUEUED = Gauge("ghost_guard_calls_queued", "Large calls waiting for their client's turn at a pool thread "
+                     "(at most 1 per client address runs at once; sampled every second), summed over the live "
+                     "worker processes.", multiprocess_mode="livesum")
 REQUESTS_FORBIDDEN = Counter("ghost_guard_requests_forbidden", "Requests refused with 403 because the client "
                              "certificate is not of the endpoint's role, by endpoint and required role.",
                              ["endpoint", "role"])

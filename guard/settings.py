@@ -107,7 +107,7 @@ class Settings:
     apiserver_identities: str = "kube-apiserver-ghost-guard-client"
     monitoring_identities: str = "ghost-guard-monitoring"
     # request bounds (memory per request; the body is bounded by max_body_bytes)
-    max_nodes: int = 5000
+    max_nodes: int = 15_000  # either mode; a Kubernetes cluster has at most 5,000 nodes
     # serve --heal: heal a ghost once a replica is confirmed to serve it stale (guard/autoheal.py)
     heal: bool = False
     heal_rate: float = 1.0  # heals per second on average

@@ -12,10 +12,15 @@ can stall into its single event-loop thread, on non-blocking sockets:
 1. **accept**: a connection beyond ``--max-connections-per-client`` (by
    source address) or ``--max-connections`` (per worker) gets a 503 with
    ``{"error": reason}`` at once (after the TLS handshake on an HTTPS port,
-   which is bounded like any other) and is closed; at the total limit the
-   kept-alive connection idle the longest is closed first to make room (its
-   client only reconnects); past twice the total limit, counting refused and
-   closing connections, a new one is closed without a word.
+   which is bounded like any other) and is closed; at most
+   max(16, ``--max-connections`` / 8) are being refused at once, and a refusal
+   beyond that is a close without a word, so refusals hold no room. At the
+   total limit the oldest connection that has not sent a request head yet, of
+   the source address with the most connections, is closed to make room: a
+   connection that has (kube-scheduler's kept-alive one) is never closed for a
+   new one, and a flood of stalled connections only displaces itself. Past
+   twice the total limit, counting refused and closing connections, a new one
+   is closed without a word.
 2. **TLS handshake** (``do_handshake_on_connect=False``), within
    ``--tls-handshake-timeout``. The peer certificate is kept for the app
    (``environ["ghost_guard.peer_cert"]``).
@@ -25,13 +30,18 @@ can stall into its single event-loop thread, on non-blocking sockets:
    ``--max-body-bytes`` (413 above, before reading it), within
    ``--body-timeout`` or the time the body needs at ``--body-min-rate``
    bytes per second, whichever is longer.
+   Bytes received beyond 64 KiB are reserved from ``--max-buffered-bytes`` as
+   they arrive (never from a declared length: a stalled head holds nothing),
+   and a reply over 64 KiB holds its whole size until it is sent; a request
+   that crosses the budget gets a 503, a reply that does not fit is replaced by
+   one.
 5. Only then is the **complete request** handed to a pool thread, which
    parses it with gunicorn's own parser from memory, runs the WSGI app,
    collects the reply in memory and sends what the socket takes at once
    (non-blocking): a pool thread never waits for a client. A call in exactly
    the shape kube-scheduler sends (:func:`plain_call`: ``POST /filter`` or
-   ``/preempt`` over HTTP/1.1, a JSON body with a ``Content-Length``, within the
-   app's small-body size, well-formed header lines) goes to the app's
+   ``/preempt`` over HTTP/1.1, a JSON body with a ``Content-Length``, within
+   ``--max-body-bytes``, well-formed header lines) goes to the app's
    **direct lane** instead (``app.extensions[DIRECT_LANE]``, guard.http.filter):
    body in, status and JSON out, without gunicorn's parser, the WSGI environ and
    gunicorn's response object, which were half of the guard's CPU per call.
@@ -47,7 +57,11 @@ can stall into its single event-loop thread, on non-blocking sockets:
    (the lane's ``answer_landed``) or, when the read alone cannot answer (a
    ghost, a pod gone since), hands the call to a pool thread. A call still
    parked ``PARK_MARGIN`` before its budget ends goes to a pool thread too,
-   which waits out the rest of the same budget. Everything
+   which waits out the rest of the same budget. A request over ``LARGE_CALL``
+   (16 KiB) takes a pool thread only while no other of its source address's
+   does (state QUEUED meanwhile, no thread, not read), so large forged calls
+   from one address cannot occupy the pool; one still queued when its budget
+   ends gets a 503. Everything
    else, well-formed or not, takes a pool thread and the WSGI path, which answers
    it or refuses it with the reason.
 6. The loop **writes the rest of the reply** within ``--write-timeout`` (a reader too
@@ -68,6 +82,7 @@ import socket
 import ssl
 import time
 from collections import Counter as _Tally
+from collections import deque
 from email.utils import formatdate
 from functools import partial
 from http import HTTPStatus
@@ -81,8 +96,13 @@ from gunicorn.workers.gthread import ThreadWorker
 MAX_HEAD_BYTES = 64 * 1024
 # A closing connection waits this long for the client's FIN (so the reply is not reset away).
 LINGER_SECONDS = 1.0
-# A request this small is always buffered; larger ones reserve their size from --max-buffered-bytes.
+# A request or reply this small is always buffered; a larger one reserves its bytes from --max-buffered-bytes
+# (a request as its bytes arrive, never from a declared length; a reply whole, until it is sent).
 SMALL_REQUEST = 64 * 1024
+# A request larger than this is a large call: at most LARGE_PER_CLIENT of one source address's run in the
+# pool at once; the others wait their turn (state QUEUED, no thread, not read) within the request budget.
+LARGE_CALL = 16 * 1024
+LARGE_PER_CLIENT = 1
 # Deadlines are checked on this tick.
 TICK = 0.05
 # The WSGI environ keys the worker adds: the verified client certificate (ssl.getpeercert() form, or None).
@@ -91,6 +111,8 @@ PEER_CERT = "ghost_guard.peer_cert"
 HANDSHAKE, HEAD, BODY, BUSY, WRITE, IDLE, LINGER = "handshake", "head", "body", "busy", "write", "idle", "linger"
 # A call waiting, without a thread, for its pod's quorum GET in flight (the direct lane's Waiting).
 PARKED = "parked"
+# A large call waiting for its client's turn at a pool thread (LARGE_PER_CLIENT).
+QUEUED = "queued"
 # A parked call still waiting this long before its budget runs out goes to a pool thread, which waits
 # out the rest (the loop checks deadlines once a TICK, so it may see this one up to a TICK late).
 PARK_MARGIN = 2 * TICK
@@ -282,7 +304,8 @@ class Conn:
 
     __slots__ = ("sock", "addr", "ip", "server", "tls", "state", "deadline", "buf", "events", "peer_cert",
                  "head", "head_len", "kind", "need", "body_start", "chunk_pos", "chunk_bytes", "in_trailer",
-                 "out", "keep", "reject", "closed", "reserved", "counted", "parked")
+                 "out", "keep", "reject", "closed", "reserved", "counted", "parked", "proven", "born", "refusing",
+                 "large")
 
     def __init__(self, sock, addr, server, tls: bool) -> None:
         self.sock = sock
@@ -302,6 +325,10 @@ class Conn:
         self.reserved = 0  # bytes of --max-buffered-bytes held by this connection's request and reply
         self.counted = False  # counted towards the connection limits (admitted, not refused, not closing)
         self.parked: _Parked | None = None  # the call waiting for its GET (state PARKED)
+        self.proven = False  # a request head was read: never evicted for a new connection
+        self.born = time.monotonic()
+        self.refusing = False  # refused (a 503 or a close), counted in GuardWorker.refusing until closed
+        self.large = False  # holds one of its client's LARGE_PER_CLIENT turns
         self.reset()
 
     def reset(self) -> None:
@@ -354,12 +381,18 @@ class GuardWorker(ThreadWorker):
         self.rejected = metrics.CONNECTIONS_REJECTED
         self.open_gauge = metrics.CONNECTIONS_OPEN
         self.parked_gauge = metrics.CALLS_PARKED
+        self.buffered_gauge = metrics.BUFFERED_BYTES
+        self.queued_gauge = metrics.CALLS_QUEUED
         self.next_sample = 0.0
         self.tls = getattr(self.app, "tls", None)
         self.conns: set[Conn] = set()
         self.per_client: _Tally = _Tally()
         self.buffered = 0  # bytes reserved by large requests being read, run or answered
         self.admitted = 0  # open connections not being refused
+        self.refusing = 0  # connections being refused (their 503 on its way); at most refusing_max
+        self.refusing_max = max(16, s.max_connections // 8)
+        self.large_running: _Tally = _Tally()  # large calls in the pool, per source address
+        self.large_waiting: dict[str, deque] = {}  # large calls waiting their turn, per source address
         self.accept_paused_until = 0.0
         self.direct: Any = None  # the app's direct lane, once loaded (load_wsgi)
         self._answering = False  # the loop is answering a request itself (_dispatch)
@@ -410,6 +443,9 @@ class GuardWorker(ThreadWorker):
             pass
         self.conns.discard(conn)
         self._uncount(conn)
+        if conn.refusing:
+            conn.refusing = False
+            self.refusing -= 1
         self.nr_conns = len(self.conns)
         if reason:
             self.rejected.labels(reason).inc()
@@ -444,11 +480,16 @@ class GuardWorker(ThreadWorker):
             if self.per_client[conn.ip] >= s.max_connections_per_client:
                 reason, why = "over-client-limit", (f"too many connections from {conn.ip} (limit "
                                                     f"{s.max_connections_per_client}, --max-connections-per-client)")
-            elif self.admitted >= s.max_connections and not self._evict_idle():
+            elif self.admitted >= s.max_connections and not self._evict_stalled():
                 reason, why = "over-total-limit", f"too many connections (limit {s.max_connections}, --max-connections)"
             if reason is not None:
                 self.rejected.labels(reason).inc()
+                if self.refusing >= self.refusing_max:  # a refusal costs the admitted ones nothing: no 503
+                    sock.close()
+                    continue
                 conn.reject = error_reply(503, why)
+                conn.refusing = True
+                self.refusing += 1
             else:
                 self.per_client[conn.ip] += 1
                 self.admitted += 1
@@ -459,6 +500,9 @@ class GuardWorker(ThreadWorker):
                 except (OSError, ssl.SSLError):
                     sock.close()
                     self._uncount(conn)
+                    if conn.refusing:
+                        conn.refusing = False
+                        self.refusing -= 1
                     continue
                 conn.deadline = time.monotonic() + s.tls_handshake_timeout
             else:
@@ -470,15 +514,16 @@ class GuardWorker(ThreadWorker):
             else:
                 self._want(conn, selectors.EVENT_READ)
 
-    def _evict_idle(self) -> bool:
-        """At the total limit, close the kept-alive connection idle the longest to make room; False if none is idle.
-
-        An idle connection costs its client only a reconnect; a refused one costs a call.
-        """
-        idle = [c for c in self.conns if c.state == IDLE and c.counted]
-        if not idle:
+    def _evict_stalled(self) -> bool:
+        """At the total limit, close the oldest connection that has not sent a request head yet (in its
+        TLS handshake or its first head), of the source address with the most connections, to make
+        room; False if there is none. A connection that has sent a head (kube-scheduler's kept-alive
+        one) is never closed for a new one: a flood of stalled connections only displaces itself."""
+        stalled = [c for c in self.conns if c.counted and not c.proven and c.state in (HANDSHAKE, HEAD)]
+        if not stalled:
             return False
-        self._close(min(idle, key=lambda c: c.deadline), "idle-evicted")
+        victim = min(stalled, key=lambda c: (-self.per_client[c.ip], c.born))
+        self._close(victim, "stalled-evicted")
         return True
 
     # --- the connection state machine ----------------------------------------------------------------
@@ -555,6 +600,8 @@ class GuardWorker(ThreadWorker):
         """Frame the buffered bytes; True once the connection stopped reading (dispatched, answered, closed)."""
         s = self.settings
         try:
+            if len(conn.buf) > max(SMALL_REQUEST, conn.reserved):  # reserved as the bytes arrive
+                self._reserve(conn, len(conn.buf))
             if conn.state == HEAD:
                 end = conn.buf.find(b"\r\n\r\n")
                 if end < 0:
@@ -566,13 +613,7 @@ class GuardWorker(ThreadWorker):
                     raise FramingError(431, f"request line and headers larger than {MAX_HEAD_BYTES} bytes",
                                        "head-too-large")
                 head, kind, length, expect = request_framing(bytes(conn.buf[:end + 4]), s.max_body_bytes)
-                size = end + 4 + (length if kind == "length" else s.max_body_bytes)
-                if size > SMALL_REQUEST:  # the request and its reply stay in memory until the reply is out
-                    if self.buffered + size > s.max_buffered_bytes:
-                        raise FramingError(503, f"too many large requests in flight (--max-buffered-bytes "
-                                           f"{s.max_buffered_bytes}); retry", "over-buffer-limit")
-                    conn.reserved = size
-                    self.buffered += size
+                conn.proven = True
                 now = time.monotonic()
                 conn.head, conn.head_len, conn.kind = head, end + 4, kind
                 conn.state, conn.body_start = BODY, now
@@ -606,6 +647,17 @@ class GuardWorker(ThreadWorker):
             self._send_reply(conn, error_reply(e.status, e.reason), keep=False)
             return True
         return False
+
+    def _reserve(self, conn: Conn, size: int) -> None:
+        """Hold ``size`` bytes of --max-buffered-bytes for this connection's request (what it has sent:
+        the request, then its reply, stay in memory until the reply is out). FramingError 503 when
+        they do not fit."""
+        size = -(-size // SMALL_REQUEST) * SMALL_REQUEST  # in 64 KiB steps
+        if self.buffered - conn.reserved + size > self.settings.max_buffered_bytes:
+            raise FramingError(503, f"too many large requests in flight (--max-buffered-bytes "
+                               f"{self.settings.max_buffered_bytes}); retry", "over-buffer-limit")
+        self.buffered += size - conn.reserved
+        conn.reserved = size
 
     def _scan_chunks(self, conn: Conn) -> int | None:
         """Where a chunked body ends in the buffer, or None while incomplete. Raises FramingError."""
@@ -664,8 +716,44 @@ class GuardWorker(ThreadWorker):
     def _to_pool(self, conn: Conn, request: bytes, arrived: float | None = None) -> None:
         conn.state, conn.deadline = BUSY, 0.0
         self._unwatch(conn)
+        if len(request) > LARGE_CALL:
+            if self.large_running[conn.ip] >= LARGE_PER_CLIENT:  # its client's turn is taken: wait for it
+                arrived = time.monotonic() if arrived is None else arrived
+                conn.state, conn.deadline = QUEUED, arrived + self.settings.request_budget
+                self.large_waiting.setdefault(conn.ip, deque()).append((conn, request, arrived))
+                return
+            self.large_running[conn.ip] += 1
+            conn.large = True
         future = self.tpool.submit(self._serve_and_send, conn, request, arrived)
         future.add_done_callback(lambda f: self.method_queue.defer(self._served, conn, f))
+
+    def _next_large(self, ip: str) -> None:
+        """A large call of ``ip`` left the pool: the next one waiting for its turn goes in."""
+        self.large_running[ip] -= 1
+        if self.large_running[ip] <= 0:
+            del self.large_running[ip]
+        waiting = self.large_waiting.get(ip)
+        while waiting:
+            conn, request, arrived = waiting.popleft()
+            if not conn.closed and conn.state == QUEUED:
+                self._to_pool(conn, request, arrived)
+                break
+        if not waiting:
+            self.large_waiting.pop(ip, None)
+
+    def _dequeue(self, conn: Conn) -> None:
+        """A queued large call's budget ran out before its turn came: a 503 with the reason."""
+        waiting = self.large_waiting.get(conn.ip)
+        if waiting:
+            for item in waiting:
+                if item[0] is conn:
+                    waiting.remove(item)
+                    break
+            if not waiting:
+                self.large_waiting.pop(conn.ip, None)
+        self.rejected.labels("over-client-calls").inc()
+        self._send_reply(conn, error_reply(503, f"too many large calls from {conn.ip} at once (each waits for the "
+                                                "one before it, within --request-budget); retry"), keep=False)
 
     def _answer_now(self, conn: Conn, request: bytes) -> tuple[bytes, bool] | str | None:
         """(reply, keep-alive) when the app's direct lane can answer at once without waiting (its
@@ -735,7 +823,9 @@ class GuardWorker(ThreadWorker):
         """In a pool thread: parse the complete request from memory, run the app, collect the reply.
         ``arrived``: when the call's budget began, if it was parked first (default: now)."""
         if self.direct is not None:
-            call = plain_call(request, self.direct_paths, self.direct_max_body)
+            # Any body the worker took (its bytes are held against --max-buffered-bytes already): gunicorn's
+            # parser spends ~30 ms of GIL reading a 4 MiB body back out of memory, which the loop waits out.
+            call = plain_call(request, self.direct_paths, self.settings.max_body_bytes)
             if call is not None:
                 path, body, keep = call
                 status, payload = self.direct(path, body, conn.ip, conn.peer_cert, arrived)
@@ -778,6 +868,8 @@ class GuardWorker(ThreadWorker):
         """
         data, keep = self._serve(conn, request, arrived)
         rest = memoryview(data)
+        if len(data) > SMALL_REQUEST:  # the loop reserves a large reply from the budget before a byte of it is sent
+            return rest, keep, False
         try:
             while rest:
                 rest = rest[conn.sock.send(rest):]
@@ -788,6 +880,9 @@ class GuardWorker(ThreadWorker):
         return rest, keep, False
 
     def _served(self, conn: Conn, future) -> None:
+        if conn.large:
+            conn.large = False
+            self._next_large(conn.ip)
         if conn.closed:
             return
         try:
@@ -801,8 +896,23 @@ class GuardWorker(ThreadWorker):
         self._send_reply(conn, rest, keep=keep and self.alive)
 
     def _send_reply(self, conn: Conn, data: bytes | memoryview, *, keep: bool) -> None:
+        out = data if isinstance(data, memoryview) else memoryview(data)
+        whole = len(out.obj) if isinstance(out.obj, (bytes, bytearray)) else len(out)  # what stays in memory
+        if out and whole > SMALL_REQUEST:  # a large reply holds --max-buffered-bytes until it is sent
+            try:
+                self._reserve(conn, whole)
+            except FramingError as e:
+                self.rejected.labels(e.counted).inc()
+                if len(out) < whole:  # part of it is out already: nothing can follow but the close
+                    self._close(conn, None)
+                    return
+                out, keep = memoryview(error_reply(503, f"a reply of {whole} bytes does not fit --max-buffered-"
+                                                        f"bytes ({self.settings.max_buffered_bytes}) while other "
+                                                        "replies wait to be read; retry")), False
+        elif conn.reserved:  # the request's bytes are gone with its thread
+            self._release(conn)
         conn.state, conn.keep = WRITE, keep
-        conn.out = data if isinstance(data, memoryview) else memoryview(data)
+        conn.out = out
         conn.deadline = time.monotonic() + self.settings.write_timeout
         self._write(conn)
 
@@ -851,6 +961,9 @@ class GuardWorker(ThreadWorker):
             if conn.state == PARKED:
                 self._unpark(conn)
                 continue
+            if conn.state == QUEUED:
+                self._dequeue(conn)
+                continue
             reason = EXPIRED.get(conn.state)
             if conn.reject is not None and reason:
                 reason = None  # already counted as over a limit
@@ -893,6 +1006,8 @@ class GuardWorker(ThreadWorker):
                 self.next_sample = now + 1.0
                 self.open_gauge.set(len(self.conns))
                 self.parked_gauge.set(sum(1 for c in self.conns if c.state == PARKED))
+                self.queued_gauge.set(sum(1 for c in self.conns if c.state == QUEUED))
+                self.buffered_gauge.set(self.buffered)
 
         # Graceful stop: no new connections; idle ones close now; requests being read, run or
         # written finish (with "Connection: close") within gunicorn's graceful timeout.

@@ -9,13 +9,15 @@ Three lanes, one answer (:func:`answer`):
 
 - :class:`DirectLane`, below WSGI: the worker (guard.worker, ``plain_call``)
   hands it the calls exactly as kube-scheduler makes them (``POST`` over
-  HTTP/1.1, ``application/json``, a Content-Length body of at most the
-  BodyBudget's small size): body in, status and payload out. kube-scheduler
+  HTTP/1.1, ``application/json``, a Content-Length body; in the worker's event
+  loop at most the BodyBudget's small size, from a pool thread up to
+  ``--max-body-bytes``, its bytes held against ``--max-buffered-bytes``): body
+  in, status and payload out. kube-scheduler
   waits for this inside its serial scheduling cycle, and gunicorn's request
   parser, WSGI environ and response object were half of the guard's CPU per
   call (docs/BENCHMARKS.md).
 - :class:`FastLane`, a WSGI middleware in front of Flask, takes the other
-  well-formed verb calls (a larger body, HTTP/1.0, other header shapes):
+  well-formed verb calls (HTTP/1.0, other header shapes):
   body in, answer out, no Flask request machinery.
 - Everything else (a chunked body, a wrong method or Content-Type, an
   oversized body) falls through to the Flask routes below, which give the
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 def _filter_reject(args: extender.FilterArgs, decision: Decision) -> bytes:
-    return extender.filter_reject(args, decision.reason)
+    return extender.filter_reject(args, extender.node_reason(decision.verdict))
 
 
 def _preempt_veto(args: extender.PreemptArgs, decision: Decision) -> bytes:
@@ -195,7 +197,9 @@ class DirectLane:
     as :class:`FastLane`, and with mTLS the same role check as the WSGI lanes (``refuse``, and
     ``allowed`` to ask without counting or logging).
 
-    Bodies here are at most the BodyBudget's small size, which never takes room in it."""
+    ``max_body`` (the BodyBudget's small size) bounds what the worker's event loop hands over
+    (:meth:`answer_now`); a pool thread hands over bodies up to ``--max-body-bytes``, which the worker
+    holds against ``--max-buffered-bytes`` instead of the BodyBudget."""
 
     paths = frozenset(VERBS)
 

@@ -112,7 +112,7 @@ def test_a_pod_deleted_after_its_verdict_was_prepared_is_not_passed(lab, start_g
                          "Nodes": None, "NodeNames": ["n1"]})
     out = g.post("/filter", body).json()
     assert out["NodeNames"] == []
-    assert out["FailedAndUnresolvableNodes"]["n1"].startswith(f"ghost pod: default/late uid {uid} not found")
+    assert out["FailedAndUnresolvableNodes"]["n1"] == "ghost pod: ghost-deleted (see kube-ghost-guard log/record)"
     assert g.metric("ghost_guard_verdicts_prepared_total") == 0  # the prepared alive verdict was dropped
 
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 import requests
 
-from guard.lab.harness import GuardProcess, make_ghost, pod_manifest
+from guard.lab.harness import GuardProcess, eventually, make_ghost, pod_manifest
 
 
 FILTER_KEYS = ["Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"]
@@ -118,7 +118,11 @@ def test_filter_every_verdict_in_both_modes(guard, shared_lab, lab_namespace, ve
     assert sorted(out["FailedAndUnresolvableNodes"]) == NAMES
     reasons = set(out["FailedAndUnresolvableNodes"].values())
     assert len(reasons) == 1
-    assert reasons.pop().startswith(REASONS[verdict].format(ns=lab_namespace, uid=uid))
+    # one short reason per node (a reply grows by it per node); the pod and the whole reason once, in the log
+    assert reasons.pop() == f"ghost pod: {verdict} (see kube-ghost-guard log/record)"
+    expected = REASONS[verdict].format(ns=lab_namespace, uid=uid)
+    eventually(lambda: any(str(r.get("msg", "")).startswith(expected) for r in guard.log_records()), 5,
+               what="the whole reason in the guard's log")
     if mode == "names":
         assert out["NodeNames"] == [] and out["Nodes"] is None
     else:
@@ -229,8 +233,9 @@ def test_fail_closed_rejects_when_undecided(start_guard, shared_lab, lab_namespa
                                       status=503)
     out = g.post("/filter", filter_body(scheduler_pod(lab_namespace, "y", uid), "names")).json()
     assert sorted(out["FailedAndUnresolvableNodes"]) == NAMES
-    assert next(iter(out["FailedAndUnresolvableNodes"].values())) == (
-        f"quorum read of pod {lab_namespace}/y uid {uid} failed: HTTP 503 ServiceUnavailable")
+    assert next(iter(out["FailedAndUnresolvableNodes"].values())) == "unknown: failing closed (see kube-ghost-guard log)"
+    whole = f"quorum read of pod {lab_namespace}/y uid {uid} failed: HTTP 503 ServiceUnavailable; failing closed"
+    eventually(lambda: any(r.get("msg") == whole for r in g.log_records()), 5, what="the reason in the log")
     assert g.metric("ghost_guard_fail_closed_total", reason="apiserver") == 1
 
 

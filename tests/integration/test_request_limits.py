@@ -114,11 +114,14 @@ def test_body_built_to_amplify_memory_is_413(guard, path):
 
 
 def test_largest_bodies_at_once_stay_under_the_container_limit(guard):
-    """16 clients (the worker's threads), each the largest accepted names-mode body, rejected on every node."""
-    limit = Settings().max_body_bytes
-    names = [f"node-{i:06d}-".ljust(63, "x") for i in range(limit // 66)]
-    while len(body := go_names_body(names)) > limit:
-        names.pop()
+    """16 clients (the worker's threads), each the largest accepted names-mode body (--max-nodes names as
+    long as --max-body-bytes allows), rejected on every node. From one address they take a pool thread
+    one at a time (the others wait their turn; a 503 when it does not come within the budget)."""
+    limit, count = Settings().max_body_bytes, Settings().max_nodes
+    length = (limit - len(go_names_body([]))) // count - 3
+    names = [f"node-{i:06d}-".ljust(length, "x") for i in range(count)]
+    body = go_names_body(names)
+    assert limit - count < len(body) <= limit
     (worker,) = guard.workers()
     codes: list[int] = []
 

@@ -312,13 +312,21 @@ def ready_without_keepalive(guard) -> None:
                20, what="/healthz", ignore=(OSError,), process=guard)
 
 
+def kept_alive(port: int, source: str) -> socket.socket:
+    """A connection from ``source`` that has made a request and is kept alive, idle."""
+    s = dial(port, source)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: g\r\n\r\n")
+    assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+    return s
+
+
 def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_path, shared_lab, live_pod):
     guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--no-prepare", "--max-connections", "20",
                          "--max-connections-per-client", "8", "--audit-db", str(tmp_path / "audit.db")], wait=None)
     ready_without_keepalive(guard)
     # One event loop accepts the connections in the order they were made (the kernel's accept queue):
     # a connection dialled after others is admitted or refused after them, so no pause is needed between.
-    held = [dial(guard.port, "127.0.0.6") for _ in range(8)]
+    held = [kept_alive(guard.port, "127.0.0.6") for _ in range(8)]
     try:
         # The 8 are accepted (the open-connections gauge is sampled every second).
         eventually(lambda: metric_in(served_and_closed(guard.port, "127.0.0.10", METRICS),
@@ -337,7 +345,8 @@ def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_pa
         reply = served_and_closed(guard.port, "127.0.0.10", b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: "
                                   b"application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         assert reply.startswith(b"HTTP/1.1 200 "), reply
-        held += [dial(guard.port, src) for src in ("127.0.0.7",) * 8 + ("127.0.0.8",) * 4]  # 20 open in all
+        # 20 open in all, each past its first request (a connection that has not sent one would make room)
+        held += [kept_alive(guard.port, src) for src in ("127.0.0.7",) * 8 + ("127.0.0.8",) * 4]
         with dial(guard.port, "127.0.0.9") as s:
             reply = read_reply(s)
         assert reply.startswith(b"HTTP/1.1 503 "), reply
@@ -485,17 +494,19 @@ def test_keepalive_pipelining_and_the_idle_deadline(start_guard, dead_kubeconfig
 
 
 def test_large_requests_share_a_memory_budget(start_guard, dead_kubeconfig, tmp_path):
-    """Requests over 64 KiB reserve their size from --max-buffered-bytes until answered; beyond it a 503."""
+    """Requests over 64 KiB reserve from --max-buffered-bytes what they have sent, as it arrives, until
+    answered; a request whose bytes cross it gets a 503."""
     guard = start_guard(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--max-body-bytes", "1000000",
                          "--max-buffered-bytes", "1500000", "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")
     head = (b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
             b"Content-Length: 900000\r\n\r\n")
     with dial(guard.port, "127.0.0.2") as holder:
-        # 900 KB reserved while its body is awaited; the guard reserves before it answers 100 Continue
-        holder.sendall(head.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n"))
-        assert holder.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        holder.sendall(head.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n") + b"{" + b" " * 799_999)
+        eventually(lambda: guard.metric("ghost_guard_buffered_bytes") >= 800_000, 10,
+                   what="the holder's 800 KB reserved as they arrived", process=guard)
         with dial(guard.port, "127.0.0.3") as s:
             s.sendall(head)
+            s.sendall(b" " * 800_000)  # crosses the budget as it arrives
             reply = read_reply(s)
         assert reply.startswith(b"HTTP/1.1 503 "), reply[:200]
         assert b"too many large requests in flight (--max-buffered-bytes 1500000); retry" in reply
@@ -503,9 +514,9 @@ def test_large_requests_share_a_memory_budget(start_guard, dead_kubeconfig, tmp_
         assert guard.post("/filter", small).status_code == 200  # small requests are never held back
         # The holder's body arrives and is answered: the guard releases the reservation once the reply is
         # out, before it closes the connection (guard.worker ``_write``), so it is released when this returns.
-        assert request_on(holder, b"{" + b" " * (900000 - 2) + b"}").startswith(b"HTTP/1.1 ")
+        assert request_on(holder, b" " * 99_999 + b"}").startswith(b"HTTP/1.1 ")
     body = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}},
-                         "NodeNames": [f"node-{i:06d}" for i in range(60000)]})
+                         "NodeNames": [f"node-{i:06d}" for i in range(14000)]})
     assert 65536 < len(body) < 1000000
     assert guard.post("/filter", body).status_code == 200
     assert guard.metric("ghost_guard_connections_rejected_total", reason="over-buffer-limit") == 1
@@ -551,39 +562,37 @@ def test_over_the_limit_on_https_the_503_comes_after_a_bounded_handshake(start_g
             s.close()
 
 
-def test_at_the_total_limit_an_idle_kept_alive_connection_makes_room(start_guard, dead_kubeconfig, tmp_path):
+def test_at_the_total_limit_a_stalled_connection_makes_room_never_a_kept_alive_one(start_guard, dead_kubeconfig,
+                                                                                  tmp_path):
     guard = start_guard(["--kubeconfig", dead_kubeconfig, "--max-connections", "4", "--max-connections-per-client", "4",
                          "--audit-db", str(tmp_path / "audit.db")], wait=None)
     ready_without_keepalive(guard)  # no connection of ours left open
+    healthz = b"GET /healthz HTTP/1.1\r\nHost: g\r\n\r\n"
     # Connections are admitted in the order they were made (one event loop, the kernel's accept queue).
     idle = dial(guard.port, "127.0.0.2")
-    idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: g\r\n\r\n")
+    idle.sendall(healthz)
     assert idle.recv(65536).startswith(b"HTTP/1.1 200 ")  # now kept alive, idle
     silent = [dial(guard.port, "127.0.0.3") for _ in range(3)]  # 4 open: the limit
-    refused = 0
-
-    def admitted() -> bool:
-        """A new client at the limit is admitted: the idle one is closed for it. The kept-alive connection
-        counts as idle once the guard's loop has taken back its reply (a pool thread sends the reply itself,
-        so the client can see it a moment before): until then the new client gets a 503, counted here."""
-        nonlocal refused
+    try:
+        # A new client at the limit is admitted: the oldest connection that never sent a head is closed for it.
         with dial(guard.port, "127.0.0.4") as s:
             reply = request_on(s, b"GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
-        if reply.startswith(b"HTTP/1.1 503 ") and b"too many connections (limit 4, --max-connections)" in reply:
-            refused += 1
-            return False
         assert reply.startswith(b"HTTP/1.1 200 "), reply
-        return True
-
-    try:
-        eventually(admitted, 10, what="a new client admitted in place of the idle one", process=guard)
-        assert idle.recv(1) == b""
-        silent.append(dial(guard.port, "127.0.0.4"))  # 4 open again, none idle
-        with dial(guard.port, "127.0.0.5") as s:
+        assert silent[0].recv(1) == b""  # the oldest stalled one, closed by the guard
+        idle.sendall(healthz)  # the kept-alive one is still there
+        assert idle.recv(65536).startswith(b"HTTP/1.1 200 ")
+        for s in silent[1:]:  # the other two send a head now: 4 open again, none stalled
+            s.sendall(healthz)
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+        silent.append(dial(guard.port, "127.0.0.4"))
+        silent[-1].sendall(healthz)
+        assert silent[-1].recv(65536).startswith(b"HTTP/1.1 200 ")
+        with dial(guard.port, "127.0.0.5") as s:  # none stalled: the newcomer is refused, nobody is evicted
             assert read_reply(s).startswith(b"HTTP/1.1 503 ")
-        metrics = request_on(silent.pop(), METRICS)  # on an admitted connection: a new one would be refused
-        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="idle-evicted") == 1
-        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="over-total-limit") == refused + 1
+        metrics = request_on(idle, METRICS)
+        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="stalled-evicted") == 1
+        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="over-total-limit") == 1
+        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="idle-evicted") == 0
     finally:
         idle.close()
         for s in silent:
