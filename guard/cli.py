@@ -402,8 +402,9 @@ def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
               help="Only ghosts seen since then: a duration back from now (30m, 1h, 2d, 1w) or an ISO-8601 time (UTC if no offset).")
 @click.option("--output", "-o", default="table", type=click.Choice(["table", "json"]), help="Output format.")
 @option("--live", is_flag=True, default=False,
-        help="Also check every apiserver replica's cache now (about 10s): its revision against etcd's (frozen?) and "
-             "the pending pods it misses. Needs cluster credentials; works without an audit store.")
+        help="Also check every apiserver replica's cache now (about 10s): its revision against etcd's (frozen?), "
+             "the pending pods it misses, and the ghost Nodes it serves (Nodes etcd lacks). Needs cluster "
+             "credentials; works without an audit store.")
 @option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
         help="With --live: replicas to check; default: discovered from the default/kubernetes EndpointSlice.")
 @setting("--apiserver-server-name", help="With --live: TLS server name verified when dialling a replica by IP.")
@@ -412,7 +413,7 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
     """Per apiserver replica, the ghosts its watch cache serves and since when, then the remediation in order.
 
     The ghosts come from the audit store (what `serve` recorded; either store, as `audit`). With --live, a second section checks every
-    replica's cache now: frozen watches and pods missing from a cache (exit 1 when it finds any).
+    replica's cache now: frozen watches, pods missing from a cache and ghost Nodes (exit 1 when it finds any).
     """
     import os
 
@@ -430,21 +431,24 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
     if not live:
         click.echo(text, nl=False)
         return
-    caches = _live_caches(kubeconfig, apiserver_replicas, apiserver_server_name)
+    caches, (ghost_nodes, node_errors) = _live_caches(kubeconfig, apiserver_replicas, apiserver_server_name)
     if output == "json":
         import json
 
         doc = json.loads(text) if text else {"audit_store": None}
         doc["replica_caches"] = caches
+        doc["ghost_nodes"] = ghost_nodes
+        doc["ghost_node_errors"] = node_errors
         click.echo(json.dumps(doc, indent=2))
     else:
         from guard.cache_health import LIVE_WINDOW_SECONDS
-        from guard.report import render_replica_caches
+        from guard.report import render_ghost_nodes, render_replica_caches
 
         if not text:
             text = f"No audit store at {db or DEFAULT_AUDIT_DB}: ghosts not reported.\n"
-        click.echo(text + "\n" + render_replica_caches(caches, window=LIVE_WINDOW_SECONDS), nl=False)
-    sys.exit(1 if any(c["frozen"] or c["missing"] for c in caches) else 0)
+        click.echo(text + "\n" + render_replica_caches(caches, window=LIVE_WINDOW_SECONDS) + "\n"
+                   + render_ghost_nodes(ghost_nodes, node_errors), nl=False)
+    sys.exit(1 if any(c["frozen"] or c["missing"] for c in caches) or ghost_nodes else 0)
 
 
 def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | None, server_name: str,
@@ -472,13 +476,17 @@ def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | Non
     return kube, pool
 
 
-def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_name: str) -> list[dict]:
-    """guard.cache_health.check_now over every replica; exit 2 with one line when it cannot run."""
+def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None,
+                 server_name: str) -> tuple[list[dict], tuple[list[dict[str, object]], list[str]]]:
+    """guard.cache_health.check_now and guard.ghostnodes.check_nodes_now over every replica; exit 2 with
+    one line when they cannot run."""
     from guard.cache_health import check_now
+    from guard.ghostnodes import check_nodes_now
 
     kube, pool = _cluster("report", kubeconfig, apiserver_replicas, server_name, 2.0, 8)
     try:
-        return check_now(kube, pool.clients())
+        clients = pool.clients()
+        return check_now(kube, clients), check_nodes_now(kube, clients)
     finally:
         pool.close()
         kube.close()

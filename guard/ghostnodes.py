@@ -204,3 +204,36 @@ def node_event(kube: Kube, node: str, reason: str, message: str) -> None:
         kube.core.patch_namespaced_event(name, "default", {"lastTimestamp": now, "message": visible(message)[:1024]},
                                          _content_type="application/merge-patch+json",
                                          _request_timeout=kube.timeout * 2)
+
+
+def check_nodes_now(kube: Kube, clients: list[ReplicaClient]) -> tuple[list[dict[str, object]], list[str]]:
+    """``report --live``: the ghost Nodes now. Every replica's Node names (one LIST each), one quorum read
+    of each name they disagree on, then the replicas listed again: a Node etcd lacks (404, a read begun
+    after the first listing) that a replica still serves after the read is a ghost Node. Returns
+    (ghost Nodes: ``{"node", "replicas"}``, errors: replicas whose Nodes could not be listed, and reads
+    that failed). Rules: :class:`guard.nodeverdict.NodeKnowledge`, with no settle time."""
+    knowledge = NodeKnowledge(settle=0.0)
+    errors: list[str] = []
+
+    def listing() -> dict[str, set[str]]:
+        out = {}
+        for c in clients:
+            try:
+                out[c.replica.address] = set(c.list_node_names()[1])
+            except Exception as e:
+                errors.append(f"{c.replica.address}: Nodes not listed ({type(e).__name__})")
+        return out
+
+    for address, names in listing().items():
+        knowledge.listed(address, names, 0.0)
+    for name, changes in knowledge.due(0.0, MAX_READS_PER_TICK * 5):
+        read = kube.read_node(name)
+        if knowledge.landed(name, changes, read, 0.0) == "error":
+            errors.append(f"Node {name}: quorum read failed ({read.error})")
+    again = listing()
+    ghosts: list[dict[str, object]] = []
+    for name, ghost in sorted(knowledge.ghosts.items()):
+        serving = [r for r in ghost.replicas if name in again.get(r, ())]
+        if serving:
+            ghosts.append({"node": name, "replicas": serving})
+    return ghosts, errors

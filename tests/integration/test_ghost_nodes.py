@@ -9,7 +9,10 @@ Real etcd, three real HTTPS apiserver replicas, a real `ghost-guard serve`.
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from clirun import ghost_guard
 
 from guard.lab.harness import eventually, node_manifest, pod_manifest
 
@@ -90,11 +93,21 @@ def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(lab, start_guard):
     assert event.involved_object.kind == "Node" and stale in event.message
     assert g.metric("ghost_guard_ghost_node_detections_total", replica=stale) == 1
 
+    # `report --live` names it too, from its own reads (no guard, no audit store needed).
+    r = ghost_guard("report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db", "-o", "json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ghost_nodes"] == [{"node": "ghost-node", "replicas": [stale]}] and doc["ghost_node_errors"] == []
+    r = ghost_guard("report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db")
+    assert "ghost-node" in r.stdout and stale in r.stdout
+
     # The Node is created again under that name: etcd has it, the guard never refuses it.
     api.create_node(node_manifest("ghost-node"), _request_timeout=5)
     eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 0, what="the ghost withdrawn")
     out = g.post("/filter", {"Pod": scheduler_pod(pod), "Nodes": None, "NodeNames": names}).json()
     assert out["NodeNames"] == names and out["FailedAndUnresolvableNodes"] == {}
+    r = ghost_guard("report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db", "-o", "json")
+    assert json.loads(r.stdout)["ghost_nodes"] == []
 
 
 def test_a_node_read_that_fails_passes_the_node(lab, start_guard):
