@@ -14,7 +14,7 @@ import sys
 import click
 
 from guard import __version__
-from guard.names import pod_identity_problem, visible
+from guard.names import pod_identity_problem, pod_name_problem, visible
 from guard.settings import DEFAULT_AUDIT_DB, Settings
 
 # The default of every `serve` option, and of the options other commands share with it: the Settings
@@ -535,7 +535,7 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
 
 
 @main.command("heal")
-@click.argument("pods", nargs=-1, metavar="NAMESPACE/NAME...")
+@click.argument("pods", nargs=-1, metavar="NAMESPACE/NAME|node/NAME...")
 # --all has no environment variable on purpose: a variable set for something else must never widen a write.
 @click.option("--all", "all_", is_flag=True, default=False,
               help="Heal every ghost the replicas serve: pods a replica's cache serves as pending under a UID etcd "
@@ -562,16 +562,30 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     replica serves is never touched. A frozen replica (its cache revision does not move) cannot be healed
     by writes: restart that replica only.
 
-    Exit status: 0 every replica agrees with etcd, 1 some pod is not healed (frozen replica, refused
+    node/NAME heals a ghost Node (deleted in etcd, served by a stale replica): a placeholder Node
+    (unschedulable, tainted) is created and deleted at once under its name; a Node etcd has is never
+    touched. pod/NAMESPACE/NAME names a pod explicitly (for a namespace called "node").
+
+    Exit status: 0 every replica agrees with etcd, 1 some pod or Node is not healed (frozen replica, refused
     write, timeout), 2 bad arguments or no cluster access, 130 interrupted (nothing left behind).
     """
     from guard.heal import Healer
     from guard.healing import render
+    from guard.nodeheal import heal_node
+    from guard.nodeheal import render as render_nodes
 
     if all_ == bool(pods):
         raise click.UsageError("give NAMESPACE/NAME arguments or --all (not both)")
     targets = []
+    nodes = []
     for pod in pods:
+        if pod.startswith("node/"):  # a ghost Node (guard/nodeheal.py)
+            if not pod[5:] or "/" in pod[5:] or pod_name_problem(pod[5:]):
+                raise click.BadParameter(f"expected node/NAME with a valid Node name, got {visible(pod)!r}",
+                                         param_hint="NAMESPACE/NAME")
+            nodes.append(pod[5:])
+            continue
+        pod = pod.removeprefix("pod/")  # pod/NS/NAME: a pod, also in a namespace called "node"
         namespace, sep, name = pod.partition("/")
         if not sep or not namespace or not name or "/" in name:
             raise click.BadParameter(f"expected NAMESPACE/NAME, got {visible(pod)!r}", param_hint="NAMESPACE/NAME")
@@ -591,7 +605,17 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         results = []
         for namespace, name in targets:
             results.append(healer.heal(namespace, name, dry_run=dry_run))
-        click.echo(render(results, output), nl=False)
+        node_results = [heal_node(kube, pool.clients, n, timeout=timeout, dry_run=dry_run) for n in nodes]
+        if output == "json" and node_results:
+            import json
+
+            click.echo(json.dumps({"pods": json.loads(render(results, output)) if results else [],
+                                   "nodes": [r.as_dict() for r in node_results]}, indent=2))
+        else:
+            if results or not node_results:
+                click.echo(render(results, output), nl=False)
+            if node_results:
+                click.echo(render_nodes(node_results, output), nl=False)
     except KeyboardInterrupt:
         click.echo("ghost-guard heal: interrupted (no placeholder left behind)", err=True)
         sys.exit(130)
@@ -599,7 +623,7 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         healer.close()
         pool.close()
         kube.close()
-    sys.exit(0 if all(r.ok for r in results) else 1)
+    sys.exit(0 if all(r.ok for r in results) and all(r.ok for r in node_results) else 1)
 
 
 # --- lab, demo (guard/lab/): imported lazily, never on the serving path ------

@@ -128,3 +128,31 @@ def test_a_node_read_that_fails_passes_the_node(lab, start_guard):
     out = g.post("/filter", {"Pod": scheduler_pod(pod), "Nodes": None, "NodeNames": ["ghost-node"]}).json()
     assert out["NodeNames"] == ["ghost-node"] and out["FailedAndUnresolvableNodes"] == {}
     assert g.metric("ghost_guard_ghost_nodes", replica=replicas[1]) == 0
+
+
+def test_heal_node_drops_the_ghost_node_from_the_stale_cache_without_a_restart(lab, start_guard):
+    api = lab.core_v1(0)
+    for name in ("real-node", "ghost-node"):
+        api.create_node(node_manifest(name), _request_timeout=5)
+    real_uid = api.read_node("real-node", _request_timeout=5).metadata.uid
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), *FAST])
+    stale = f"{lab.replicas[1].ip}:{lab.replicas[1].port}"
+    lab.replicas[1].faults.drop_deletes(name="ghost-node", resource="nodes", count=1)
+    api.delete_node("ghost-node", _request_timeout=5)
+    eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, what="the ghost Node attributed")
+
+    r = ghost_guard("heal", "node/ghost-node", "node/real-node", "--kubeconfig", lab.kubeconfig(0), "-o", "json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    nodes = {n["node"]: n for n in json.loads(r.stdout)["nodes"]}
+    assert nodes["ghost-node"]["outcome"] == "healed" and nodes["ghost-node"]["serving_before"] == [stale]
+    assert nodes["real-node"]["outcome"] == "etcd-has-it"  # a Node etcd has is never touched
+    assert api.read_node("real-node", _request_timeout=5).metadata.uid == real_uid
+    assert "ghost-node" not in cached_nodes(lab, 1)  # the stale replica, no restart
+    assert all("ghost-node" not in cached_nodes(lab, i) for i in range(3))
+    assert "ghost-node" not in {n.metadata.name for n in api.list_node(_request_timeout=5).items}  # no placeholder left
+    eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 0, what="the guard sees it healed")
+
+    r = ghost_guard("heal", "node/ghost-node", "--kubeconfig", lab.kubeconfig(0))
+    assert r.returncode == 0 and "consistent" in r.stdout, r.stdout + r.stderr
+    r = ghost_guard("heal", "node/Bad_Name", "--kubeconfig", lab.kubeconfig(0))
+    assert r.returncode == 2 and "node/NAME" in r.stderr
