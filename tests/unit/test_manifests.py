@@ -252,6 +252,7 @@ EXPECTED_RULES = {
     # (namespace or "*" for cluster-wide, apiGroup, resource, verb)
     ("*", "", "pods", "get"), ("*", "", "pods", "list"), ("*", "", "pods", "watch"),
     ("*", "", "events", "create"), ("*", "", "events", "get"), ("*", "", "events", "patch"),
+    ("*", "", "nodes", "get"), ("*", "", "nodes", "list"), ("*", "", "nodes", "watch"),  # ghost Nodes
     ("default", "", "endpoints", "get"),
     ("default", "discovery.k8s.io", "endpointslices", "list"),
     ("kube-system", "coordination.k8s.io", "leases", "list"),
