@@ -446,8 +446,9 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
 
         if not text:
             text = f"No audit store at {db or DEFAULT_AUDIT_DB}: ghosts not reported.\n"
-        click.echo(text + "\n" + render_replica_caches(caches, window=LIVE_WINDOW_SECONDS) + "\n"
-                   + render_ghost_nodes(ghost_nodes, node_errors), nl=False)
+        nodes_text = render_ghost_nodes(ghost_nodes, node_errors)
+        click.echo(text + "\n" + render_replica_caches(caches, window=LIVE_WINDOW_SECONDS)
+                   + ("\n" + nodes_text if nodes_text else ""), nl=False)
     sys.exit(1 if any(c["frozen"] or c["missing"] for c in caches) or ghost_nodes else 0)
 
 

@@ -526,9 +526,11 @@ def heal_advice(namespace: str, name: str) -> str:
 
 def render_ghost_nodes(ghosts: Sequence[Mapping[str, Any]], errors: Sequence[str] = ()) -> str:
     """The ``report --live`` section on ghost Nodes: Nodes etcd lacks (quorum read) that a replica's cache
-    serves, and what to do."""
+    serves, and what to do. Nothing at all when there is none and every check ran."""
+    if not ghosts and not errors:
+        return ""
     if not ghosts:
-        lines = ["Ghost Nodes (deleted in etcd, served by a replica's cache): none."]
+        lines = ["Ghost Nodes (deleted in etcd, served by a replica's cache): none found."]
     else:
         lines = ["Ghost Nodes (deleted in etcd by a quorum read, still served by a replica's cache; the guard "
                  "refuses them as candidates with --ghost-nodes):"]
