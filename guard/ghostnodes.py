@@ -15,18 +15,13 @@ and a ``GhostNode`` Warning Event on the Node. A read that fails leaves the Node
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
 
-from kubernetes.client.exceptions import ApiException
-
 from guard import metrics
-from guard.kube import Kube, ReplicaClient, WatchExpired, _now_rfc3339
-from guard.names import visible
+from guard.kube import Kube, ReplicaClient, WatchExpired, emit_node_event
 from guard.nodeverdict import GhostNode, NodeKnowledge
 from guard.replicas import ReplicaPool
 
@@ -118,7 +113,7 @@ class GhostNodes:
             metrics.GHOST_NODE_DETECTIONS.labels(replica).inc()
         if self._events:
             try:
-                node_event(self.kube, ghost.name, "GhostNode",
+                emit_node_event(self.kube, ghost.name, "GhostNode",
                            f"Node {ghost.name} is deleted in etcd (quorum read) but apiserver replica(s) "
                            f"{', '.join(ghost.replicas)} still serve it from a stale watch cache; ghost-guard "
                            f"refuses it as a candidate. Heal: ghost-guard heal node/{ghost.name}")
@@ -182,28 +177,6 @@ class GhostNodes:
         """/readyz detail: the ghost Nodes and which replicas serve them; the replicas whose Nodes are watched."""
         return {"ghost_nodes": {n: list(g.replicas) for n, g in sorted(self.knowledge.ghosts.items())[:20]},
                 "watched": {a: bool(up) for a, up in sorted(self._up.items())}}
-
-
-def node_event(kube: Kube, node: str, reason: str, message: str) -> None:
-    """A Warning Event about a Node (namespace default, as the kubelet's and node controller's), or its count bumped."""
-    name = f"{node[:200]}.{hashlib.sha256(f'{node}/{reason}'.encode()).hexdigest()[:16]}"
-    now = _now_rfc3339()
-    body = {
-        "apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": "default"},
-        "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node},
-        "reason": reason, "message": visible(message)[:1024], "type": "Warning",
-        "source": {"component": "ghost-guard", "host": socket.gethostname()},
-        "reportingComponent": "ghost-guard", "reportingInstance": socket.gethostname(),
-        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-    }
-    try:
-        kube.core.create_namespaced_event("default", body, _request_timeout=kube.timeout * 2)
-    except ApiException as e:
-        if e.status != 409:
-            raise
-        kube.core.patch_namespaced_event(name, "default", {"lastTimestamp": now, "message": visible(message)[:1024]},
-                                         _content_type="application/merge-patch+json",
-                                         _request_timeout=kube.timeout * 2)
 
 
 def check_nodes_now(kube: Kube, clients: list[ReplicaClient]) -> tuple[list[dict[str, object]], list[str]]:

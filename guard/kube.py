@@ -254,6 +254,16 @@ class Kube:
                                                                     _content_type="application/merge-patch+json",
                                                                     _request_timeout=t), timeout)
 
+    def create_node(self, body: dict, timeout: float | None = None) -> dict:
+        """Create a Node (``heal node/NAME``'s placeholder, guard/nodeheal.py)."""
+        return self._write(lambda t: self.core.create_node(body, _preload_content=False, _request_timeout=t), timeout)
+
+    def delete_node(self, name: str, uid: str, timeout: float | None = None) -> dict:
+        """DELETE a Node with a UID precondition (409 Conflict if the name now holds another Node)."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        return self._write(lambda t: self.core.delete_node(name, body=body, _preload_content=False,
+                                                           _request_timeout=t), timeout)
+
     def _write(self, call, timeout: float | None) -> dict:
         t = self.timeout if timeout is None else timeout
         try:
@@ -481,6 +491,17 @@ class ReplicaClient:
         finally:
             resp.release_conn()
 
+    def serves_node(self, name: str) -> bool | None:
+        """Whether this replica's watch cache serves the Node ``name`` (LIST resourceVersion=0, one name);
+        None when it gives no answer."""
+        try:
+            resp = self.core.list_node(field_selector=f"metadata.name={name}", resource_version="0",
+                                       _preload_content=False, _request_timeout=self.timeout)
+            items = orjson.loads(resp.data).get("items") or []
+        except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError, AttributeError):
+            return None
+        return any((i.get("metadata") or {}).get("name") == name for i in items if isinstance(i, dict))
+
     def list_node_names(self) -> tuple[str, list[str]]:
         """LIST Nodes from this replica's cache (resourceVersion=0), metadata only where the apiserver
         offers it: (list resourceVersion, names)."""
@@ -654,6 +675,32 @@ def emit_event(kube: Kube, *, namespace: str, pod_name: str, pod_uid: str, reaso
     count = int((orjson.loads(resp.data).get("count") or 1)) + 1
     kube.core.patch_namespaced_event(name, namespace, {"count": count, "lastTimestamp": now, "message": visible(message)[:1024]},
                                      _content_type="application/merge-patch+json", _request_timeout=kube.timeout * 2)
+
+
+def emit_node_event(kube: Kube, node: str, reason: str, message: str) -> None:
+    """A Warning Event about a Node (namespace default, as the node controller's), or its time and message
+    bumped when it exists (aggregated, one per Node and reason)."""
+    import hashlib
+    import socket
+
+    name = f"{node[:200]}.{hashlib.sha256(f'{node}/{reason}'.encode()).hexdigest()[:16]}"
+    now = _now_rfc3339()
+    body = {
+        "apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": "default"},
+        "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node},
+        "reason": reason, "message": visible(message)[:1024], "type": "Warning",
+        "source": {"component": "ghost-guard", "host": socket.gethostname()},
+        "reportingComponent": "ghost-guard", "reportingInstance": socket.gethostname(),
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+    try:
+        kube.core.create_namespaced_event("default", body, _request_timeout=kube.timeout * 2)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+        kube.core.patch_namespaced_event(name, "default", {"lastTimestamp": now, "message": visible(message)[:1024]},
+                                         _content_type="application/merge-patch+json",
+                                         _request_timeout=kube.timeout * 2)
 
 
 # --- GhostPod audit records (kube-ghost-guard.io/v1alpha1, manifests/crd) ------------------

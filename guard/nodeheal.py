@@ -21,10 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import orjson
-from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
 
-from guard.kube import Kube, ReplicaClient
+from guard.kube import Kube, KubeWriteError, ReplicaClient
 from guard.names import pod_name_problem, visible
 from guard.verdict import ReadStatus
 
@@ -57,24 +55,13 @@ class NodeHealResult:
                 "serving_after": self.serving_after, "detail": self.detail}
 
 
-def serves(replica: ReplicaClient, name: str) -> bool | None:
-    """Whether this replica's watch cache serves the Node ``name`` (None: no answer)."""
-    try:
-        resp = replica.core.list_node(field_selector=f"metadata.name={name}", resource_version="0",
-                                      _preload_content=False, _request_timeout=replica.timeout)
-        items = orjson.loads(resp.data).get("items") or []
-    except Exception:
-        return None
-    return any((i.get("metadata") or {}).get("name") == name for i in items if isinstance(i, dict))
-
-
 def heal_node(kube: Kube, replicas: Callable[[], Sequence[ReplicaClient]], name: str, *, timeout: float = 10.0,
               dry_run: bool = False, interval: float = 0.2) -> NodeHealResult:
     problem = pod_name_problem(name)  # Node names are DNS-1123 subdomains, as pod names
     if problem is not None:
         return NodeHealResult(name, "refused", detail=f"invalid Node name: {problem}")
     clients = list(replicas())
-    views = {c.replica.address: serves(c, name) for c in clients}
+    views = {c.replica.address: c.serves_node(name) for c in clients}
     serving = sorted(a for a, s in views.items() if s)
     unanswered = sorted(a for a, s in views.items() if s is None)
     read = kube.read_node(name)  # after the caches were read
@@ -84,36 +71,29 @@ def heal_node(kube: Kube, replicas: Callable[[], Sequence[ReplicaClient]], name:
         return NodeHealResult(name, "etcd-has-it", serving, serving,
                               "etcd has this Node: nothing is written (a Node etcd has is never touched)")
     if not serving:
-        return NodeHealResult(name, "consistent", [], [], "no replica serves it" +
-                              (f" (no answer from {', '.join(unanswered)})" if unanswered else ""))
+        if unanswered:
+            return NodeHealResult(name, "unreadable", [], [], f"no answer from {', '.join(unanswered)}")
+        return NodeHealResult(name, "consistent", [], [], "no replica serves it")
     if dry_run:
         return NodeHealResult(name, "needs-heal", serving, serving, "dry run: nothing written")
     deadline = time.monotonic() + timeout
     try:
-        created = orjson.loads(kube.core.create_node(placeholder(name), _preload_content=False,
-                                                     _request_timeout=kube.timeout).data)
-    except ApiException as e:
+        created = kube.create_node(placeholder(name))
+    except KubeWriteError as e:
         if e.status == 409:
             return NodeHealResult(name, "etcd-has-it", serving, serving, "a Node was created under this name meanwhile")
         outcome = "refused" if e.status in (400, 403, 422) else "failed"
-        return NodeHealResult(name, outcome, serving, serving, f"placeholder create: HTTP {e.status} "
-                              f"{visible(str(e.reason or ''))[:200]}")
-    except Exception as e:
-        return NodeHealResult(name, "failed", serving, serving, f"placeholder create: {type(e).__name__}")
+        return NodeHealResult(name, outcome, serving, serving, f"placeholder create: HTTP {e.status} {e.reason}: "
+                              f"{visible(e.message)[:300]}")
     uid = str((created.get("metadata") or {}).get("uid") or "")
-    delete_error = ""
     try:
-        kube.core.delete_node(name, body=k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid)),
-                              _request_timeout=kube.timeout)
-    except ApiException as e:
+        kube.delete_node(name, uid)
+    except KubeWriteError as e:
         if e.status != 404:
-            delete_error = f"placeholder delete: HTTP {e.status} {visible(str(e.reason or ''))[:200]}"
-    except Exception as e:
-        delete_error = f"placeholder delete: {type(e).__name__}"
-    if delete_error:
-        return NodeHealResult(name, "failed", serving, serving, delete_error + f" (uid {uid}: delete it by hand)")
+            return NodeHealResult(name, "failed", serving, serving, f"placeholder delete: HTTP {e.status} {e.reason}: "
+                                  f"{visible(e.message)[:300]} (uid {uid}: delete it by hand)")
     while True:
-        still = sorted(c.replica.address for c in clients if serves(c, name) is not False)
+        still = sorted(c.replica.address for c in clients if c.serves_node(name) is not False)
         if not still:
             return NodeHealResult(name, "healed", serving, [], "placeholder created and deleted; no replica serves it")
         if time.monotonic() >= deadline:
