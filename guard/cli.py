@@ -586,7 +586,8 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
                                          param_hint="NAMESPACE/NAME")
             nodes.append(pod[5:])
             continue
-        pod = pod.removeprefix("pod/")  # pod/NS/NAME: a pod, also in a namespace called "node"
+        if pod.startswith("pod/") and pod.count("/") == 2:  # pod/NS/NAME: a pod, also in a namespace called "node"
+            pod = pod[4:]
         namespace, sep, name = pod.partition("/")
         if not sep or not namespace or not name or "/" in name:
             raise click.BadParameter(f"expected NAMESPACE/NAME, got {visible(pod)!r}", param_hint="NAMESPACE/NAME")
