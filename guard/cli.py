@@ -14,7 +14,7 @@ import sys
 import click
 
 from guard import __version__
-from guard.names import pod_identity_problem, visible
+from guard.names import pod_identity_problem, pod_name_problem, visible
 from guard.settings import DEFAULT_AUDIT_DB, Settings
 
 # The default of every `serve` option, and of the options other commands share with it: the Settings
@@ -119,6 +119,10 @@ def main() -> None:
 @setting("--prepare/--no-prepare",
          help="Keep views of every replica's unscheduled pods, watch one while called, and verify new pods before "
               "kube-scheduler asks.")
+@setting("--ghost-nodes/--no-ghost-nodes",
+         help="Watch every replica's Node names (metadata only); a Node one replica serves and another does not is "
+              "read once from etcd, and one etcd lacks (a ghost Node) is refused as a candidate in /filter "
+              "(FailedAndUnresolvableNodes) and /preempt, never the whole pod.")
 @setting("--prepared-max-age", type=float, help="Seconds a background-verified verdict stays usable.")
 @setting("--prepared-grace", type=float,
          help="Seconds after a pod's first call during which its prepared verdict still answers.")
@@ -443,8 +447,9 @@ def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
               help="Only ghosts seen since then: a duration back from now (30m, 1h, 2d, 1w) or an ISO-8601 time (UTC if no offset).")
 @click.option("--output", "-o", default="table", type=click.Choice(["table", "json"]), help="Output format.")
 @option("--live", is_flag=True, default=False,
-        help="Also check every apiserver replica's cache now (about 10s): its revision against etcd's (frozen?) and "
-             "the pending pods it misses. Needs cluster credentials; works without an audit store.")
+        help="Also check every apiserver replica's cache now (about 10s): its revision against etcd's (frozen?), "
+             "the pending pods it misses, and the ghost Nodes it serves (Nodes etcd lacks). Needs cluster "
+             "credentials; works without an audit store.")
 @option("--apiserver-replicas", default=None, metavar="https://IP:PORT,...",
         help="With --live: replicas to check; default: discovered from the default/kubernetes EndpointSlice.")
 @setting("--apiserver-server-name", help="With --live: TLS server name verified when dialling a replica by IP.")
@@ -453,10 +458,10 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
     """Per apiserver replica, the ghosts its watch cache serves and since when, then the remediation in order.
 
     The ghosts come from the audit store (what `serve` recorded; either store, as `audit`). With --live, a second section checks every
-    replica's cache now: frozen watches and pods missing from a cache.
+    replica's cache now: frozen watches, pods missing from a cache and ghost Nodes.
 
-    Exit status (as diagnose and heal): 0 no replica serves a ghost (with --live: none frozen, none missing a pod),
-    1 some replica does, 2 the report could not run (no store, bad arguments, no cluster access).
+    Exit status (as diagnose and heal): 0 no replica serves a ghost (with --live: none frozen, none missing a pod,
+    no ghost Node), 1 some replica does, 2 the report could not run (no store, bad arguments, no cluster access).
     """
     import os
 
@@ -486,18 +491,22 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
         click.echo(text + "\n", nl=False)
         sys.stdout.flush()
         progress(f"checking every apiserver replica's cache now (about {2 * LIVE_WINDOW_SECONDS:g}s)")
-    caches = _live_caches(kubeconfig, apiserver_replicas, apiserver_server_name, progress)
+    caches, (ghost_nodes, node_errors) = _live_caches(kubeconfig, apiserver_replicas, apiserver_server_name, progress)
     if output == "json":
         import json
 
         doc = json.loads(text) if text else {"audit_store": None}
         doc["replica_caches"] = caches
+        doc["ghost_nodes"] = ghost_nodes
+        doc["ghost_node_errors"] = node_errors
         click.echo(json.dumps(doc, indent=2))
     else:
-        from guard.report import render_replica_caches
+        from guard.report import render_ghost_nodes, render_replica_caches
 
-        click.echo(render_replica_caches(caches, window=LIVE_WINDOW_SECONDS), nl=False)
-    sys.exit(1 if serving or any(c["frozen"] or c["missing"] for c in caches) else 0)
+        nodes_text = render_ghost_nodes(ghost_nodes, node_errors)
+        click.echo(render_replica_caches(caches, window=LIVE_WINDOW_SECONDS) + ("\n" + nodes_text if nodes_text else ""),
+                   nl=False)
+    sys.exit(1 if serving or any(c["frozen"] or c["missing"] for c in caches) or ghost_nodes else 0)
 
 
 def _progress(command: str, output: str):
@@ -533,14 +542,19 @@ def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | Non
 
 
 def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_name: str,
-                 progress=lambda line: None) -> list[dict]:
-    """guard.cache_health.check_now over every replica; exit 2 with one line when it cannot run."""
+                 progress=lambda line: None) -> tuple[list[dict], tuple[list[dict[str, object]], list[str]]]:
+    """guard.cache_health.check_now and guard.ghostnodes.check_nodes_now over every replica; exit 2 with
+    one line when they cannot run."""
     progress("loading the Kubernetes client and finding the apiserver replicas")
     from guard.cache_health import check_now  # imports the Kubernetes client
+    from guard.ghostnodes import check_nodes_now
 
     kube, pool = _cluster("report", kubeconfig, apiserver_replicas, server_name, 2.0, 8)
     try:
-        return check_now(kube, pool.clients(), progress=progress)
+        clients = pool.clients()
+        caches = check_now(kube, clients, progress=progress)
+        progress("checking every replica's Nodes against etcd")
+        return caches, check_nodes_now(kube, clients)
     finally:
         pool.close()
         kube.close()
@@ -589,7 +603,7 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
 
 
 @main.command("heal", short_help="Make every replica's cache agree with etcd (no restart).")
-@click.argument("pods", nargs=-1, metavar="NAMESPACE/NAME...")
+@click.argument("pods", nargs=-1, metavar="NAMESPACE/NAME|node/NAME...")
 # --all has no environment variable on purpose: a variable set for something else must never widen a write.
 @click.option("--all", "all_", is_flag=True, default=False,
               help="Heal every ghost the replicas serve: pods a replica's cache serves as pending under a UID etcd "
@@ -617,7 +631,11 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     replica serves is never touched. A frozen replica (its cache revision does not move) cannot be healed
     by writes: restart that replica only.
 
-    Exit status: 0 every replica agrees with etcd, 1 some pod is not healed (frozen replica, refused
+    node/NAME heals a ghost Node (deleted in etcd, served by a stale replica): a placeholder Node
+    (unschedulable, tainted) is created and deleted at once under its name; a Node etcd has is never
+    touched. pod/NAMESPACE/NAME names a pod explicitly (for a namespace called "node").
+
+    Exit status: 0 every replica agrees with etcd, 1 some pod or Node is not healed (frozen replica, refused
     write, timeout), 2 bad arguments or no cluster access, 130 interrupted (nothing left behind).
     """
     from guard.healing import render
@@ -625,7 +643,16 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     if all_ == bool(pods):
         raise click.UsageError("give NAMESPACE/NAME arguments or --all (not both)")
     targets = []
+    nodes = []
     for pod in pods:
+        if pod.startswith("node/"):  # a ghost Node (guard/nodeheal.py)
+            if not pod[5:] or "/" in pod[5:] or pod_name_problem(pod[5:]):
+                raise click.BadParameter(f"expected node/NAME with a valid Node name, got {visible(pod)!r}",
+                                         param_hint="NAMESPACE/NAME")
+            nodes.append(pod[5:])
+            continue
+        if pod.startswith("pod/") and pod.count("/") == 2:  # pod/NS/NAME: a pod, also in a namespace called "node"
+            pod = pod[4:]
         namespace, sep, name = pod.partition("/")
         if not sep or not namespace or not name or "/" in name:
             raise click.BadParameter(f"expected NAMESPACE/NAME, got {visible(pod)!r}", param_hint="NAMESPACE/NAME")
@@ -638,6 +665,8 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     progress = _progress("heal", output)
     progress("loading the Kubernetes client and finding the apiserver replicas")
     from guard.heal import Healer
+    from guard.nodeheal import heal_node
+    from guard.nodeheal import render as render_nodes
 
     kube, pool = _cluster("heal", kubeconfig, apiserver_replicas, apiserver_server_name, probe_timeout, 8)
     healer = Healer(kube, pool.clients, timeout=timeout, progress=progress)
@@ -651,8 +680,17 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
             results.append(healer.heal(namespace, name, dry_run=dry_run))
             if output == "table":  # what is ready first: each pod's result as soon as it is known
                 click.echo(render(results[-1:], output), nl=False)
-        if output != "table" or not results:
-            click.echo(render(results, output), nl=False)
+        node_results = [heal_node(kube, pool.clients, n, timeout=timeout, dry_run=dry_run) for n in nodes]
+        if output == "json" and node_results:
+            import json
+
+            click.echo(json.dumps({"pods": json.loads(render(results, output)) if results else [],
+                                   "nodes": [r.as_dict() for r in node_results]}, indent=2))
+        else:
+            if output != "table" or not (results or node_results):
+                click.echo(render(results, output), nl=False)
+            if node_results:
+                click.echo(render_nodes(node_results, output), nl=False)
     except KeyboardInterrupt:
         click.echo("ghost-guard heal: interrupted (no placeholder left behind)", err=True)
         sys.exit(130)
@@ -660,7 +698,7 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         healer.close()
         pool.close()
         kube.close()
-    sys.exit(0 if all(r.ok for r in results) else 1)
+    sys.exit(0 if all(r.ok for r in results) and all(r.ok for r in node_results) else 1)
 
 
 def kubectl_plugin() -> None:

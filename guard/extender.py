@@ -333,3 +333,47 @@ def preempt_allow(args: PreemptArgs) -> bytes:
 def preempt_veto() -> bytes:
     """No node may lose a pod for this one."""
     return b'{"NodeNameToMetaVictims":{}}'
+
+
+# --- ghost Nodes (guard/nodeverdict.py): a live pod's candidates etcd lacks --------------------------
+
+
+def candidate_names(args: FilterArgs) -> list[str]:
+    """The candidate node names of a filter call that are strings (others are left to pass as sent)."""
+    if args.mode == "names":
+        return [n for n in args.names() if isinstance(n, str)]
+    out = []
+    for item in (args.nodes or {}).get("items") or []:
+        meta = item.get("metadata") if isinstance(item, dict) else None
+        name = meta.get("name") if isinstance(meta, dict) else None
+        if isinstance(name, str):
+            out.append(name)
+    return out
+
+
+def filter_some(args: FilterArgs, failed: dict[str, str]) -> bytes:
+    """The candidates in ``failed`` fail as *unresolvable* (each with its reason), the rest pass, in the
+    request's own mode. With nothing failed, :func:`filter_pass`."""
+    if not failed:
+        return filter_pass(args)
+    result: dict[str, Any]
+    if args.mode == "names":
+        kept = [n for n in args.names() if not (isinstance(n, str) and n in failed)]
+        result = {"Nodes": None, "NodeNames": kept, "FailedNodes": {}, "FailedAndUnresolvableNodes": failed, "Error": ""}
+    else:
+        nodes = {k: v for k, v in (args.nodes or {}).items() if k != "items"}
+        nodes["items"] = [item for item in (args.nodes or {}).get("items") or []
+                          if _item_name(item) not in failed]
+        result = {"Nodes": nodes, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": failed, "Error": ""}
+    return orjson.dumps(result)
+
+
+def _item_name(item: Any) -> Any:
+    meta = item.get("metadata") if isinstance(item, dict) else None
+    name = meta.get("name") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def preempt_without(args: PreemptArgs, nodes: set[str] | frozenset[str]) -> bytes:
+    """Every candidate except those on ``nodes``, as meta victims."""
+    return orjson.dumps({"NodeNameToMetaVictims": {n: v for n, v in args.meta_victims.items() if n not in nodes}})

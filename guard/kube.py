@@ -258,6 +258,16 @@ class Kube:
                                                                     _content_type="application/merge-patch+json",
                                                                     _request_timeout=t), timeout)
 
+    def create_node(self, body: dict, timeout: float | None = None) -> dict:
+        """Create a Node (``heal node/NAME``'s placeholder, guard/nodeheal.py)."""
+        return self._write(lambda t: self.core.create_node(body, _preload_content=False, _request_timeout=t), timeout)
+
+    def delete_node(self, name: str, uid: str, timeout: float | None = None) -> dict:
+        """DELETE a Node with a UID precondition (409 Conflict if the name now holds another Node)."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        return self._write(lambda t: self.core.delete_node(name, body=body, _preload_content=False,
+                                                           _request_timeout=t), timeout)
+
     def _write(self, call, timeout: float | None) -> dict:
         t = self.timeout if timeout is None else timeout
         try:
@@ -277,6 +287,35 @@ class Kube:
             raise KubeWriteError(0, "Unreachable", f"connection error: {type(e).__name__}") from e
         except (orjson.JSONDecodeError, ValueError) as e:
             raise KubeWriteError(0, "Undecodable", f"undecodable apiserver reply: {type(e).__name__}") from e
+
+    def read_node(self, name: str, timeout: float | None = None) -> QuorumRead:
+        """GET the Node ``name`` with no resourceVersion: served by etcd, never by a watch cache.
+        Found (with its uid), not-found (the apiserver's own "nodes NAME not found"), or failed
+        with a short reason: any other answer is no evidence, the caller fails open."""
+        timeout = self.timeout if timeout is None else min(timeout, self.timeout)
+        try:
+            resp = self.core.read_node(name, _preload_content=False, _request_timeout=timeout)
+            obj = orjson.loads(resp.data)
+        except ApiException as e:
+            if not e.status:
+                return QuorumRead.failed("connection error")
+            reason, body = _error_reason(e.body, e.reason)
+            details = body.get("details")
+            if e.status == 404 and reason == "NotFound" and isinstance(details, dict) and details.get("kind") == "nodes":
+                return QuorumRead.not_found()
+            return QuorumRead.failed(f"HTTP {e.status} {reason or 'error'}", http_status=e.status)
+        except urllib3.exceptions.NewConnectionError as e:
+            return QuorumRead.failed(f"connection error: {type(e).__name__}")
+        except (urllib3.exceptions.TimeoutError, TimeoutError):
+            return QuorumRead.failed(f"timeout after {timeout:g}s")
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            return QuorumRead.failed(f"connection error: {type(e).__name__}")
+        except ValueError as e:
+            return QuorumRead.failed(f"undecodable apiserver reply: {type(e).__name__}")
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        if not isinstance(meta, dict) or meta.get("name") != name:
+            return QuorumRead.failed("undecodable apiserver reply: not that Node")
+        return QuorumRead.found(str(meta.get("uid") or ""), resource_version=str(meta.get("resourceVersion") or ""))
 
     def ping(self) -> str | None:
         """None when the apiserver answers ``/version``, else a short reason."""
@@ -334,6 +373,10 @@ def only_object(items: object, namespace: str, name: str) -> list[dict]:
 
 # A watch event is one object (a pod: at most about 1.5 MiB in etcd); a line longer than this is no event.
 MAX_WATCH_EVENT_BYTES = 8 * 1024 * 1024
+# Node lists and watches ask for metadata only (names are all the ghost-Node check needs), with
+# plain JSON as the fallback for a server that does not offer it.
+_META_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1, application/json"
+_META_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1, application/json"
 
 
 class ReplicaClient:
@@ -442,6 +485,43 @@ class ReplicaClient:
             resp = self.core.list_pod_for_all_namespaces(
                 field_selector="spec.nodeName=", resource_version=resource_version, watch=True,
                 allow_watch_bookmarks=True, timeout_seconds=timeout_seconds, _preload_content=False,
+                _request_timeout=(self.timeout * 5, timeout_seconds + 30))
+        except ApiException as e:
+            if e.status == 410:
+                raise WatchExpired(resource_version) from e
+            raise
+        try:
+            yield from self._events(resp.stream(64 * 1024, decode_content=False), resource_version)
+        finally:
+            resp.release_conn()
+
+    def serves_node(self, name: str) -> bool | None:
+        """Whether this replica's watch cache serves the Node ``name`` (LIST resourceVersion=0, one name);
+        None when it gives no answer."""
+        try:
+            resp = self.core.list_node(field_selector=f"metadata.name={name}", resource_version="0",
+                                       _preload_content=False, _request_timeout=self.timeout)
+            items = orjson.loads(resp.data).get("items") or []
+        except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError, AttributeError):
+            return None
+        return any((i.get("metadata") or {}).get("name") == name for i in items if isinstance(i, dict))
+
+    def list_node_names(self) -> tuple[str, list[str]]:
+        """LIST Nodes from this replica's cache (resourceVersion=0), metadata only where the apiserver
+        offers it: (list resourceVersion, names)."""
+        resp = self.core.list_node(resource_version="0", _headers={"Accept": _META_LIST}, _preload_content=False,
+                                   _request_timeout=self.timeout * 5)
+        doc = orjson.loads(resp.data)
+        names = [str((i.get("metadata") or {}).get("name") or "") for i in doc.get("items") or [] if isinstance(i, dict)]
+        return str((doc.get("metadata") or {}).get("resourceVersion") or ""), [n for n in names if n]
+
+    def watch_nodes(self, resource_version: str, *, timeout_seconds: int = 300) -> Iterator[dict]:
+        """WATCH Nodes on this replica from ``resource_version`` (metadata only where offered): raw
+        events. WatchExpired on 410 (re-list), WatchFailed on an error event."""
+        try:
+            resp = self.core.list_node(
+                resource_version=resource_version, watch=True, allow_watch_bookmarks=True,
+                timeout_seconds=timeout_seconds, _headers={"Accept": _META_WATCH}, _preload_content=False,
                 _request_timeout=(self.timeout * 5, timeout_seconds + 30))
         except ApiException as e:
             if e.status == 410:
@@ -599,6 +679,32 @@ def emit_event(kube: Kube, *, namespace: str, pod_name: str, pod_uid: str, reaso
     count = int((orjson.loads(resp.data).get("count") or 1)) + 1
     kube.core.patch_namespaced_event(name, namespace, {"count": count, "lastTimestamp": now, "message": visible(message)[:1024]},
                                      _content_type="application/merge-patch+json", _request_timeout=kube.timeout * 2)
+
+
+def emit_node_event(kube: Kube, node: str, reason: str, message: str) -> None:
+    """A Warning Event about a Node (namespace default, as the node controller's), or its time and message
+    bumped when it exists (aggregated, one per Node and reason)."""
+    import hashlib
+    import socket
+
+    name = f"{node[:200]}.{hashlib.sha256(f'{node}/{reason}'.encode()).hexdigest()[:16]}"
+    now = _now_rfc3339()
+    body = {
+        "apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": "default"},
+        "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node},
+        "reason": reason, "message": visible(message)[:1024], "type": "Warning",
+        "source": {"component": "ghost-guard", "host": socket.gethostname()},
+        "reportingComponent": "ghost-guard", "reportingInstance": socket.gethostname(),
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+    try:
+        kube.core.create_namespaced_event("default", body, _request_timeout=kube.timeout * 2)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+        kube.core.patch_namespaced_event(name, "default", {"lastTimestamp": now, "message": visible(message)[:1024]},
+                                         _content_type="application/merge-patch+json",
+                                         _request_timeout=kube.timeout * 2)
 
 
 # --- GhostPod audit records (kube-ghost-guard.io/v1alpha1, manifests/crd) ------------------

@@ -135,6 +135,22 @@ REPLICA_FROZEN = Gauge("ghost_guard_replica_frozen", "1 while an apiserver repli
                        ["replica"], multiprocess_mode="livemax")
 
 
+# Ghost Nodes (guard/ghostnodes.py, guard/nodeverdict.py): Nodes etcd lacks that a replica's cache serves.
+GHOST_NODES = Gauge("ghost_guard_ghost_nodes", "Ghost Nodes (deleted in etcd, confirmed by a quorum read) an "
+                    "apiserver replica's watch cache still serves, by replica.", ["replica"],
+                    multiprocess_mode="livemax")
+GHOST_NODE_DETECTIONS = Counter("ghost_guard_ghost_node_detections", "Nodes confirmed ghost by a quorum read "
+                                "(etcd: not found) while a replica's cache served them, by replica.", ["replica"])
+GHOST_NODE_CANDIDATES = Counter("ghost_guard_ghost_node_candidates_failed", "Candidate Nodes refused to a live pod "
+                                "because they are ghost Nodes, by verb (filter: in FailedAndUnresolvableNodes, "
+                                "preempt: dropped).", ["verb"])
+NODE_READS = Counter("ghost_guard_node_reads", "Quorum reads of Nodes that replicas disagree on, by outcome (ghost, "
+                     "real, error: the Node passes, fail open; stale: the name changed while the read ran).",
+                     ["outcome"])
+NODE_WATCH_UP = Gauge("ghost_guard_node_watch_up", "1 while the guard's list and watch of an apiserver replica's "
+                      "Nodes is synced, 0 while it is retrying.", ["replica"], multiprocess_mode="livemin")
+
+
 @functools.lru_cache(maxsize=1024)
 def labelled(metric, *values: str):
     """``metric.labels(*values)``, looked up once: the per-pod paths count several labelled metrics per

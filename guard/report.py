@@ -522,3 +522,22 @@ def heal_advice(namespace: str, name: str) -> str:
     if not pastable(pod):
         return (f"no command: the name {visible(pod)} holds control or bidirectional characters no pod can have")
     return f"{_command('heal', [pod])} (no restart; restart a replica only if heal reports it frozen)"
+
+
+def render_ghost_nodes(ghosts: Sequence[Mapping[str, Any]], errors: Sequence[str] = ()) -> str:
+    """The ``report --live`` section on ghost Nodes: Nodes etcd lacks (quorum read) that a replica's cache
+    serves, and what to do. Nothing at all when there is none and every check ran."""
+    if not ghosts and not errors:
+        return ""
+    if not ghosts:
+        lines = ["Ghost Nodes (deleted in etcd, served by a replica's cache): none found."]
+    else:
+        lines = ["Ghost Nodes (deleted in etcd by a quorum read, still served by a replica's cache; the guard "
+                 "refuses them as candidates with --ghost-nodes):"]
+        lines += _table(("NODE", "SERVED BY"), [(visible(str(g["node"])), ", ".join(map(str, g["replicas"])))
+                                                for g in ghosts], indent="  ")
+        lines += ["", "Remediation: restart the apiserver replica(s) named (their watch cache is rebuilt from "
+                      "etcd); kube-scheduler drops the Node once the replica it reads no longer serves it."]
+    for e in errors:
+        lines.append(f"  (not checked: {visible(e)})")
+    return "\n".join(lines) + "\n"

@@ -84,6 +84,8 @@ class Settings:
     # Verify ahead only while scheduler calls (/filter, /preempt, /validate/binding) arrived within this
     # many seconds: a guard replica nobody calls costs no quorum GETs. 0: always (guard/prepare.py).
     prepare_idle_after: float = 60.0
+    # ghost Nodes: watch every replica's Node names, refuse candidates etcd lacks (guard/ghostnodes.py)
+    ghost_nodes: bool = True
     # replica caches that miss pods or froze (guard/cache_health.py)
     missing_after: float = 30.0
     frozen_after: float = 30.0

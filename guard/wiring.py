@@ -17,6 +17,7 @@ from guard import flood
 from guard.autoheal import AutoHealer
 from guard.cache_health import CacheHealthMonitor
 from guard.check import Checker
+from guard.ghostnodes import GhostNodes
 from guard.incident import IncidentRecorder, open_audit_store
 from guard.kube import Kube, load_configuration
 from guard.prepare import Preparer
@@ -39,6 +40,8 @@ class Guard:
     checker: Checker
     incidents: IncidentRecorder
     preparer: Preparer | None
+    # Ghost Nodes (guard/ghostnodes.py): None with --no-ghost-nodes.
+    nodes: GhostNodes | None = None
     # Extra readiness checks (None when fine, else a reason): only what stops verdicts, e.g. the
     # served certificate. The apiserver is checked by readiness() itself.
     readiness_checks: list[Callable[[], str | None]] = field(default_factory=list)
@@ -110,8 +113,13 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
     cache_health = CacheHealthMonitor(settings, kube, pool, preparer.pending_views if preparer else None)
     incidents.frozen = cache_health.frozen  # advice for a frozen replica: a restart, never a write
     cache_health.start()
-    return Guard(settings, kube, checker, incidents, preparer, readiness_checks=list(readiness_checks),
+    nodes = None
+    if settings.ghost_nodes:
+        nodes = GhostNodes(kube, pool, events=settings.events)
+        nodes.start()
+    return Guard(settings, kube, checker, incidents, preparer, nodes, readiness_checks=list(readiness_checks),
                  details={
+                     "ghost_nodes": nodes.status if nodes is not None else lambda: {"enabled": False},
                      "audit_store": incidents.check_audit,
                      "replicas": lambda: replica_details(incidents, preparer),
                      "replica_caches": cache_health.status,

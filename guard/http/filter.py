@@ -37,10 +37,11 @@ import orjson
 from flask import Blueprint, Response, g, request
 from werkzeug.wsgi import ClosingIterator
 
-from guard import extender
+from guard import extender, metrics
 from guard.check import Joined
 from guard.extender import ProtocolError
 from guard.http.exchange import BodyBudget, acquire_room, read_json_body, record_request
+from guard.nodeverdict import ghost_candidates
 from guard.verdict import Decision, PodRef
 from guard.wiring import Guard
 
@@ -79,8 +80,28 @@ def answer(guard: Guard, path: str, body: bytes, arrived: float) -> tuple[bytes,
 
 def _encode(guard: Guard, path: str, args: Any, decision: Decision) -> bytes:
     """The verb's answer for this decision: blocked (a ghost, or fail-closed) or allowed."""
-    _, block, allow = VERBS[path]
-    return block(args, decision) if guard.checker.blocks(decision) else allow(args)
+    return VERBS[path][1](args, decision) if guard.checker.blocks(decision) else _allow(guard, path, args)
+
+
+def _allow(guard: Guard, path: str, args: Any) -> bytes:
+    """A live pod's answer: every candidate, except ghost Nodes (guard/nodeverdict.py). With no ghost
+    Node known (the normal case) that is one attribute test, no work per node name."""
+    nodes = guard.nodes
+    if nodes is not None and nodes.knowledge.ghosts:
+        return _allow_real_nodes(path, args, nodes.knowledge.ghosts)
+    return VERBS[path][2](args)
+
+
+def _allow_real_nodes(path: str, args: Any, ghosts: Any) -> bytes:
+    if path == "/filter":
+        failed = ghost_candidates(extender.candidate_names(args), ghosts)
+        if failed:
+            metrics.labelled(metrics.GHOST_NODE_CANDIDATES, "filter").inc(len(failed))
+        return extender.filter_some(args, failed)
+    dropped = {n for n in args.meta_victims if n in ghosts}
+    if dropped:
+        metrics.labelled(metrics.GHOST_NODE_CANDIDATES, "preempt").inc(len(dropped))
+    return extender.preempt_without(args, dropped)
 
 
 # --- the fast lane ---------------------------------------------------------------------------------
@@ -218,7 +239,7 @@ class DirectLane:
             return None if joined is None else Waiting(path, args, joined, remote, start, arrived)
         if guard.checker.blocks(decision):
             return None
-        payload = VERBS[path][2](args)
+        payload = _allow(guard, path, args)
         record_request(self.fast.settings, "POST", path, 200, time.perf_counter() - start, remote, args.pod,
                        decision.verdict.value)
         return 200, payload

@@ -411,8 +411,8 @@ def code_calls() -> set[tuple[str, str, str, str]]:
             assert prefix, f"{path.name}: unknown kubernetes call {cls}.{method}"
             group, resource = _rule_of(_path_of(cls, method))
             namespaced = "_namespaced_" in method
-            ns = node.args[1] if method.startswith("read_") or method.startswith("patch_") else (
-                node.args[0] if node.args else None)
+            at = 1 if method.startswith(("read_", "patch_")) else 0  # (name, namespace) or (namespace, ...)
+            ns = node.args[at] if namespaced and len(node.args) > at else None
             namespace = ns.value if namespaced and isinstance(ns, ast.Constant) else "*"
             calls.add((namespace, group, resource, VERBS[prefix]))
             if any(k.arg == "watch" and isinstance(k.value, ast.Constant) and k.value.value for k in node.keywords):
@@ -480,6 +480,7 @@ def test_code_calls_are_derived():
     assert ("default", "discovery.k8s.io", "endpointslices", "list") in calls
     assert ("kube-system", "coordination.k8s.io", "leases", "list") in calls
     assert ("*", "kube-ghost-guard.io", "ghostpods/status", "patch") in calls
+    assert {("*", "", "nodes", v) for v in ("get", "list", "watch", "create", "delete")} <= calls  # ghost Nodes
 
 
 def test_rbac_grants_every_call_the_code_makes():
@@ -496,12 +497,15 @@ def test_rbac_grants_nothing_beyond_the_calls():
 
 
 def test_rbac_grants_no_write_to_pods_and_no_secrets():
-    """Whatever else changes: the guard as installed by default can never change a pod, and no manifest lets
-    it read a Secret. Writing pods (the heal) is opt-in, in manifests/heal alone, and only these three verbs."""
+    """Whatever else changes: the guard as installed by default can never change a pod or a Node, and no
+    manifest lets it read a Secret. Writing pods and Nodes (the heal) is opt-in, in manifests/heal alone, and
+    only these verbs (Nodes: heal node/NAME's placeholder, held to its shape by manifests/heal's policy)."""
     for ns, group, resource, verb in manifest_grants(opt_in=False):
-        assert not (resource.startswith("pods") and verb not in ("get", "list", "watch")), (ns, group, resource, verb)
+        assert not (resource.startswith(("pods", "nodes")) and verb not in ("get", "list", "watch")), \
+            (ns, group, resource, verb)
     for ns, group, resource, verb in manifest_grants():
-        assert resource not in ("secrets", "serviceaccounts/token", "nodes", "bindings", "pods/binding",
-                                "pods/eviction"), (ns, group, resource, verb)
+        assert resource not in ("secrets", "serviceaccounts/token", "bindings", "pods/binding",
+                                "pods/eviction") and not resource.startswith("nodes/"), (ns, group, resource, verb)
     assert manifest_grants() - manifest_grants(opt_in=False) == {
-        ("*", "", "pods", "create"), ("*", "", "pods", "delete"), ("*", "", "pods", "patch")}
+        ("*", "", "pods", "create"), ("*", "", "pods", "delete"), ("*", "", "pods", "patch"),
+        ("*", "", "nodes", "create"), ("*", "", "nodes", "delete")}

@@ -23,7 +23,7 @@ from clirun import ghost_guard
 
 from guard import healing
 from guard.kube import Kube, KubeWriteError, load_configuration
-from guard.lab.harness import create, eventually, make_ghost, pod_manifest, quorum_pod
+from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest, quorum_pod
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
@@ -166,6 +166,54 @@ def test_heal_heals_a_replaced_ghost_by_its_one_annotation_as_the_service_accoun
     assert after["metadata"]["uid"] == live["metadata"]["uid"]
     assert healing.HEAL_ANNOTATION in after["metadata"]["annotations"]
     assert after["metadata"]["labels"] == {"app": "web"}
+
+
+NODE_POLICY = "ValidatingAdmissionPolicy 'ghost-guard-heal-nodes' with binding 'ghost-guard-heal-nodes' denied request"
+
+
+def test_heal_node_heals_a_ghost_node_through_the_policy_and_touches_no_real_node(real_lab, heal_installed):
+    """As the guard's ServiceAccount: `heal node/NAME` creates and deletes its placeholder Node, and the
+    policy refuses deleting a real Node and creating any other Node (issue 27)."""
+    from kubernetes.client.exceptions import ApiException
+
+    from guard import nodeheal
+
+    api = real_lab.core_v1(0)
+    sa = sa_kube(heal_installed).core
+    create(api, node_manifest("victim-node"))
+
+    def refused_delete() -> bool:
+        try:
+            sa.delete_node("victim-node", _request_timeout=5)
+        except ApiException as e:
+            return e.status == 403 and NODE_POLICY in str(e.body)
+        create(api, node_manifest("victim-node"))  # deleted before the policy took effect: again
+        return False
+
+    eventually(refused_delete, 30, what="the heal-nodes policy enforced")
+    assert api.read_node("victim-node", _request_timeout=5).metadata.name == "victim-node"
+    for body in (node_manifest("evil-node"), {**nodeheal.placeholder("evil-node"),
+                                              "metadata": {"name": "evil-node", "labels": {"app": "x"}}}):
+        with pytest.raises(ApiException) as e:
+            sa.create_node(body, _request_timeout=5)
+        assert e.value.status == 403 and NODE_POLICY in str(e.value.body)
+
+    create(api, node_manifest("ghost-node-h"))
+    assert real_lab.wait_synced(20, resource="nodes")
+    real_lab.replicas[1].faults.drop_deletes(name="ghost-node-h", resource="nodes", count=1)
+    api.delete_node("ghost-node-h", _request_timeout=5)
+    eventually(lambda: real_lab.replicas[1].faults.dropped, 30, what="replica 2 lost the Node's DELETE")
+    real_lab.replicas[1].faults.clear()
+    served = lambda i: "ghost-node-h" in {n.metadata.name for n in real_lab.core_v1(i).list_node(  # noqa: E731
+        resource_version="0", _request_timeout=5).items}
+    eventually(lambda: not served(0), 30, what="replica 1 drops it")
+    assert served(1)
+    rc, doc, err = heal(real_lab, heal_installed, "node/ghost-node-h", "node/victim-node")
+    assert rc == 0, (err, doc)
+    outcomes = {n["node"]: n["outcome"] for n in doc["nodes"]}
+    assert outcomes == {"ghost-node-h": "healed", "victim-node": "etcd-has-it"}
+    assert not served(1) and not served(0)  # no restart
+    assert api.read_node("victim-node", _request_timeout=5).metadata.name == "victim-node"
 
 
 def _placeholder(name: str) -> dict:

@@ -149,6 +149,31 @@ def one(objs: list[dict], kind: str) -> dict:
     return obj
 
 
+def named(objs: list[dict], kind: str, name: str) -> dict:
+    (obj,) = [o for o in by_kind(objs, kind) if o["metadata"]["name"] == name]
+    return obj
+
+
+def test_heal_nodes_policy_names_the_placeholder_node_heal_makes(rendered):
+    """manifests/heal's ghost-guard-heal-nodes policy spells guard/nodeheal.py's placeholder Node (labels,
+    taint) and allows only CREATE and DELETE of it; the heal role may create and delete nodes."""
+    from guard import nodeheal
+
+    policy = named(rendered["heal"], "ValidatingAdmissionPolicy", "ghost-guard-heal-nodes")
+    binding = named(rendered["heal"], "ValidatingAdmissionPolicyBinding", "ghost-guard-heal-nodes")
+    assert binding["spec"] == {"policyName": "ghost-guard-heal-nodes", "validationActions": ["Deny"]}
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["nodes", "nodes/*"]
+    text = "\n".join(x["expression"] for x in policy["spec"]["variables"] + policy["spec"]["validations"])
+    for k, v in nodeheal.PLACEHOLDER_LABELS.items():
+        assert f"'{k}'].orValue('') == '{v}'" in text
+    assert f"t.key == '{nodeheal.TAINT_KEY}'" in text
+    body = nodeheal.placeholder("n")
+    assert set(body["spec"]) == {"unschedulable", "taints"} and body["metadata"]["labels"] == nodeheal.PLACEHOLDER_LABELS
+    role = named(rendered["heal"], "ClusterRole", "ghost-guard-heal")
+    assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["create", "delete"]} in role["rules"]
+
+
 # --- rendering --------------------------------------------------------------
 
 EXPECTED = {
@@ -170,7 +195,9 @@ EXPECTED["overlays/deployment"] = EXPECTED["base"]
 EXPECTED["overlays/deployment-webhook"] = EXPECTED["base"] | EXPECTED["webhook"]
 EXPECTED["heal"] = {("ClusterRole", "", "ghost-guard-heal"), ("ClusterRoleBinding", "", "ghost-guard-heal"),
                     ("ValidatingAdmissionPolicy", "", "ghost-guard-heal"),
-                    ("ValidatingAdmissionPolicyBinding", "", "ghost-guard-heal")}
+                    ("ValidatingAdmissionPolicyBinding", "", "ghost-guard-heal"),
+                    ("ValidatingAdmissionPolicy", "", "ghost-guard-heal-nodes"),
+                    ("ValidatingAdmissionPolicyBinding", "", "ghost-guard-heal-nodes")}
 EXPECTED["overlays/deployment-heal"] = EXPECTED["base"] | EXPECTED["heal"]
 EXPECTED["overlays/sidecar"] = EXPECTED["rbac"] | EXPECTED["crd"]
 
@@ -225,6 +252,7 @@ EXPECTED_RULES = {
     # (namespace or "*" for cluster-wide, apiGroup, resource, verb)
     ("*", "", "pods", "get"), ("*", "", "pods", "list"), ("*", "", "pods", "watch"),
     ("*", "", "events", "create"), ("*", "", "events", "get"), ("*", "", "events", "patch"),
+    ("*", "", "nodes", "get"), ("*", "", "nodes", "list"), ("*", "", "nodes", "watch"),  # ghost Nodes
     ("default", "", "endpoints", "get"),
     ("default", "discovery.k8s.io", "endpointslices", "list"),
     ("kube-system", "coordination.k8s.io", "leases", "list"),
@@ -257,7 +285,8 @@ def test_rbac_exact(rendered, kustomization):
     assert granted(rendered[kustomization]) == EXPECTED_RULES
 
 
-HEAL_RULES = {("*", "", "pods", "create"), ("*", "", "pods", "delete"), ("*", "", "pods", "patch")}
+HEAL_RULES = {("*", "", "pods", "create"), ("*", "", "pods", "delete"), ("*", "", "pods", "patch"),
+              ("*", "", "nodes", "create"), ("*", "", "nodes", "delete")}  # nodes: heal node/NAME (ghost Nodes)
 
 
 @pytest.mark.parametrize("kustomization", ["rbac", "base", "overlays/deployment", "overlays/deployment-webhook",
@@ -267,7 +296,7 @@ def test_no_default_install_can_write_pods(rendered, kustomization):
     assert not {r for r in granted(rendered[kustomization]) if r[2] == "pods" and r[3] not in ("get", "list", "watch")}
 
 
-def test_the_heal_overlay_adds_exactly_the_pod_writes_and_turns_heal_on(rendered):
+def test_the_heal_overlay_adds_exactly_the_pod_and_node_writes_and_turns_heal_on(rendered):
     assert granted(rendered["heal"]) == HEAL_RULES
     assert granted(rendered["overlays/deployment-heal"]) == EXPECTED_RULES | HEAL_RULES
     (binding,) = [b for b in by_kind(rendered["heal"], "ClusterRoleBinding")]
@@ -285,7 +314,8 @@ def test_heal_admission_policy_names_what_heal_writes(rendered):
     from guard import healing
 
     for k in ("heal", "overlays/deployment-heal"):
-        policy, binding = one(rendered[k], "ValidatingAdmissionPolicy"), one(rendered[k], "ValidatingAdmissionPolicyBinding")
+        policy, binding = named(rendered[k], "ValidatingAdmissionPolicy", "ghost-guard-heal"), \
+            named(rendered[k], "ValidatingAdmissionPolicyBinding", "ghost-guard-heal")
         assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
         assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
     spec = policy["spec"]

@@ -1,0 +1,158 @@
+"""Ghost Nodes on the Python lab (issue 27): a Node deleted in etcd whose DELETE one replica's watch
+lost (``drop_deletes(resource="nodes")``, key ``/registry/minions/NAME``). The running guard watches
+every replica's Node names, reads the name they disagree on once from etcd, and refuses that Node as
+a candidate of a live pod (never the pod), in both /filter modes and in /preempt; the stale replica is
+named in a metric and an Event. Nodes the replicas agree on cost no quorum read at all.
+
+Real etcd, three real HTTPS apiserver replicas, a real `ghost-guard serve`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from clirun import ghost_guard
+
+from guard.lab.harness import eventually, node_manifest, pod_manifest
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = ["--discovery-interval", "5", "--no-prepare"]
+REASON = "ghost node: not in etcd (quorum read); a stale apiserver cache serves it"
+
+
+def scheduler_pod(pod) -> dict:
+    return {"metadata": {"name": pod.metadata.name, "namespace": pod.metadata.namespace, "uid": pod.metadata.uid},
+            "spec": {"containers": [{"name": "app", "image": "pause"}]}, "status": {"phase": "Pending"}}
+
+
+def node_reads(lab, name: str) -> int:
+    return sum(len(r.requests(method="GET", path=f"/api/v1/nodes/{name}", quorum=True)) for r in lab.replicas)
+
+
+def cached_nodes(lab, replica: int) -> set[str]:
+    return {n.metadata.name for n in lab.core_v1(replica).list_node(resource_version="0", _request_timeout=5).items}
+
+
+def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(lab, start_guard):
+    api = lab.core_v1(0)
+    for name in ("real-node", "ghost-node", "churn-node"):
+        api.create_node(node_manifest(name), _request_timeout=5)
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), *FAST])
+    replicas = [f"{r.ip}:{r.port}" for r in lab.replicas]
+    eventually(lambda: all(g.metric("ghost_guard_node_watch_up", replica=r) == 1 for r in replicas),
+               what="every replica's Nodes watched")
+
+    # Nodes added and deleted normally (every replica sees it): no quorum read of any Node.
+    api.delete_node("churn-node", _request_timeout=5)
+    api.create_node(node_manifest("new-node"), _request_timeout=5)
+    eventually(lambda: all("new-node" in cached_nodes(lab, i) and "churn-node" not in cached_nodes(lab, i)
+                           for i in range(3)), what="every replica's cache current")
+
+    # The incident, for a Node: replica 1's watch loses the DELETE of ghost-node.
+    lab.replicas[1].faults.drop_deletes(name="ghost-node", resource="nodes")
+    api.delete_node("ghost-node", _request_timeout=5)
+    eventually(lambda: "ghost-node" not in cached_nodes(lab, 0) and "ghost-node" not in cached_nodes(lab, 2),
+               what="the healthy replicas drop it")
+    assert "ghost-node" in cached_nodes(lab, 1)  # the stale one still serves it
+
+    stale = replicas[1]
+    eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, what="the ghost Node attributed")
+    assert g.metric("ghost_guard_ghost_nodes", replica=replicas[0]) == 0
+    assert g.metric("ghost_guard_ghost_nodes", replica=replicas[2]) == 0
+    assert node_reads(lab, "ghost-node") == 1  # one quorum read for the one name the replicas disagree on
+    for name in ("real-node", "new-node", "churn-node"):
+        assert node_reads(lab, name) == 0
+
+    pod = api.create_namespaced_pod("default", pod_manifest("web-1"), _request_timeout=5)
+    names = ["real-node", "ghost-node", "new-node", "not-yet-seen"]
+    r = g.post("/filter", {"Pod": scheduler_pod(pod), "Nodes": None, "NodeNames": names})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["NodeNames"] == ["real-node", "new-node", "not-yet-seen"]  # unknown names pass
+    assert out["FailedAndUnresolvableNodes"] == {"ghost-node": REASON}
+    assert out["FailedNodes"] == {} and out["Error"] == ""
+
+    items = [{"metadata": {"name": n}, "status": {}} for n in names]
+    out = g.post("/filter", {"Pod": scheduler_pod(pod), "Nodes": {"metadata": {}, "items": items},
+                             "NodeNames": None}).json()
+    assert [i["metadata"]["name"] for i in out["Nodes"]["items"]] == ["real-node", "new-node", "not-yet-seen"]
+    assert out["FailedAndUnresolvableNodes"] == {"ghost-node": REASON}
+
+    victims = {n: {"Pods": [{"UID": "victim"}], "NumPDBViolations": 0} for n in ("real-node", "ghost-node")}
+    out = g.post("/preempt", {"Pod": scheduler_pod(pod), "NodeNameToVictims": None,
+                              "NodeNameToMetaVictims": victims}).json()
+    assert list(out["NodeNameToMetaVictims"]) == ["real-node"]
+    assert g.metric("ghost_guard_ghost_node_candidates_failed_total", verb="filter") == 2
+    assert g.metric("ghost_guard_ghost_node_candidates_failed_total", verb="preempt") == 1
+
+    event = eventually(lambda: next((e for e in api.list_namespaced_event("default", _request_timeout=5).items
+                                     if e.reason == "GhostNode" and e.involved_object.name == "ghost-node"), None),
+                       what="the GhostNode Event")
+    assert event.involved_object.kind == "Node" and stale in event.message
+    assert g.metric("ghost_guard_ghost_node_detections_total", replica=stale) == 1
+
+    # `report --live` names it too, from its own reads (no guard, no audit store needed).
+    r = ghost_guard("report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db", "-o", "json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ghost_nodes"] == [{"node": "ghost-node", "replicas": [stale]}] and doc["ghost_node_errors"] == []
+    r = ghost_guard("report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db")
+    assert "ghost-node" in r.stdout and stale in r.stdout
+
+    # The Node is created again under that name: etcd has it, the guard never refuses it.
+    api.create_node(node_manifest("ghost-node"), _request_timeout=5)
+    eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 0, what="the ghost withdrawn")
+    out = g.post("/filter", {"Pod": scheduler_pod(pod), "Nodes": None, "NodeNames": names}).json()
+    assert out["NodeNames"] == names and out["FailedAndUnresolvableNodes"] == {}
+    r = ghost_guard("report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db", "-o", "json")
+    assert json.loads(r.stdout)["ghost_nodes"] == []
+
+
+def test_a_node_read_that_fails_passes_the_node(lab, start_guard):
+    """Fail open: while etcd cannot be read the replicas' disagreement condemns nothing."""
+    api = lab.core_v1(0)
+    api.create_node(node_manifest("ghost-node"), _request_timeout=5)
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), *FAST, "--get-timeout", "0.5"])
+    replicas = [f"{r.ip}:{r.port}" for r in lab.replicas]
+    eventually(lambda: all(g.metric("ghost_guard_node_watch_up", replica=r) == 1 for r in replicas),
+               what="every replica's Nodes watched")
+    pod = api.create_namespaced_pod("default", pod_manifest("web-2"), _request_timeout=5)
+    # the quorum read (through replica 0, the kubeconfig's) fails
+    lab.replicas[0].faults.add("status", method="GET", path="^/api/v1/nodes/ghost-node$", status=500)
+    lab.replicas[1].faults.drop_deletes(name="ghost-node", resource="nodes")
+    api.delete_node("ghost-node", _request_timeout=5)
+    eventually(lambda: "ghost-node" not in cached_nodes(lab, 0), what="replica 0 drops it")
+    eventually(lambda: g.metric("ghost_guard_node_reads_total", outcome="error") >= 1, what="a failed read")
+    out = g.post("/filter", {"Pod": scheduler_pod(pod), "Nodes": None, "NodeNames": ["ghost-node"]}).json()
+    assert out["NodeNames"] == ["ghost-node"] and out["FailedAndUnresolvableNodes"] == {}
+    assert g.metric("ghost_guard_ghost_nodes", replica=replicas[1]) == 0
+
+
+def test_heal_node_drops_the_ghost_node_from_the_stale_cache_without_a_restart(lab, start_guard):
+    api = lab.core_v1(0)
+    for name in ("real-node", "ghost-node"):
+        api.create_node(node_manifest(name), _request_timeout=5)
+    real_uid = api.read_node("real-node", _request_timeout=5).metadata.uid
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), *FAST])
+    stale = f"{lab.replicas[1].ip}:{lab.replicas[1].port}"
+    lab.replicas[1].faults.drop_deletes(name="ghost-node", resource="nodes", count=1)
+    api.delete_node("ghost-node", _request_timeout=5)
+    eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, what="the ghost Node attributed")
+
+    r = ghost_guard("heal", "node/ghost-node", "node/real-node", "--kubeconfig", lab.kubeconfig(0), "-o", "json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    nodes = {n["node"]: n for n in json.loads(r.stdout)["nodes"]}
+    assert nodes["ghost-node"]["outcome"] == "healed" and nodes["ghost-node"]["serving_before"] == [stale]
+    assert nodes["real-node"]["outcome"] == "etcd-has-it"  # a Node etcd has is never touched
+    assert api.read_node("real-node", _request_timeout=5).metadata.uid == real_uid
+    assert "ghost-node" not in cached_nodes(lab, 1)  # the stale replica, no restart
+    assert all("ghost-node" not in cached_nodes(lab, i) for i in range(3))
+    assert "ghost-node" not in {n.metadata.name for n in api.list_node(_request_timeout=5).items}  # no placeholder left
+    eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 0, what="the guard sees it healed")
+
+    r = ghost_guard("heal", "node/ghost-node", "--kubeconfig", lab.kubeconfig(0))
+    assert r.returncode == 0 and "consistent" in r.stdout, r.stdout + r.stderr
+    r = ghost_guard("heal", "node/Bad_Name", "--kubeconfig", lab.kubeconfig(0))
+    assert r.returncode == 2 and "node/NAME" in r.stderr

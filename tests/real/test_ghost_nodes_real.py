@@ -1,0 +1,117 @@
+"""Ghost Nodes on real Kubernetes (issue 27): kube-apiserver A and B, B's etcd watch lost the DELETE of
+``/registry/minions/ghost-node``; the real kube-scheduler reads B, the real kube-controller-manager
+(ReplicaSets, PodGC) reads A.
+
+Without the guard the scheduler binds a Deployment's pods to the ghost Node (binding does not check
+the Node) and PodGC force-deletes them as orphans. With the guard (registered through the product's
+KubeSchedulerConfiguration, mTLS), once it has seen the ghost Node: 0 binds to it, the Deployment's
+5 replicas land on the real Node, each pod created once (no PodGC deletion, no replacement).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from guard import certs as guard_certs
+from guard.lab.harness import create, eventually, node_manifest, tls_files
+
+STALE = 1  # kube-scheduler reads replica B (127.0.0.2); kube-controller-manager reads A
+GHOST, REAL = "ghost-node", "real-node"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def deployment(name: str, replicas: int = 5) -> dict:
+    labels = {"app": name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels},
+                                  "spec": {"automountServiceAccountToken": False, "terminationGracePeriodSeconds": 0,
+                                           "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10",
+                                                           "resources": {"requests": {"cpu": "1"}}}]}}}}
+
+
+class Seen:
+    """Every pod of one Deployment seen (by UID) and the Node it was bound to, from A's answers."""
+
+    def __init__(self, lab, namespace: str, app: str) -> None:
+        self.lab, self.namespace, self.app = lab, namespace, app
+        self.nodes: dict[str, str] = {}
+
+    def poll(self) -> list:
+        pods = self.lab.core_v1(0).list_namespaced_pod(self.namespace, label_selector=f"app={self.app}",
+                                                       _request_timeout=10).items
+        for p in pods:
+            if p.spec.node_name:
+                self.nodes[p.metadata.uid] = p.spec.node_name
+        return pods
+
+    def on(self, node: str) -> set[str]:
+        return {uid for uid, n in self.nodes.items() if n == node}
+
+
+@pytest.fixture(scope="module")
+def node_lab(real_lab_module_factory):
+    lab = real_lab_module_factory(2, controller_manager=True, controller_manager_replica=0)
+    if lab.replicas[STALE].proxy is None:
+        pytest.skip("real tier: no etcd fault proxy (guard.lab.real.etcdproxy)")
+    create(lab.core_v1(0), node_manifest(REAL, cpu="16"))
+    create(lab.core_v1(0), node_manifest(GHOST, cpu="64"))  # preferred by the default scoring
+    lab.replicas[STALE].faults.drop_deletes(name=GHOST, resource="nodes")
+    lab.core_v1(0).delete_node(GHOST, _request_timeout=10)
+    eventually(lambda: GHOST not in _cached_nodes(lab, 0), 60, what="A drops the Node")
+    eventually(lambda: lab.replicas[STALE].faults.dropped, 60, what="B's watch lost the DELETE")
+    assert GHOST in _cached_nodes(lab, STALE)
+    lab.replicas[STALE].faults.clear()  # one lost delete; the watch flows on
+    return lab
+
+
+def _cached_nodes(lab, i: int) -> set[str]:
+    return {n.metadata.name for n in lab.core_v1(i).list_node(resource_version="0", _request_timeout=10).items}
+
+
+def test_without_the_guard_pods_bind_to_the_ghost_node_and_podgc_kills_them(node_lab):
+    lab = node_lab
+    lab.ensure_namespace("noguard")
+    lab.start_scheduler(None, replica=STALE)
+    seen = Seen(lab, "noguard", "loop")
+    try:
+        lab.apps_v1(0).create_namespaced_deployment("noguard", deployment("loop"), _request_timeout=10)
+        eventually(lambda: seen.poll() is not None and seen.on(GHOST), 120, what="a pod bound to the ghost Node", interval=0.5)
+        doomed = set(seen.on(GHOST))
+        # PodGC (reading A, where the Node is gone) force-deletes them as orphans after its quarantine
+        eventually(lambda: not doomed & {p.metadata.uid for p in seen.poll()}, 180,
+                   what="PodGC deleting the pods bound to the ghost Node", interval=0.5)
+    finally:
+        lab.stop_scheduler()
+        lab.apps_v1(0).delete_namespaced_deployment("loop", "noguard", _request_timeout=10)
+    assert GHOST in _cached_nodes(lab, STALE)  # still a ghost Node
+
+
+def test_with_the_guard_no_pod_binds_to_the_ghost_node(node_lab, start_guard, tmp_path):
+    lab = node_lab
+    lab.ensure_namespace("guarded")
+    bundle = guard_certs.generate(tmp_path / "certs", ips=["127.0.0.1"])
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--apiserver-replicas", ",".join(lab.urls),
+                     "--audit-db", str(tmp_path / "audit.db"), "--no-access-log"],
+                    tls=tls_files(bundle), clean_env=True, wait=None)
+    g.wait("/readyz", timeout=120)
+    stale = lab.urls[STALE].removeprefix("https://")
+    eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, 60, what="the guard sees the ghost Node",
+               process=g)
+    lab.start_scheduler(g.extender(), replica=STALE)
+    seen = Seen(lab, "guarded", "web")
+    try:
+        lab.apps_v1(0).create_namespaced_deployment("guarded", deployment("web"), _request_timeout=10)
+
+        def placed() -> bool:
+            pods = seen.poll()
+            return len(pods) == 5 and all(p.spec.node_name for p in pods)
+
+        eventually(placed, 120, what="the Deployment's 5 replicas bound", process=g, interval=0.5)
+        assert seen.on(GHOST) == set()
+        assert len(seen.on(REAL)) == 5 and len(seen.nodes) == 5  # each pod created once: none killed, none replaced
+        assert g.metric("ghost_guard_ghost_node_candidates_failed_total", verb="filter") >= 5
+    finally:
+        lab.stop_scheduler()
+    assert g.metric("ghost_guard_ghost_nodes", replica=lab.urls[0].removeprefix("https://")) == 0
