@@ -79,7 +79,7 @@ from benchmarks import filter_latency
 from benchmarks.cpu_per_pod import tree_cpu, tree_usage
 from benchmarks.filter_latency import pin_harness, start_passthrough
 from benchmarks.prepared_burst import metric, start_guard
-from guard.lab.harness import GuardProcess, create, eventually, node_manifest, parse_metrics, stop_group
+from guard.lab.harness import GuardProcess, child_pids, create, eventually, node_manifest, parse_metrics, stop_group
 from guard.lab.real.controlplane import RealLab
 from guard.lab.scheduler import ExtenderConfig
 
@@ -105,7 +105,11 @@ class BindWatch(threading.Thread):
 
     def __init__(self, lab: RealLab, namespace: str, expect: int) -> None:
         super().__init__(daemon=True)
-        self.api = lab.core_v1(CREATE_REPLICA)
+        from kubernetes import client, config
+
+        # its own client: a watch cut short must not go back to the pool the creators use
+        self.client = config.new_client_from_config(config_file=lab.kubeconfig(CREATE_REPLICA))
+        self.api = client.CoreV1Api(self.client)
         self.namespace = namespace
         self.expect = expect
         self.bound: dict[str, float] = {}
@@ -115,6 +119,7 @@ class BindWatch(threading.Thread):
         self.stopping = False
 
     def run(self) -> None:
+        resp = None
         try:
             lst = self.api.list_namespaced_pod(self.namespace, _preload_content=False, _request_timeout=30)
             rv = orjson.loads(lst.data)["metadata"]["resourceVersion"]
@@ -134,12 +139,15 @@ class BindWatch(threading.Thread):
                             self.done.set()
                 if self.stopping or self.done.is_set():
                     break
-            resp.release_conn()
         except BaseException as e:  # noqa: BLE001 - reported by the case
             if not self.stopping:
                 self.error = e
             self.ready.set()
             self.done.set()
+        finally:
+            if resp is not None:
+                resp.close()  # never back to a pool with the stream unread
+            self.client.close()
 
 
 def add_nodes(lab: RealLab, first: int, last: int) -> None:
@@ -155,6 +163,7 @@ def create_pods(lab: RealLab, namespace: str, pods: int) -> float:
     def one(i: int) -> None:
         resp = api.create_namespaced_pod(namespace, bench_pod(f"p-{i:04d}"), _preload_content=False,
                                          _request_timeout=30)
+        resp.drain_conn()  # the reply read to its end before the connection goes back to the pool
         resp.release_conn()
 
     t = time.perf_counter()
@@ -235,6 +244,19 @@ def log_problems(path: str, offset: int, klog: bool) -> tuple[int, list[str]]:
     return len(bad), list(dict.fromkeys(bad))[:3]
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` and its children (gunicorn's master and worker), MiB."""
+    total = 0
+    for p in [pid, *child_pids(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
 def size(path: str) -> int:
     try:
         return os.path.getsize(path)
@@ -290,6 +312,7 @@ def run_case(lab: RealLab, which: str, phase: str, pods: int, n: int, tmp: str, 
         sched_cpu = tree_cpu(lab.scheduler.proc.pid) if lab.scheduler and lab.scheduler.proc else float("nan")
         req1 = request_counts(lab)
         res["load_end"] = loadavg()
+        res["extender_rss_mib"] = rss_mib(proc.pid)
         times = sorted(watch.bound.values())
         user, system, switches = (b - a for a, b in zip(use0, use1))
         if phase == "live":
@@ -332,8 +355,8 @@ def table(rows: list[tuple[int, str, dict[str, list[dict[str, Any]]]]]) -> str:
     out = ["| nodes | phase | guard pods/s | pass-through pods/s | ratio per round (median) "
            "| extender CPU ms/pod, guard / pass-through | apiserver requests/pod, guard / pass-through "
            "| pod GETs/pod, guard / pass-through | prepared share | control plane CPU ms/pod, guard / pass-through "
-           "| load (1 min) at the cases' starts |",
-           "|---:|---|---:|---:|---|---|---|---|---:|---|---|"]
+           "| pods created/s, guard / pass-through | load (1 min) at the cases' starts |",
+           "|---:|---|---:|---:|---|---|---|---|---:|---|---|---|"]
     for nodes, phase, agg in rows:
         g, p = agg["guard"], agg["pass-through"]
         ratios = [a["pods_per_s"] / b["pods_per_s"] for a, b in zip(g, p)]
@@ -345,7 +368,7 @@ def table(rows: list[tuple[int, str, dict[str, list[dict[str, Any]]]]]) -> str:
                    f"| {mean(g, 'pod_gets_per_pod'):.2f} / {mean(p, 'pod_gets_per_pod'):.2f} "
                    f"| {mean(g, 'prepared_share'):.0%} "
                    f"| {mean(g, 'control_plane_cpu_ms_per_pod'):.1f} / {mean(p, 'control_plane_cpu_ms_per_pod'):.1f} "
-                   f"| {loads} |")
+                   f"| {mean(g, 'created_per_s'):.0f} / {mean(p, 'created_per_s'):.0f} | {loads} |")
     return "\n".join(out)
 
 
