@@ -49,3 +49,21 @@ def test_replica_stop_and_start(real_lab):
     assert real_lab.wait_synced(10)  # a stopped replica is not waited for
     r.start()
     assert r.running and real_lab.wait_synced(30)
+
+
+def test_pods_need_their_namespace_and_its_default_service_account(real_lab):
+    """Why ``ensure_namespace`` exists: the real admission chain refuses both (the Python lab accepts both)."""
+    from kubernetes.client.exceptions import ApiException
+
+    api = real_lab.core_v1(0)
+    for namespace, status, message in (("smoke-none", 404, 'namespaces "smoke-none" not found'),
+                                       ("smoke-nosa", 403, 'serviceaccount "default" not found')):
+        if status == 403:
+            api.create_namespace({"metadata": {"name": namespace}}, _request_timeout=10)
+        try:
+            create(api, pod_manifest("p", namespace=namespace))
+            raise AssertionError(f"a pod in {namespace} was accepted")
+        except ApiException as e:
+            assert (e.status, message in json.loads(e.body)["message"]) == (status, True), e.body
+    real_lab.ensure_namespace("smoke-nosa")
+    assert create(api, pod_manifest("p", namespace="smoke-nosa"))["metadata"]["namespace"] == "smoke-nosa"

@@ -412,8 +412,7 @@ class RealLab:
 
     def _bootstrap(self) -> None:
         """Without kube-controller-manager nothing creates ServiceAccounts: make ``default/default``."""
-        if not self._want_kcm:
-            self.ensure_namespace("default")
+        self.ensure_namespace("default")
 
     def close(self) -> None:
         """Stop the scheduler, controller-manager and replicas (in parallel), then the proxies and etcd."""
@@ -643,8 +642,8 @@ class RealLab:
         return self.etcd.client.get(f"/registry/{resource}/{namespace}/{name}")[0] is not None
 
     def ensure_namespace(self, namespace: str, replica: int = 0) -> None:
-        """Create ``namespace`` if missing and, when no controller-manager runs, its ``default`` ServiceAccount
-        (the ServiceAccount admission plugin refuses pods without it)."""
+        """Create ``namespace`` and its ``default`` ServiceAccount if missing (the ServiceAccount admission
+        plugin refuses pods without it; kube-controller-manager, when it runs, would make it a moment later)."""
         from kubernetes.client.exceptions import ApiException
 
         api = self.core_v1(replica)
@@ -653,12 +652,11 @@ class RealLab:
         except ApiException as e:
             if e.status != 409:
                 raise
-        if self.controller_manager is None:
-            try:
-                api.create_namespaced_service_account(namespace, {"metadata": {"name": "default"}}, _request_timeout=10)
-            except ApiException as e:
-                if e.status != 409:
-                    raise
+        try:
+            api.create_namespaced_service_account(namespace, {"metadata": {"name": "default"}}, _request_timeout=10)
+        except ApiException as e:
+            if e.status != 409:
+                raise
 
     def metrics(self, i: int) -> str:
         """Replica ``i``'s ``/metrics`` text."""

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from guard.lab.harness import GuardProcess, NotReached, create, eventually, make_ghost, node_manifest, pod_manifest
+from guard.lab.harness import GuardProcess, create, eventually, make_ghost, node_manifest, pod_manifest
 from guard.lab.real.binaries import KubeBinaries
 from guard.lab.real.controlplane import RealLab
 
@@ -55,7 +55,7 @@ def run_real_demo(binaries: KubeBinaries, out: IO[str] = sys.stdout, *, seconds:
             with RealLab(replicas=2, kube_bin=binaries) as lab:
                 try:
                     ok = _scenario(lab, Path(tmp), say, seconds, guards)
-                except (Exception, NotReached) as e:  # noqa: BLE001 - the demo reports, never tracebacks at the user
+                except Exception as e:  # noqa: BLE001 (NotReached is an AssertionError) - the demo reports, never tracebacks at the user
                     say(f"\ndemo failed: {type(e).__name__}: {e}")
                     if guards:
                         say("guard log (tail):\n" + guards[0].logs()[-2000:])

@@ -159,7 +159,8 @@ class ProxyFaults(Faults):
             prev = etcdwire.object_meta(ev.prev_kv.value) if ev.prev_kv is not None and ev.prev_kv.value else None
             if self.should_drop(kind, resource, namespace, name, meta is not None and meta.deleting,
                                 prev is not None and prev.deleting, created=ev.created):
-                uid = (meta or prev).uid if (meta or prev) is not None else ""  # type: ignore[union-attr]
+                known = meta or prev
+                uid = known.uid if known is not None else ""
                 self.record_drop(DroppedEvent(kind, resource, namespace, name, uid, ev.kv.mod_revision))
                 drop.append(i)
         return etcdwire.without_events(response, drop) if drop else response
