@@ -372,6 +372,23 @@ def table(rows: list[tuple[int, str, dict[str, list[dict[str, Any]]]]]) -> str:
     return "\n".join(out)
 
 
+def cases_table(results: list[dict[str, Any]]) -> str:
+    """One row per case, in the order they ran."""
+    out = ["| # | nodes | phase | extender | pods/s | created/s | extender CPU ms/pod (user+sys) | extender RSS MiB "
+           "| requests/pod | pod GETs/pod | prepared / shared read / inline | control plane CPU ms/pod "
+           "| kube-scheduler CPU ms/pod | load (1 min) start / end |",
+           "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+    for r in results:
+        g = r.get("guard")
+        answers = f"{g['prepared']} / {g['shared_read']} / {g['inline']}" if g else "-"
+        out.append(f"| {r['n']} | {r['nodes']} | {r['phase']} | {r['extender']} | {r['pods_per_s']:.0f} "
+                   f"| {r['created_per_s']:.0f} | {r['cpu_ms_per_pod']:.2f} | {r['extender_rss_mib']:.0f} "
+                   f"| {r['requests_per_pod']:.2f} | {r['pod_gets_per_pod']:.2f} | {answers} "
+                   f"| {r['control_plane_cpu_ms_per_pod']:.1f} | {r['scheduler_cpu_ms_per_pod']:.1f} "
+                   f"| {r['load_start'].split()[0]} / {r['load_end'].split()[0]} |")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kube-bin", metavar="DIR", help="kube-apiserver and kube-scheduler (default: "
@@ -423,6 +440,8 @@ def main() -> int:
     print(f"{filter_latency.machine()}; started {started}; {version}; 2 kube-apiserver replicas; "
           f"{args.pods} pods per case, {args.rounds} rounds per cell (means)\n")
     print(table(rows))
+    print()
+    print(cases_table(results))
     return 0
 
 
