@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -483,14 +483,18 @@ class RealLab:
 
     def start_scheduler(self, extender: ExtenderConfig | None = None, *, replica: int = 0,
                         initial_backoff: int | None = 1, max_backoff: int | None = 2, timeout: float = 60.0,
-                        args: Sequence[str] = ()) -> _Process:
+                        args: Sequence[str] = (), edit: Callable[[dict[str, Any]], None] | None = None) -> _Process:
         """Start the real kube-scheduler on replica ``replica`` with the product's KubeSchedulerConfiguration
         (:func:`render_scheduler_config`; ``extender``: e.g. ``GuardProcess.extender()``, None: no extender).
+        ``edit``: changes the rendered configuration in place before it is written (e.g. the benchmarks'
+        ``clientConnection.qps``; kube-scheduler ignores the deprecated ``--kube-api-qps`` flags with ``--config``).
         A running one is stopped first."""
         self.stop_scheduler()
         binary = self.binaries.require("kube-scheduler")
         cfg = render_scheduler_config(self.kubeconfig(replica), extender, initial_backoff=initial_backoff,
                                       max_backoff=max_backoff)
+        if edit is not None:
+            edit(cfg)
         Path(self.scheduler_config_path).write_text(json.dumps(cfg, indent=2))
         port = free_port()
         cmd = [str(binary), "--config", self.scheduler_config_path, "--secure-port", str(port),
