@@ -1,11 +1,17 @@
 """``LabBackend``: what scenario code (``guard.lab.harness``, the demo, the tests) may use of a lab, so the
 same code runs on the Python lab (:class:`guard.lab.lab.Lab`) and on the real backend
 (:class:`guard.lab.real.controlplane.RealLab`). Replica numbering is 0-based here (``kubeconfig(0)`` is
-127.0.0.1); the CLI prints 1-based numbers (replica N is 127.0.0.N) on both backends.
+127.0.0.1), as everywhere: the CLI prints replica N beside ``kubeconfig-N`` on both backends.
+
+``ReplicaClients``: what both backends share to reach their replicas (a bearer-token kubeconfig per
+replica, official clients built from it).
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -66,3 +72,70 @@ class LabBackend(Protocol):
     def quorum_exists(self, namespace: str, name: str, resource: str = "pods") -> bool: ...
 
     def ensure_namespace(self, namespace: str, replica: int = 0) -> None: ...
+
+
+class ReplicaClients:
+    """A kubeconfig per replica (its server, the lab CA, the lab's bearer token) and the official client
+    on it, cached per replica: shared by ``Lab`` and ``RealLab``, which set ``ca``, ``token`` and
+    ``_clients`` and say where ``kubeconfig(i)`` lives."""
+
+    ca: Any  # guard.lab.pki.CA
+    token: str
+    _clients: dict[int, Any]
+
+    def kubeconfig(self, i: int) -> str:
+        raise NotImplementedError
+
+    def _write_token_kubeconfig(self, i: int, server: str) -> None:
+        name = f"ghost-lab-{i}"
+        cfg = {
+            "apiVersion": "v1", "kind": "Config", "current-context": name, "preferences": {},
+            "clusters": [{"name": name, "cluster": {"server": server,
+                                                    "certificate-authority-data": base64.b64encode(self.ca.cert_pem).decode()}}],
+            "users": [{"name": name, "user": {"token": self.token}}],
+            "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
+        }
+        fd = os.open(self.kubeconfig(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(cfg, f, indent=2)
+
+    def _close_clients(self) -> None:
+        for c in self._clients.values():
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - cleanup continues
+                pass
+        self._clients.clear()
+
+    def api_client(self, i: int) -> Any:
+        """A ``kubernetes.client.ApiClient`` for replica ``i``, loaded from its kubeconfig (cached per replica)."""
+        if i not in self._clients:
+            from kubernetes import config
+
+            self._clients[i] = config.new_client_from_config(config_file=self.kubeconfig(i))
+        return self._clients[i]
+
+    def core_v1(self, i: int) -> Any:
+        from kubernetes import client
+
+        return client.CoreV1Api(self.api_client(i))
+
+    def apps_v1(self, i: int) -> Any:
+        from kubernetes import client
+
+        return client.AppsV1Api(self.api_client(i))
+
+    def discovery_v1(self, i: int) -> Any:
+        from kubernetes import client
+
+        return client.DiscoveryV1Api(self.api_client(i))
+
+    def coordination_v1(self, i: int) -> Any:
+        from kubernetes import client
+
+        return client.CoordinationV1Api(self.api_client(i))
+
+    def events_v1(self, i: int) -> Any:
+        from kubernetes import client
+
+        return client.EventsV1Api(self.api_client(i))

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import base64
-import json
 import os
 import secrets
 import shutil
@@ -14,6 +12,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from guard.lab.api import known_resource
+from guard.lab.backend import ReplicaClients
 from guard.lab.etcd import Etcd, free_port
 from guard.lab.pki import CA
 from guard.lab.registry import Registry
@@ -22,7 +21,7 @@ from guard.lab.replica import ApiserverReplica
 _live: weakref.WeakSet[Lab] = weakref.WeakSet()
 
 
-class Lab:
+class Lab(ReplicaClients):
     """Start with ``with Lab(replicas=3) as lab:`` (or ``start()``/``close()``). See docs/LAB.md.
 
     The Python backend of :class:`guard.lab.backend.LabBackend` (the real one: ``guard.lab.real.controlplane.RealLab``).
@@ -106,12 +105,7 @@ class Lab:
             return
 
     def close(self) -> None:
-        for c in self._clients.values():
-            try:
-                c.close()
-            except Exception:  # noqa: BLE001
-                pass
-        self._clients.clear()
+        self._close_clients()
         for r in self.replicas:
             try:
                 r.close()
@@ -140,47 +134,8 @@ class Lab:
         return os.path.join(self.out_dir, f"kubeconfig-{i}")
 
     def _write_kubeconfig(self, i: int) -> None:
-        r = self.replicas[i]
-        name = f"ghost-lab-{i}"
-        cfg = {
-            "apiVersion": "v1", "kind": "Config", "current-context": name, "preferences": {},
-            "clusters": [{"name": name, "cluster": {"server": r.url,
-                                                    "certificate-authority-data": base64.b64encode(self.ca.cert_pem).decode()}}],
-            "users": [{"name": name, "user": {"token": self.token}}],
-            "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
-        }
-        path = self.kubeconfig(i)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(cfg, f, indent=2)
+        self._write_token_kubeconfig(i, self.replicas[i].url)
 
-    def api_client(self, i: int) -> Any:
-        """A ``kubernetes.client.ApiClient`` for replica ``i``, loaded from its kubeconfig (cached per replica)."""
-        if i not in self._clients:
-            from kubernetes import config
-
-            self._clients[i] = config.new_client_from_config(config_file=self.kubeconfig(i))
-        return self._clients[i]
-
-    def core_v1(self, i: int) -> Any:
-        from kubernetes import client
-
-        return client.CoreV1Api(self.api_client(i))
-
-    def discovery_v1(self, i: int) -> Any:
-        from kubernetes import client
-
-        return client.DiscoveryV1Api(self.api_client(i))
-
-    def coordination_v1(self, i: int) -> Any:
-        from kubernetes import client
-
-        return client.CoordinationV1Api(self.api_client(i))
-
-    def events_v1(self, i: int) -> Any:
-        from kubernetes import client
-
-        return client.EventsV1Api(self.api_client(i))
 
     # --- helpers for tests and the demo ---------------------------------------------------
 

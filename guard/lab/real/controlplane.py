@@ -20,7 +20,6 @@ one port), optionally the real kube-scheduler and kube-controller-manager, with 
 from __future__ import annotations
 
 import atexit
-import base64
 import copy
 import json
 import os
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from guard.lab.backend import ReplicaClients
 from guard.lab.etcd import Etcd, _die_with_parent, free_port
 from guard.lab.pki import CA
 from guard.lab.real.binaries import KubeBinaries, find, resolve
@@ -307,7 +307,7 @@ def render_scheduler_config(kubeconfig: str, extender: ExtenderConfig | None, *,
     return cfg
 
 
-class RealLab:
+class RealLab(ReplicaClients):
     """Start with ``with RealLab(replicas=2, kube_bin=DIR) as lab:`` (or ``start()``/``close()``).
 
     ``kube_bin``: a directory or release tarball, or a :class:`KubeBinaries`; None: the environment
@@ -424,12 +424,7 @@ class RealLab:
 
     def close(self) -> None:
         """Stop the scheduler, controller-manager and replicas (in parallel), then the proxies and etcd."""
-        for c in self._clients.values():
-            try:
-                c.close()
-            except Exception:  # noqa: BLE001
-                pass
-        self._clients.clear()
+        self._close_clients()
         self.stop_scheduler()
         self.stop_controller_manager()
         stoppers = [threading.Thread(target=r.close, daemon=True) for r in self.replicas]
@@ -545,50 +540,8 @@ class RealLab:
         return self._path(f"kubeconfig-{i}")
 
     def _write_kubeconfig(self, i: int) -> None:
-        name = f"ghost-lab-{i}"
-        cfg = {
-            "apiVersion": "v1", "kind": "Config", "current-context": name, "preferences": {},
-            "clusters": [{"name": name, "cluster": {"server": f"https://127.0.0.{i + 1}:{self.port}",
-                                                    "certificate-authority-data": base64.b64encode(self.ca.cert_pem).decode()}}],
-            "users": [{"name": name, "user": {"token": self.token}}],
-            "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
-        }
-        fd = os.open(self.kubeconfig(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(cfg, f, indent=2)
+        self._write_token_kubeconfig(i, f"https://127.0.0.{i + 1}:{self.port}")
 
-    def api_client(self, i: int) -> Any:
-        """A ``kubernetes.client.ApiClient`` for replica ``i``, loaded from its kubeconfig (cached per replica)."""
-        if i not in self._clients:
-            from kubernetes import config
-
-            self._clients[i] = config.new_client_from_config(config_file=self.kubeconfig(i))
-        return self._clients[i]
-
-    def core_v1(self, i: int) -> Any:
-        from kubernetes import client
-
-        return client.CoreV1Api(self.api_client(i))
-
-    def apps_v1(self, i: int) -> Any:
-        from kubernetes import client
-
-        return client.AppsV1Api(self.api_client(i))
-
-    def discovery_v1(self, i: int) -> Any:
-        from kubernetes import client
-
-        return client.DiscoveryV1Api(self.api_client(i))
-
-    def coordination_v1(self, i: int) -> Any:
-        from kubernetes import client
-
-        return client.CoordinationV1Api(self.api_client(i))
-
-    def events_v1(self, i: int) -> Any:
-        from kubernetes import client
-
-        return client.EventsV1Api(self.api_client(i))
 
     def raw_get(self, i: int, path: str, timeout: float = 5.0) -> tuple[int, str]:
         """(status, body) of a GET of ``path`` on replica ``i`` with the lab's token (no kubernetes client)."""
