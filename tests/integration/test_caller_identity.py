@@ -11,28 +11,15 @@ Content-Length bodies and Flask's chunked ones). Without ``--client-ca``
 
 from __future__ import annotations
 
-import orjson
 import pytest
 import requests
 
 from guard.certs import generate
 from guard.lab.harness import GuardProcess, tls_files
+from role_calls import CALLS, OWNER
 
 pytestmark = pytest.mark.timeout(120)
 
-FILTER = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1"}}, "NodeNames": ["n1"]})
-PREEMPT = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1"}},
-                        "NodeNameToMetaVictims": {"n1": {"Pods": [{"UID": "v-1"}]}}})
-REVIEW = orjson.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-    "uid": "rev-1", "kind": {"group": "", "version": "v1", "kind": "Binding"},
-    "resource": {"group": "", "version": "v1", "resource": "pods"}, "subResource": "binding",
-    "name": "p", "namespace": "ns", "operation": "CREATE",
-    "object": {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p", "namespace": "ns", "uid": "u-1"},
-               "target": {"apiVersion": "v1", "kind": "Node", "name": "n1"}}}})
-CALLS = {"/filter": FILTER, "/preempt": PREEMPT, "/validate/binding": REVIEW, "/metrics": None, "/healthz": None,
-         "/readyz": None}
-OWNER = {"/filter": "client", "/preempt": "client", "/validate/binding": "apiserver", "/metrics": "monitoring",
-         "/healthz": "monitoring", "/readyz": "monitoring"}
 FLAG = {"client": "scheduler", "apiserver": "apiserver", "monitoring": "monitoring"}
 
 
