@@ -11,6 +11,8 @@ check that named the replica frozen is the one beside the recorder that gives th
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from guard.healing import placeholder_pod
@@ -45,7 +47,17 @@ def test_heal_placeholder_is_no_replacement_and_a_frozen_replica_is_told_to_rest
     reasons = set(out["FailedAndUnresolvableNodes"].values())
     assert sorted(out["FailedAndUnresolvableNodes"]) == NODES, out
     (reason,) = reasons
-    assert "placeholder" in reason and holder_uid not in reason and "replaced" not in reason, reason
+    # the per-node reason is the verdict alone; the record (its stdout line) carries the evidence
+    assert reason.startswith("ghost pod: ghost-deleted "), reason
+
+    def blocked() -> list[dict]:
+        return [d for d in (json.loads(line) for line in g.stdout().splitlines() if line.startswith("{"))
+                if d.get("event") == "ghost-blocked" and d.get("name") == "web-5"]
+
+    (line,) = eventually(blocked, 30, what="the ghost's record on stdout", process=g)
+    assert line["verdict"] == "ghost-deleted" and line["evidence"]["quorum_get"]["heal_placeholder"] is True, line
+    assert "placeholder" in line["evidence"]["reason"] and "replaced" not in line["evidence"]["reason"], line
+    assert holder_uid not in line["evidence"]["reason"], line  # never named as a replacement
     assert "ghost-replaced" not in g.logs(None)
 
     def advice() -> list[str]:
