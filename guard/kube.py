@@ -14,7 +14,7 @@ import logging
 import os
 import ssl
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from urllib.parse import quote
 from typing import Any
 
@@ -481,8 +481,19 @@ class ReplicaClient:
         Raises ``WatchExpired`` on 410 Gone (the caller re-lists), ``WatchFailed`` on an error event
         or an event over ``MAX_WATCH_EVENT_BYTES``.
         """
-        return self._watch(self.core.list_pod_for_all_namespaces, resource_version, timeout_seconds,
-                           field_selector="spec.nodeName=")
+        try:
+            resp = self.core.list_pod_for_all_namespaces(
+                field_selector="spec.nodeName=", resource_version=resource_version, watch=True,
+                allow_watch_bookmarks=True, timeout_seconds=timeout_seconds, _preload_content=False,
+                _request_timeout=(self.timeout * 5, timeout_seconds + 30))
+        except ApiException as e:
+            if e.status == 410:
+                raise WatchExpired(resource_version) from e
+            raise
+        try:
+            yield from self._events(resp.stream(64 * 1024, decode_content=False), resource_version)
+        finally:
+            resp.release_conn()
 
     def serves_node(self, name: str) -> bool | None:
         """Whether this replica's watch cache serves the Node ``name`` (LIST resourceVersion=0, one name);
@@ -507,16 +518,11 @@ class ReplicaClient:
     def watch_nodes(self, resource_version: str, *, timeout_seconds: int = 300) -> Iterator[dict]:
         """WATCH Nodes on this replica from ``resource_version`` (metadata only where offered): raw
         events. WatchExpired on 410 (re-list), WatchFailed on an error event."""
-        return self._watch(self.core.list_node, resource_version, timeout_seconds, _headers={"Accept": _META_WATCH})
-
-    def _watch(self, list_call: Callable[..., Any], resource_version: str, timeout_seconds: int,
-               **params: Any) -> Iterator[dict]:
-        """A WATCH by ``list_call`` from ``resource_version`` with bookmarks: raw events, the connection
-        released at the end. WatchExpired on 410 (the caller re-lists)."""
         try:
-            resp = list_call(resource_version=resource_version, watch=True, allow_watch_bookmarks=True,
-                             timeout_seconds=timeout_seconds, _preload_content=False,
-                             _request_timeout=(self.timeout * 5, timeout_seconds + 30), **params)
+            resp = self.core.list_node(
+                resource_version=resource_version, watch=True, allow_watch_bookmarks=True,
+                timeout_seconds=timeout_seconds, _headers={"Accept": _META_WATCH}, _preload_content=False,
+                _request_timeout=(self.timeout * 5, timeout_seconds + 30))
         except ApiException as e:
             if e.status == 410:
                 raise WatchExpired(resource_version) from e
