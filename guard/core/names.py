@@ -89,8 +89,10 @@ def pod_identity_problem(namespace: str, name: str, uid: str) -> str | None:
 
 
 def hidden(char: str) -> bool:
-    """Whether ``char`` shows as something else or nothing (control, bidi, zero-width, separators)."""
-    return unicodedata.category(char) in _HIDDEN
+    """Whether ``char`` shows as something else or nothing (control, bidi, zero-width, separators,
+    and every space but the ASCII one: U+1680, U+2000..U+200A, U+3000 look like a blank or nothing)."""
+    category = unicodedata.category(char)
+    return category in _HIDDEN or (category == "Zs" and char != " ")
 
 
 def visible(text: str) -> str:
