@@ -163,7 +163,7 @@ def _scenario(lab: Any, workdir: Path, say: Callable[[str], None], out: IO[str],
         live_after = _phase(lab, scheduler, "web-3", out, seconds)
         after = scheduler.stats().get("default/web-1", PodStats())
 
-    incident = [r.get("msg", "") for r in guard.log_records("guard.engine.incident")]
+    incident = [r.get("msg", "") for r in guard.log_records("guard.incident")]
     if incident:
         say("      guard: " + incident[0])
     rows = [
