@@ -172,10 +172,12 @@ class LightApi:
         safe = self.configuration.safe_chars_for_path_param
         return template.format(**{k: quote(str(v), safe=safe) for k, v in params.items()})
 
-    def call(self, method: str, path: str, query: dict[str, Any], *, body: Any = None, _preload_content: bool = True,
-             _request_timeout: Any = None, _content_type: str | None = None, _headers: dict | None = None) -> Any:
-        """One request; the urllib3 response (read unless ``_preload_content`` is False). Raises ApiError on
-        a non-2xx answer or a TLS failure (status 0), urllib3's errors otherwise, as the official client."""
+    def call(self, method: str, path: str, *, body: Any = None, _preload_content: bool = True,
+             _request_timeout: Any = None, _content_type: str | None = None, _headers: dict | None = None,
+             **query: Any) -> Any:
+        """One request (``query``: the client's query arguments, ``field_selector=...``); the urllib3 response
+        (read unless ``_preload_content`` is False). Raises ApiError on a non-2xx answer or a TLS failure
+        (status 0), urllib3's errors otherwise, as the official client."""
         headers = {**self.default_headers, "Accept": "application/json"}
         for auth in self.configuration.auth_settings().values():
             if auth.get("in") == "header" and auth.get("value"):
@@ -220,48 +222,47 @@ class _LightCore:
 
     def read_namespaced_pod(self, name: str, namespace: str, **kw: Any) -> Any:
         return self.api.call("GET", self.api.path("/api/v1/namespaces/{namespace}/pods/{name}", namespace=namespace,
-                                                  name=name), {}, **kw)
+                                                  name=name), **kw)
 
     def create_namespaced_pod(self, namespace: str, body: Any, **kw: Any) -> Any:
-        return self.api.call("POST", self.api.path("/api/v1/namespaces/{namespace}/pods", namespace=namespace), {},
+        return self.api.call("POST", self.api.path("/api/v1/namespaces/{namespace}/pods", namespace=namespace),
                              body=body, **kw)
 
     def delete_namespaced_pod(self, name: str, namespace: str, body: Any = None, **kw: Any) -> Any:
         return self.api.call("DELETE", self.api.path("/api/v1/namespaces/{namespace}/pods/{name}",
-                                                     namespace=namespace, name=name), {}, body=body, **kw)
+                                                     namespace=namespace, name=name), body=body, **kw)
 
     def patch_namespaced_pod(self, name: str, namespace: str, body: Any, **kw: Any) -> Any:
         return self.api.call("PATCH", self.api.path("/api/v1/namespaces/{namespace}/pods/{name}",
-                                                    namespace=namespace, name=name), {}, body=body, **kw)
+                                                    namespace=namespace, name=name), body=body, **kw)
 
     def read_node(self, name: str, **kw: Any) -> Any:
-        return self.api.call("GET", self.api.path("/api/v1/nodes/{name}", name=name), {}, **kw)
+        return self.api.call("GET", self.api.path("/api/v1/nodes/{name}", name=name), **kw)
 
     def create_node(self, body: Any, **kw: Any) -> Any:
-        return self.api.call("POST", "/api/v1/nodes", {}, body=body, **kw)
+        return self.api.call("POST", "/api/v1/nodes", body=body, **kw)
 
     def delete_node(self, name: str, body: Any = None, **kw: Any) -> Any:
-        return self.api.call("DELETE", self.api.path("/api/v1/nodes/{name}", name=name), {}, body=body, **kw)
+        return self.api.call("DELETE", self.api.path("/api/v1/nodes/{name}", name=name), body=body, **kw)
 
     def read_namespaced_endpoints(self, name: str, namespace: str, **kw: Any) -> Any:
         return self.api.call("GET", self.api.path("/api/v1/namespaces/{namespace}/endpoints/{name}",
-                                                  namespace=namespace, name=name), {}, **kw)
+                                                  namespace=namespace, name=name), **kw)
 
     def create_namespaced_event(self, namespace: str, body: Any, **kw: Any) -> Any:
-        return self.api.call("POST", self.api.path("/api/v1/namespaces/{namespace}/events", namespace=namespace), {},
+        return self.api.call("POST", self.api.path("/api/v1/namespaces/{namespace}/events", namespace=namespace),
                              body=body, **kw)
 
     def read_namespaced_event(self, name: str, namespace: str, **kw: Any) -> Any:
         return self.api.call("GET", self.api.path("/api/v1/namespaces/{namespace}/events/{name}",
-                                                  namespace=namespace, name=name), {}, **kw)
+                                                  namespace=namespace, name=name), **kw)
 
     def patch_namespaced_event(self, name: str, namespace: str, body: Any, **kw: Any) -> Any:
         return self.api.call("PATCH", self.api.path("/api/v1/namespaces/{namespace}/events/{name}",
-                                                    namespace=namespace, name=name), {}, body=body, **kw)
+                                                    namespace=namespace, name=name), body=body, **kw)
 
     def _list(self, path: str, kw: dict[str, Any]) -> Any:
-        query = {k: kw.pop(k) for k in list(kw) if k in _QUERY}
-        return self.api.call("GET", path, query, **kw)
+        return self.api.call("GET", path, **kw)
 
 
 class _LightDiscovery:
@@ -269,9 +270,8 @@ class _LightDiscovery:
         self.api = api
 
     def list_namespaced_endpoint_slice(self, namespace: str, **kw: Any) -> Any:
-        query = {k: kw.pop(k) for k in list(kw) if k in _QUERY}
         return self.api.call("GET", self.api.path("/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-                                                  namespace=namespace), query, **kw)
+                                                  namespace=namespace), **kw)
 
 
 class _LightCoordination:
@@ -279,9 +279,8 @@ class _LightCoordination:
         self.api = api
 
     def list_namespaced_lease(self, namespace: str, **kw: Any) -> Any:
-        query = {k: kw.pop(k) for k in list(kw) if k in _QUERY}
         return self.api.call("GET", self.api.path("/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
-                                                  namespace=namespace), query, **kw)
+                                                  namespace=namespace), **kw)
 
 
 class _LightCustomObjects:
@@ -293,32 +292,30 @@ class _LightCustomObjects:
     def create_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str, body: Any,
                                         **kw: Any) -> Any:
         return self.api.call("POST", self.api.path(self._NS, group=group, version=version, namespace=namespace,
-                                                   plural=plural), {}, body=body, **kw)
+                                                   plural=plural), body=body, **kw)
 
     def get_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str, name: str,
                                      **kw: Any) -> Any:
         return self.api.call("GET", self.api.path(self._NS + "/{name}", group=group, version=version,
-                                                  namespace=namespace, plural=plural, name=name), {}, **kw)
+                                                  namespace=namespace, plural=plural, name=name), **kw)
 
     def patch_namespaced_custom_object_status(self, group: str, version: str, namespace: str, plural: str, name: str,
                                               body: Any, **kw: Any) -> Any:
         return self.api.call("PATCH", self.api.path(self._NS + "/{name}/status", group=group, version=version,
-                                                    namespace=namespace, plural=plural, name=name), {}, body=body, **kw)
+                                                    namespace=namespace, plural=plural, name=name), body=body, **kw)
 
     def delete_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str, name: str,
                                         body: Any = None, **kw: Any) -> Any:
         return self.api.call("DELETE", self.api.path(self._NS + "/{name}", group=group, version=version,
-                                                     namespace=namespace, plural=plural, name=name), {}, body=body, **kw)
+                                                     namespace=namespace, plural=plural, name=name), body=body, **kw)
 
     def list_cluster_custom_object(self, group: str, version: str, plural: str, **kw: Any) -> Any:
-        query = {k: kw.pop(k) for k in list(kw) if k in _QUERY}
         return self.api.call("GET", self.api.path("/apis/{group}/{version}/{plural}", group=group, version=version,
-                                                  plural=plural), query, **kw)
+                                                  plural=plural), **kw)
 
     def list_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str, **kw: Any) -> Any:
-        query = {k: kw.pop(k) for k in list(kw) if k in _QUERY}
         return self.api.call("GET", self.api.path(self._NS, group=group, version=version, namespace=namespace,
-                                                  plural=plural), query, **kw)
+                                                  plural=plural), **kw)
 
 
 class _LightVersion:
@@ -326,7 +323,7 @@ class _LightVersion:
         self.api = api
 
     def get_code(self, **kw: Any) -> Any:
-        return self.api.call("GET", "/version/", {}, **kw)
+        return self.api.call("GET", "/version/", **kw)
 
 
 __all__ = ["ApiError", "LightApi", "OfficialApi", "error_reason", "open_api", "status_reason"]

@@ -10,7 +10,10 @@
 - the audit CLI refuses paths and input that would escape its store (exit 2,
   one clear line, foreign files untouched, nothing created);
 - the RBAC in ``manifests/`` grants exactly what ``guard/`` calls, derived from
-  the code (every kubernetes client call) and from the client's own paths.
+  the code (every kubernetes client call) and from the client's own paths. The CLI's
+  light twin of the client (guard/kube/api.py) has the same method names and sends the
+  same requests for every method the code calls (tests/unit/test_light_api.py), so the
+  derivation covers it too.
 """
 
 from __future__ import annotations
