@@ -207,10 +207,14 @@ class LightApi:
         return resp
 
 
-class _LightCore:
+class _Light:
+    """One API group's calls on a LightApi."""
+
     def __init__(self, api: LightApi) -> None:
         self.api = api
 
+
+class _LightCore(_Light):
     def list_namespaced_pod(self, namespace: str, **kw: Any) -> Any:
         return self._list(self.api.path("/api/v1/namespaces/{namespace}/pods", namespace=namespace), kw)
 
@@ -265,29 +269,20 @@ class _LightCore:
         return self.api.call("GET", path, **kw)
 
 
-class _LightDiscovery:
-    def __init__(self, api: LightApi) -> None:
-        self.api = api
-
+class _LightDiscovery(_Light):
     def list_namespaced_endpoint_slice(self, namespace: str, **kw: Any) -> Any:
         return self.api.call("GET", self.api.path("/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
                                                   namespace=namespace), **kw)
 
 
-class _LightCoordination:
-    def __init__(self, api: LightApi) -> None:
-        self.api = api
-
+class _LightCoordination(_Light):
     def list_namespaced_lease(self, namespace: str, **kw: Any) -> Any:
         return self.api.call("GET", self.api.path("/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
                                                   namespace=namespace), **kw)
 
 
-class _LightCustomObjects:
+class _LightCustomObjects(_Light):
     _NS = "/apis/{group}/{version}/namespaces/{namespace}/{plural}"
-
-    def __init__(self, api: LightApi) -> None:
-        self.api = api
 
     def create_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str, body: Any,
                                         **kw: Any) -> Any:
@@ -318,10 +313,7 @@ class _LightCustomObjects:
                                                   plural=plural), **kw)
 
 
-class _LightVersion:
-    def __init__(self, api: LightApi) -> None:
-        self.api = api
-
+class _LightVersion(_Light):
     def get_code(self, **kw: Any) -> Any:
         return self.api.call("GET", "/version/", **kw)
 
