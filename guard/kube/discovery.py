@@ -16,6 +16,7 @@ log = logging.getLogger("guard.kube")
 IDENTITY_LABEL = "apiserver.kubernetes.io/identity=kube-apiserver"
 PEER_ADDRESS_ANNOTATION = "kubernetes.io/peer-advertise-address"
 
+
 def _endpoint_slice_replicas(doc: dict) -> list[tuple[str, int]]:
     out = []
     for sl in doc.get("items") or []:

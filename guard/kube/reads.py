@@ -26,6 +26,7 @@ from guard.kube.config import connection_settings
 from guard.kube.transport import Connections, GetError
 from guard.kube.writes import PodWrites
 
+
 class Kube(PodWrites):
     """The guard's apiserver client: quorum GETs, readiness, and the heal's writes (PodWrites)."""
 

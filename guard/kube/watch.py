@@ -17,6 +17,7 @@ from guard.core.settings import Replica
 from guard.core.verdict import shows_pending
 from guard.kube.api import ApiError, open_api, status_reason
 
+
 def _pinned_refresh_hook(hook, host: str, server_name: str | None):
     """Token refresh hooks (in-cluster and kubeconfig alike) rewrite ``configuration.host`` to the
     Service / kubeconfig server *and* re-install themselves: put the replica and this wrapper back."""

@@ -15,6 +15,7 @@ from guard.kube.api import ApiError, status_reason
 if TYPE_CHECKING:
     from guard.kube.reads import Kube
 
+
 class KubeWriteError(Exception):
     """A write the apiserver refused or did not answer: ``status`` (0: no answer), ``reason``, ``message``."""
 
@@ -25,13 +26,11 @@ class KubeWriteError(Exception):
         self.message = message
 
 
-
 class PodWrites:
     """The heal's writes (guard/engine/healer.py, node_healer.py); a part of :class:`guard.kube.reads.Kube`."""
 
     core: Any
     timeout: float
-
 
     def create_pod(self, namespace: str, body: dict, timeout: float | None = None) -> dict:
         return self._write(lambda t: self.core.create_namespaced_pod(namespace, body, _preload_content=False,
