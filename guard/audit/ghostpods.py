@@ -59,7 +59,7 @@ from typing import Any, Final
 
 from guard import metrics
 from guard.core import flood
-from guard.kube.client import GHOSTPOD_GROUP, GHOSTPOD_VERSION, GhostPodError, GhostPods
+from guard.kube.writes import GHOSTPOD_GROUP, GHOSTPOD_VERSION, GhostPodError, GhostPods
 from guard.core.records import (
     MAX_HEALS_PER_GHOST, MAX_NAME, MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt, NewRecordHook,
     ReplicaState, check_text, check_time, evidence_json,

@@ -23,7 +23,7 @@ live pod did the same. So, for one pod name:
 A replica whose cache revision stays below the heal's own write while etcd moved past it has a
 *frozen* watch: no write can reach it; only restarting that replica helps.
 
-:mod:`guard.engine.healer` does the reads and writes (through :mod:`guard.kube.client`); this module plans,
+:mod:`guard.engine.healer` does the reads and writes (through :mod:`guard.kube.reads` and :mod:`guard.kube.writes`); this module plans,
 builds the objects it writes, judges what it sees, and renders the results.
 """
 

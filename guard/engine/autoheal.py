@@ -22,7 +22,8 @@ from collections.abc import Callable
 from guard import metrics
 from guard.engine.healer import Healer
 from guard.core.heal_plan import HealResult, Outcome, TokenBucket
-from guard.kube.client import Kube, emit_event
+from guard.kube.reads import Kube
+from guard.kube.writes import emit_event
 from guard.core.records import AuditError, UnknownGhostError
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings

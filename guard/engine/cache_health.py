@@ -31,7 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from guard import metrics
 from guard.core import cache_health as replica_health
-from guard.kube.client import Kube, ReplicaClient, emit_event
+from guard.kube.reads import Kube
+from guard.kube.watch import ReplicaClient
+from guard.kube.writes import emit_event
 from guard.core.cache_health import CacheTrack, RevisionSample
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings

@@ -21,7 +21,9 @@ import time
 from collections.abc import Callable, Mapping
 
 from guard import metrics
-from guard.kube.client import Kube, ReplicaClient, WatchExpired, emit_node_event
+from guard.kube.reads import Kube
+from guard.kube.watch import ReplicaClient, WatchExpired
+from guard.kube.writes import emit_node_event
 from guard.core.node_verdict import GhostNode, NodeKnowledge
 from guard.engine.replicas import ReplicaPool
 

@@ -1,7 +1,7 @@
 """``ghost-guard heal``: correct stale watch caches by writing to the ghost's name, without restarting anything.
 
 The plan (what to write, when it worked) is :mod:`guard.core.heal_plan`; this module reads and writes
-through :mod:`guard.kube.client`:
+through :mod:`guard.kube.reads` and :mod:`guard.kube.writes`:
 
 1. every replica's cache for the name (LIST ``resourceVersion=0``), then the quorum GET (it
    begins after the replicas were read: a UID is condemned only by a read that began after it
@@ -26,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from guard.core import heal_plan as healing
 from guard.core.heal_plan import Action, CacheView, HealResult, Outcome, Plan, ReplicaResult
-from guard.kube.client import Kube, KubeWriteError, ReplicaClient
+from guard.kube.reads import Kube
+from guard.kube.watch import ReplicaClient
+from guard.kube.writes import KubeWriteError
 from guard.core.names import pod_identity_problem
 from guard.core.verdict import QuorumRead, ReadStatus, pending_in_etcd
 

@@ -39,7 +39,9 @@ from guard.core import attribution
 from guard.core.attribution import ReplicaObservation
 from guard.audit.backend import AuditBackend, describe, open_store
 from guard.engine.checker import Checker
-from guard.kube.client import Kube, ReplicaClient, emit_event
+from guard.kube.reads import Kube
+from guard.kube.watch import ReplicaClient
+from guard.kube.writes import emit_event
 from guard.core.records import AuditError, AuditRecord, IdentityConflictError, UnknownGhostError, block_evidence
 from guard.engine.replicas import ReplicaPool
 from guard.core.rendering import format_time, new_ghost_line

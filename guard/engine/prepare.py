@@ -54,7 +54,7 @@ import cachetools
 
 from guard import metrics
 from guard.engine.checker import Checker
-from guard.kube.client import ReplicaClient, WatchExpired
+from guard.kube.watch import ReplicaClient, WatchExpired
 from guard.engine.replicas import ReplicaPool
 from guard.core.rendering import format_time
 from guard.core.settings import Replica, Settings

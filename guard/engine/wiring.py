@@ -19,7 +19,8 @@ from guard.engine.cache_health import CacheHealthMonitor
 from guard.engine.checker import Checker
 from guard.engine.ghost_nodes import GhostNodes
 from guard.engine.incident import IncidentRecorder, open_audit_store
-from guard.kube.client import Kube, load_configuration
+from guard.kube.config import load_configuration
+from guard.kube.reads import Kube
 from guard.engine.prepare import Preparer
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings

@@ -155,7 +155,7 @@ def preflight(settings: Settings) -> None:
 
     Raises ``StartupError`` with one line naming what to fix.
     """
-    from guard.kube.client import KubeConfigError, load_configuration
+    from guard.kube.config import KubeConfigError, load_configuration
 
     try:
         load_configuration(settings.kubeconfig)

@@ -26,7 +26,8 @@ import pytest
 from guard.audit.backend import AuditBackend
 from guard.engine.checker import Checker
 from guard.engine.incident import IncidentRecorder, open_audit_store
-from guard.kube.client import Kube, load_configuration
+from guard.kube.config import load_configuration
+from guard.kube.reads import Kube
 from guard.lab.harness import make_ghost, pod_manifest
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from guard.engine.cache_health import CacheHealthMonitor
-from guard.kube.client import Kube, load_configuration
+from guard.kube.config import load_configuration
+from guard.kube.reads import Kube
 from guard.lab.harness import pod_manifest
 from guard.engine.prepare import _pod_of
 from guard.engine.replicas import ReplicaPool
