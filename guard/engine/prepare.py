@@ -58,6 +58,7 @@ from guard.kube.client import ReplicaClient, WatchExpired
 from guard.engine.replicas import ReplicaPool
 from guard.core.rendering import format_time
 from guard.core.settings import Replica, Settings
+from guard.core.token_bucket import TokenBucket
 from guard.core.verdict import PodRef, is_pending
 
 log = logging.getLogger("guard.prepare")
@@ -72,28 +73,6 @@ LIST_INTERVAL = 3.0
 LIST_OBJECTS_PER_SECOND = 500
 # Listings in flight at once (one per replica; a replica that does not answer holds one thread).
 LISTERS = 4
-
-
-class RateLimiter:
-    """Token bucket: at most ``rate`` acquisitions per second, bursts up to ``rate``."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self._tokens = rate
-        self._at = time.monotonic()
-        self._lock = threading.Lock()
-
-    def acquire(self) -> None:
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
-                self._at = now
-                if self._tokens >= 1:
-                    self._tokens -= 1
-                    return
-                wait = (1 - self._tokens) / self.rate
-            time.sleep(wait)
 
 
 def _pod_of(obj: dict) -> tuple[PodRef | None, bool]:
@@ -157,7 +136,8 @@ class Preparer:
         self.sweep_hooks = sweep_hooks or []
         self.pool = pool
         self.checker = checker
-        self._limiter = RateLimiter(settings.verify_qps)
+        # --verify-qps: the background quorum GETs per second, in bursts of as many (at least one).
+        self._limiter = TokenBucket(settings.verify_qps, max(1.0, settings.verify_qps), time.monotonic)
         # (pod, from a sweep, the tick at which the guard knew it), or _WAKE. A SimpleQueue: the
         # hand-off from the watch to a waiting verifier is done in C (a Condition's was ~10 us more).
         self._queue: queue.SimpleQueue[tuple[PodRef, bool, int] | None] = queue.SimpleQueue()
@@ -535,7 +515,9 @@ class Preparer:
         if item is _WAKE or self._stop.is_set():
             return False
         pod, swept, known_at = item
-        self._limiter.acquire()
+        while (wait := self._limiter.take()) > 0:
+            if self._stop.wait(wait):  # stopping: no token needed any more
+                return False
         try:
             # A new pod gets a prepared verdict for its first attempt. A ghost found then is
             # usually a pod deleted before its turn came: cached, not announced. One found by
