@@ -1,9 +1,9 @@
 """Replica caches that miss pods or stopped: the checks, their metrics, Events and /readyz detail.
 
 One background thread per guard worker, never on the scheduling path. Every
-second it compares the views the pre-verifier already holds of every replica
-(guard/engine/prepare.py: the pending pods each replica's cache shows, listed every
-few seconds, one replica watched while the guard is called); a
+second it compares the per-replica views (guard/engine/replica_views.py: the
+pending pods each replica's cache shows, listed every few seconds, one replica
+watched while the guard is called; kept with ``--no-prepare`` too); a
 pod other replicas have shown for ``--missing-after`` seconds but one synced
 replica has not is confirmed before anyone is named: a quorum GET (still
 pending, same UID?), a consistent read on that replica (a flowing cache
@@ -51,8 +51,8 @@ Views = Callable[[], dict[str, tuple[bool, dict[str, PodRef]]]]
 
 
 class CacheHealthMonitor:
-    """Missing pods and frozen watches, per replica. ``views`` is the pre-verifier's
-    ``pending_views`` (None with --no-prepare: then only frozen watches are looked for)."""
+    """Missing pods and frozen watches, per replica. ``views`` is the replica views' ``pending_views``
+    (guard.engine.replica_views; None: only frozen watches are looked for)."""
 
     def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, views: Views | None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
