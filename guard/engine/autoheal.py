@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from guard import metrics
+from guard.engine.background import Background
 from guard.engine.healer import Healer
 from guard.core.heal_plan import HealResult, Outcome
 from guard.core.token_bucket import TokenBucket
@@ -48,6 +49,7 @@ class AutoHealer:
         self._queue: collections.deque[PodRef] = collections.deque()
         self._names: set[tuple[str, str]] = set()  # queued or being healed
         self._stopping = False
+        self._bg = Background(log)
         self._thread: threading.Thread | None = None
 
     def submit(self, pod: PodRef) -> bool:
@@ -62,8 +64,7 @@ class AutoHealer:
             self._names.add(key)
             self._queue.append(pod)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ghost-heal", daemon=True)
-                self._thread.start()
+                self._thread = self._bg.thread("ghost-heal", self._run)
             self._cond.notify_all()
         return True
 
@@ -120,4 +121,5 @@ class AutoHealer:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._bg.close()
         self._healer.close()

@@ -33,6 +33,7 @@ from guard import metrics
 from guard.core import cache_health as replica_health
 from guard.kube.client import Kube, ReplicaClient, emit_event
 from guard.core.cache_health import CacheTrack, RevisionSample
+from guard.engine.background import Background
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings
 from guard.core.verdict import PodRef, QuorumRead, is_pending, pending_in_etcd
@@ -68,33 +69,17 @@ class CacheHealthMonitor:
         self._tracks: dict[str, CacheTrack] = {}
         self._errors: dict[str, str | None] = {}  # replica -> why its last revision read got no answer
         self._last_round = -1e18
-        self._reads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-cache-health")
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._bg = Background(log)
+        self._reads = self._bg.pool("ghost-cache-health", 8)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="ghost-cache-health", daemon=True)
-        self._thread.start()
+        self._bg.loop("ghost-cache-health", self.tick, 1.0, what="replica cache health check", join=True)
 
     def close(self, timeout: float = 3.0) -> None:
         """Stop: no new round, the one running (if any) given ``timeout`` seconds to end, then its
         read pool shut. Called on the worker's exit (guard.serving.server), before the interpreter's own exit
         shuts every pool under a running round."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-        self._reads.shutdown(wait=False, cancel_futures=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                self.tick()
-            except Exception:
-                if self._stop.is_set():  # stopping: the pool may be shut under the round; nothing is wrong
-                    log.debug("replica cache health round ended by the stop", exc_info=True)
-                else:
-                    log.exception("replica cache health check failed")
+        self._bg.close(timeout)
 
     def tick(self) -> None:
         now = self._clock()

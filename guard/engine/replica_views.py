@@ -150,6 +150,7 @@ class ReplicaViews:
         self._fallback: ReplicaView | None = None  # the kubeconfig's server, while no replica can be read
         self._seen: cachetools.TTLCache = cachetools.TTLCache(MAX_SEEN, settings.prepared_max_age)
         self._bg = Background(log)
+        self._started = False  # the first round made the views of the replicas known then
         self._wake = threading.Event()
         self._lister = self._bg.pool("ghost-list", LISTERS)
         pool.on_change(self.replicas_changed)
@@ -157,7 +158,9 @@ class ReplicaViews:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self.replicas_changed(self.pool.clients(), [])
+        """The views' thread: its first round (at once) makes a view per replica (discovery may take a
+        while: never on the caller's thread, which is the worker's start), then one round a second."""
+        self._wake.set()
         self._bg.loop("ghost-views", self._round, 1.0, what="managing the replica views", wake=self._wake)
 
     def close(self) -> None:
@@ -192,6 +195,9 @@ class ReplicaViews:
         return made
 
     def _round(self) -> None:
+        if not self._started:
+            self._started = True
+            self.replicas_changed(self.pool.clients(), [])
         self.manage()
         if self._listener is not None:
             self._listener.round()

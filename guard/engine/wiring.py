@@ -131,7 +131,9 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
                      "replicas": lambda: replica_details(incidents, preparer),
                      "replica_caches": cache_health.status,
                      "prepare": lambda: prepare_details(preparer)},
-                 closers=[cache_health.close, stop_views])
+                 closers=[cache_health.close, stop_views,
+                          *([nodes.close] if nodes is not None else []),
+                          *([healer.close] if healer is not None else [])])
 
 
 def ghost_tier(pod: PodRef, incidents: IncidentRecorder, preparer: Preparer | None) -> str:
