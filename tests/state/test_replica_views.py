@@ -198,3 +198,29 @@ def test_a_watch_that_comes_back_to_its_replica_ends_the_old_stream():
         pv.close()
         for q in replica.streams:
             q.put(None)
+
+
+def test_without_a_pre_verifier_every_replica_is_listed_and_nothing_is_watched_or_verified():
+    """--no-prepare: the views have no listener. Every replica is listed (none watched, whatever the
+    calls), the views say which pods each shows (what the missing-pod check compares), and nothing is
+    verified nor any cached read dropped."""
+    from guard.engine.replica_views import ReplicaViews
+
+    etcd = Etcd()
+    gets = ScriptedGets(etcd)
+    checker = Checker(settings(prepare_idle_after=0), gets, timer=FakeClock(), background=False)
+    replicas = [ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)]
+    rv = ReplicaViews(checker.settings, Pool(replicas), checker.cache.tick)
+    made = rv.replicas_changed(replicas, [])
+    uid = etcd.create("lost")
+    catch_up(replicas[0])
+    replicas[1].drop()  # replica 2 never hears of it: its watch lost the creation
+    rv.manage()
+    eventually(lambda: all(v.synced and not v.listing for v in made), 10, what="both replicas listed")
+    assert not any(v.watched for v in made) and rv.watch_status()["fallback"] is None
+    views = rv.pending_views()
+    (lost,) = views["10.0.0.1:6443"][1].values()
+    assert (lost.name, lost.uid) == ("lost", uid) and views["10.0.0.2:6443"] == (True, {})
+    assert rv.knows(lost)
+    assert gets.count == 0
+    rv.close()
