@@ -107,6 +107,9 @@ class Preparer:
         for i in range(self.settings.verify_concurrency):
             self._bg.thread(f"ghost-verify-{i}", self._verify_loop)
         self._last_sweep = time.monotonic()
+        # The replicas' views made before the worker serves (discovery, on this thread), so that /readyz
+        # shows them from its first answer; then the views' own thread.
+        self.views.replicas_changed(self.pool.clients(), [])
         self.views.start()
 
     def close(self) -> None:

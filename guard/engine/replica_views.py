@@ -158,8 +158,8 @@ class ReplicaViews:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """The views' thread: its first round (at once) makes a view per replica (discovery may take a
-        while: never on the caller's thread, which is the worker's start), then one round a second."""
+        """The views' thread: its first round (at once) makes a view per replica not made yet (discovery
+        may take a while: with ``--no-prepare`` never on the worker's start), then one round a second."""
         self._wake.set()
         self._bg.loop("ghost-views", self._round, 1.0, what="managing the replica views", wake=self._wake)
 
