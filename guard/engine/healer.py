@@ -22,10 +22,10 @@ import datetime
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from guard.core import heal_plan as healing
 from guard.core.heal_plan import Action, CacheView, HealResult, Outcome, Plan, ReplicaResult
+from guard.engine.background import Background
 from guard.kube.reads import Kube
 from guard.kube.watch import ReplicaClient
 from guard.kube.writes import KubeWriteError
@@ -68,10 +68,11 @@ class Healer:
         self._replicas = replicas if callable(replicas) else (lambda: list(replicas))
         self.timeout = timeout
         self.poll = poll
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="heal-read")
+        self._bg = Background()
+        self._pool = self._bg.pool("heal-read", 8)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._bg.close()
 
     # --- reads ------------------------------------------------------------------------------------
 

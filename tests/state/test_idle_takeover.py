@@ -12,7 +12,8 @@ from prometheus_client import REGISTRY
 from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
 from guard.engine.checker import Checker
-from guard.engine.prepare import Preparer, ReplicaView
+from guard.engine.prepare import Preparer
+from guard.engine.replica_views import ReplicaView
 from guard.core.verdict import Verdict
 
 IDLE_AFTER = 60.0
@@ -33,7 +34,7 @@ def world():
 def deliver_all(pv: Preparer, replicas: list[ReplicaModel], views: list[ReplicaView]) -> None:
     for replica, view in zip(replicas, views):
         while (event := replica.deliver()) is not None:
-            pv.apply_event(view, event)
+            pv.views.apply_event(view, event)
 
 
 def drain(pv: Preparer) -> int:
@@ -138,7 +139,7 @@ def test_a_pod_recreated_while_idle_is_never_condemned_by_a_read_of_its_predeces
     clock.advance(IDLE_AFTER)
     etcd.delete("web-0")
     replicas[0].drop()  # one replica's watch lost the delete
-    pv.apply_event(views[1], replicas[1].deliver())
+    pv.views.apply_event(views[1], replicas[1].deliver())
     b = etcd.create("web-0")
     deliver_all(pv, replicas, views)
     late = checker.check(pod("web-0", a))  # the takeover: a late call for A, inline, a ghost
@@ -156,7 +157,7 @@ def test_idle_after_zero_always_verifies_ahead():
     pv = Preparer(checker.settings, Pool([replica]), checker)
     view = ReplicaView(replica)
     etcd.create("web-0")
-    pv.apply_event(view, replica.deliver())
+    pv.views.apply_event(view, replica.deliver())
     assert pv.active()
     assert drain(pv) == 1 and gets.count == 1
     assert pv.idle_status() == {"active": True, "idle_after": 0.0, "last_call_seconds_ago": None, "backlog": 0,

@@ -15,7 +15,8 @@ from prometheus_client import REGISTRY
 from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings, settle
 
 from guard.engine.checker import Checker
-from guard.engine.prepare import Preparer, ReplicaView
+from guard.engine.prepare import Preparer
+from guard.engine.replica_views import ReplicaView
 from guard.core.verdict import QuorumRead, Verdict
 
 FAR = 60.0
@@ -41,7 +42,7 @@ class World:
 
     def deliver_all(self) -> None:
         while (event := self.replica.deliver()) is not None:
-            self.pv.apply_event(self.view, event)
+            self.pv.views.apply_event(self.view, event)
 
     def pod_in_flight(self, name: str = "web-0"):
         """A new pod, shown by the watch, whose background GET is held in flight."""

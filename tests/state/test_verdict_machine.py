@@ -68,7 +68,7 @@ class VerdictMachine(RuleBasedStateMachine):
         self.replicas = [Blame(f"10.0.0.{i}:6443", self.etcd) for i in (1, 2)]
         self.pv = Preparer(self.checker.settings, Pool(self.replicas), self.checker)
         self.pv.called()  # starts active; idle_spell makes it idle, the next scheduler call takes over
-        self.views = self.pv.replicas_changed(self.replicas, [])  # the views (start() also runs the threads)
+        self.views = self.pv.views.replicas_changed(self.replicas, [])  # the views (start() also runs the threads)
         self.tmp = tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
         self.audit = AuditStore(Path(self.tmp.name) / "audit.db")
         self.confirms: list[tuple] = []
@@ -202,12 +202,12 @@ class VerdictMachine(RuleBasedStateMachine):
     def deliver_event(self, i):
         event = self.replicas[i].deliver()
         if event is not None:
-            self.pv.apply_event(self.views[i], event)
+            self.pv.views.apply_event(self.views[i], event)
 
     @rule(i=st.sampled_from((0, 1)))
     def list_replica(self, i):
         """The guard lists the replica's cache into its view (every replica it does not watch)."""
-        self.pv.list_view(self.views[i])
+        self.pv.views.list_view(self.views[i])
 
     @rule()
     def sweep(self):

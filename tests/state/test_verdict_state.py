@@ -16,7 +16,8 @@ from scripted import NS, Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, Sc
 from guard.audit.sqlite import AuditStore
 from guard.engine.checker import Checker
 from guard.engine.incident import IncidentRecorder
-from guard.engine.prepare import Preparer, ReplicaView
+from guard.engine.prepare import Preparer
+from guard.engine.replica_views import ReplicaView
 from guard.core.verdict import Decision, Verdict
 
 
@@ -70,7 +71,7 @@ def test_background_verification_of_the_recreated_pod_rereads_past_the_cached_40
     # This view lost A's events and B's ADDED (nothing invalidated the cached 404); it learns B
     # from a later MODIFIED.
     replica.drop(), replica.drop(), replica.drop()
-    pv.apply_event(view, {"type": "MODIFIED", "object": etcd.pods["web-0"].obj("web-0", etcd.revision)})
+    pv.views.apply_event(view, {"type": "MODIFIED", "object": etcd.pods["web-0"].obj("web-0", etcd.revision)})
     assert pv.verify_next()
     assert gets.count == 2  # the cached 404 began before B was known: read again
     assert checker.cache.ghost(pod("web-0", b)) is None
@@ -111,8 +112,8 @@ def test_watch_events_in_every_order_against_a_read_in_flight(world, order):
     other = ReplicaModel("10.0.0.2:6443", etcd)
     other_view = ReplicaView(other)
     a = etcd.create("web-0")
-    pv.apply_event(view, replica.deliver())
-    pv.apply_event(other_view, other.deliver())
+    pv.views.apply_event(view, replica.deliver())
+    pv.views.apply_event(other_view, other.deliver())
     gets.hold = True
     call_a = Call(lambda: checker.check(pod("web-0", a)), "A")
     (get_a,) = gets.held
@@ -123,10 +124,10 @@ def test_watch_events_in_every_order_against_a_read_in_flight(world, order):
             gets.release(get_a, as_of_start=True)  # as of its start: A pending
         elif step == "DELETED":
             assert replica.events[0]["type"] == "DELETED"
-            pv.apply_event(view, replica.deliver())
+            pv.views.apply_event(view, replica.deliver())
         else:
             assert other.drop()["type"] == "DELETED"  # this replica lost A's delete
-            pv.apply_event(other_view, other.deliver())
+            pv.views.apply_event(other_view, other.deliver())
             assert set(other_view.pods) == {a, b}
     gets.hold = False
     for get in list(gets.held):  # A's call read again (the watch had shown A gone): etcd now has B
@@ -162,12 +163,12 @@ def test_a_read_started_before_a_delete_passes_and_the_next_call_condemns_with_i
     etcd, gets, clock, checker = world
     pv, view, replica = watch(checker, etcd)
     a = etcd.create("web-0")
-    pv.apply_event(view, replica.deliver())
+    pv.views.apply_event(view, replica.deliver())
     gets.hold = True
     call = Call(lambda: checker.check(pod("web-0", a)), "A")
     (get,) = gets.held
     etcd.delete("web-0")
-    pv.apply_event(view, replica.deliver())  # DELETED(A): the identity is gone
+    pv.views.apply_event(view, replica.deliver())  # DELETED(A): the identity is gone
     gets.release(get, as_of_start=True)  # as of its start: A pending
     # The read says pending, the watch says gone: the call reads again past the cache, and
     # that read (begun after A was known) condemns A.
@@ -193,7 +194,7 @@ def test_a_prepared_verdict_is_never_reached_by_another_name(world):
     etcd, gets, clock, checker = world
     pv, view, replica = watch(checker, etcd)
     live = etcd.create("web-0")
-    pv.apply_event(view, replica.deliver())
+    pv.views.apply_event(view, replica.deliver())
     assert pv.verify_next()
     assert gets.count == 1
     other = checker.check(pod("other", live))  # not web-0's prepared alive verdict: a read of "other"
@@ -326,8 +327,8 @@ def test_only_a_prepared_alive_verdict_is_answered_without_waiting_and_nothing_e
     pv, view, replica = watch(checker, etcd)
     live = etcd.create("web-0")
     gone = etcd.create("web-1")
-    pv.apply_event(view, replica.deliver())
-    pv.apply_event(view, replica.deliver())
+    pv.views.apply_event(view, replica.deliver())
+    pv.views.apply_event(view, replica.deliver())
     assert pv.verify_next() and pv.verify_next()
     assert gets.count == 2
     # Not prepared (another UID under the name, an unknown pod): None, no GET, nothing taken.
