@@ -22,7 +22,7 @@ for the guard and then the pass-through (``benchmarks/passthrough_extender.py``)
   pods/s = (P - 1) / (first pod bound -> last pod bound); **time to first verdict** = extender
   launch -> first pod bound (the extender's and kube-scheduler's start included), and
   kube-scheduler's launch -> first pod bound (``first_bound_after_scheduler_s``): the guard's first
-  call after its start is a *takeover* (guard/prepare.py: answered inline, the backlog it listed
+  call after its start is a *takeover* (guard/engine/prepare.py: answered inline, the backlog it listed
   queued for verification), the same path as the first call after ``--prepare-idle-after``.
 
 Per case: extender CPU per pod (utime + stime of its process tree, from ``/readyz`` (backlog; the CPU

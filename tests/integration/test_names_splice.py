@@ -1,4 +1,4 @@
-"""The names-mode splice (guard.extender: a live pod's node names copied through as the request's own
+"""The names-mode splice (guard.core.extender: a live pod's node names copied through as the request's own
 bytes) over real HTTP, against a running guard: kube-scheduler's body at 5,000 names over one
 kept-alive connection, and hostile bodies that must not take it."""
 
