@@ -28,6 +28,7 @@ from kubernetes.config.config_exception import ConfigException
 from guard.core.attribution import ReplicaObservation, http_error, transport_error
 from guard.core.heal_plan import is_placeholder
 from guard.kube.transport import Connections, GetError
+from guard.core.podlist import read_pod_list
 from guard.core.names import namespace_problem, pod_identity_problem, pod_name_problem, visible
 from guard.core.settings import Replica
 from guard.core.verdict import QuorumRead, shows_pending
@@ -469,11 +470,12 @@ class ReplicaClient:
         return ReplicaObservation(self.replica.address, shows_pending(items, uid), rv, None, at)
 
     def pending_pods(self, *, resource_version: str = "0") -> tuple[str, list[dict]]:
-        """LIST unscheduled pods from this replica's cache: (list resourceVersion, items)."""
+        """LIST unscheduled pods from this replica's cache: (list resourceVersion, items), each item
+        only the fields the guard reads (guard.core.podlist: decoded a pod at a time, so a backlog's
+        listing costs its bytes, not every field of every pod as Python objects)."""
         resp = self.core.list_pod_for_all_namespaces(field_selector="spec.nodeName=", resource_version=resource_version,
                                                      _preload_content=False, _request_timeout=self.timeout * 5)
-        doc = orjson.loads(resp.data)
-        return str((doc.get("metadata") or {}).get("resourceVersion") or ""), doc.get("items") or []
+        return read_pod_list(resp.data)
 
     def watch_pending(self, resource_version: str, *, timeout_seconds: int = 300) -> Iterator[dict]:
         """WATCH unscheduled pods from ``resource_version``: yields raw watch events (dicts).
