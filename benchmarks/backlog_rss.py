@@ -32,7 +32,7 @@ from benchmarks.cpu_per_pod import tree_cpu
 from benchmarks.cpu_per_pod_real import loadavg
 from benchmarks.filter_latency import machine
 from benchmarks.prepared_burst import metric
-from benchmarks.scale_sweep_real import pending_bodies, peak_rss_mib, post_pods
+from benchmarks.scale_sweep_real import Poster, pending_bodies, peak_rss_mib, post_pods
 from guard.lab.harness import GuardProcess, eventually
 
 
@@ -52,12 +52,11 @@ def main() -> int:
     replicas = sorted(p.name for p in d.glob("kubeconfig-*"))
     urls = [f"https://127.0.0.{i + 1}:{port}" for i in range(len(replicas))]
     ns = f"rss-{int(time.time())}"
-    with requests.Session() as s:
-        s.verify = lab.ca_path
-        s.headers["Authorization"] = f"Bearer {token}"
-        s.post(f"{server}/api/v1/namespaces", json={"metadata": {"name": ns}}, timeout=30).raise_for_status()
-        s.post(f"{server}/api/v1/namespaces/{ns}/serviceaccounts", json={"metadata": {"name": "default"}},
-               timeout=30)
+    poster = Poster(lab, 0)  # type: ignore[arg-type]
+    if poster.post("/api/v1/namespaces", orjson.dumps({"metadata": {"name": ns}})) != 201:
+        raise RuntimeError(f"could not create namespace {ns}")
+    poster.post(f"/api/v1/namespaces/{ns}/serviceaccounts", orjson.dumps({"metadata": {"name": "default"}}))
+    poster.close()
     created = post_pods(lab, ns, pending_bodies(args.pending), 8, list(range(len(replicas))))  # type: ignore[arg-type]
     print(f"{args.pending} pending pods in {ns} ({created:.0f}/s)", file=sys.stderr, flush=True)
     doc = {"machine": machine(), "pending": args.pending, "rows": []}
