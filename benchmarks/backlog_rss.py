@@ -39,10 +39,12 @@ from guard.lab.harness import GuardProcess, eventually
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lab-dir", required=True)
-    ap.add_argument("--trees", required=True, help="two (or more) source trees, comma-separated, labelled by path")
+    ap.add_argument("--trees", required=True, help="two (or more) source trees, comma-separated, labelled by path; "
+                    "PATH@NAME=VALUE runs that tree with one more environment variable (e.g. MALLOC_ARENA_MAX=2)")
     ap.add_argument("--pending", type=int, default=10000)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json")
+    ap.add_argument("--namespace", help="use this namespace's pods (already --pending of them) instead of creating them")
     args = ap.parse_args()
     d = Path(args.lab_dir)
     server = json.loads((d / "kubeconfig-0").read_text())["clusters"][0]["cluster"]["server"]
@@ -51,23 +53,26 @@ def main() -> int:
     lab = SimpleNamespace(port=port, ca_path=str(d / "ca.crt"), token=token)
     replicas = sorted(p.name for p in d.glob("kubeconfig-*"))
     urls = [f"https://127.0.0.{i + 1}:{port}" for i in range(len(replicas))]
-    ns = f"rss-{int(time.time())}"
-    poster = Poster(lab, 0)  # type: ignore[arg-type]
-    if poster.post("/api/v1/namespaces", orjson.dumps({"metadata": {"name": ns}})) != 201:
-        raise RuntimeError(f"could not create namespace {ns}")
-    poster.post(f"/api/v1/namespaces/{ns}/serviceaccounts", orjson.dumps({"metadata": {"name": "default"}}))
-    poster.close()
-    created = post_pods(lab, ns, pending_bodies(args.pending), 8, list(range(len(replicas))))  # type: ignore[arg-type]
-    print(f"{args.pending} pending pods in {ns} ({created:.0f}/s)", file=sys.stderr, flush=True)
+    ns = args.namespace or f"rss-{os.getpid()}"
+    if not args.namespace:
+        poster = Poster(lab, 0)  # type: ignore[arg-type]
+        if poster.post("/api/v1/namespaces", orjson.dumps({"metadata": {"name": ns}})) != 201:
+            raise RuntimeError(f"could not create namespace {ns}")
+        poster.post(f"/api/v1/namespaces/{ns}/serviceaccounts", orjson.dumps({"metadata": {"name": "default"}}))
+        poster.close()
+        created = post_pods(lab, ns, pending_bodies(args.pending), 8, list(range(len(replicas))))  # type: ignore[arg-type]
+        print(f"{args.pending} pending pods in {ns} ({created:.0f}/s)", file=sys.stderr, flush=True)
     doc = {"machine": machine(), "pending": args.pending, "rows": []}
     trees = args.trees.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for tree in trees:
+            for label in trees:
+                tree, _, extra_env = label.partition("@")  # PATH@NAME=VALUE: that tree with one more variable
+                env = {"PYTHONPATH": tree, **dict([extra_env.split("=", 1)] if extra_env else [])}
                 t0 = time.perf_counter()
                 g = GuardProcess(["--no-access-log", "--no-events", "--log-level", "warning", "--kubeconfig",
                                   str(d / "kubeconfig-0"), "--apiserver-replicas", ",".join(urls), "--audit-db",
-                                  f"{tmp}/{r}-{os.path.basename(tree)}.db"], cwd=tree, env={"PYTHONPATH": tree})
+                                  f"{tmp}/{r}-{len(doc['rows'])}.db"], cwd=tree, env=env)
                 try:
                     g.wait("/readyz", timeout=300)
                     ready = time.perf_counter() - t0
@@ -76,8 +81,9 @@ def main() -> int:
                                                      "Nodes": None, "NodeNames": ["node-0000"]}))
                     eventually(lambda: metric(g.base, "ghost_guard_prepare_verified_total") >= args.pending, 900,
                                what="the backlog verified", interval=1.0)
-                    row = {"tree": tree, "round": r, "ready_s": ready, "verified_s": time.perf_counter() - t0,
+                    row = {"tree": label, "round": r, "ready_s": ready, "verified_s": time.perf_counter() - t0,
                            "peak_rss_mib": peak_rss_mib(g.proc.pid), "cpu_s": tree_cpu(g.proc.pid),
+                           "master_peak_rss_mib": peak_rss_mib(g.proc.pid) - sum(peak_rss_mib(w) for w in g.workers()),
                            "load": loadavg()}
                 finally:
                     g.stop()
