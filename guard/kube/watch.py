@@ -12,6 +12,7 @@ import orjson
 import urllib3
 
 from guard.core.attribution import ReplicaObservation, http_error, transport_error
+from guard.core.podlist import read_pod_list
 from guard.core.names import namespace_problem, pod_identity_problem, pod_name_problem
 from guard.core.settings import Replica
 from guard.core.verdict import shows_pending
@@ -147,11 +148,12 @@ class ReplicaClient:
         return ReplicaObservation(self.replica.address, shows_pending(items, uid), rv, None, at)
 
     def pending_pods(self, *, resource_version: str = "0") -> tuple[str, list[dict]]:
-        """LIST unscheduled pods from this replica's cache: (list resourceVersion, items)."""
+        """LIST unscheduled pods from this replica's cache: (list resourceVersion, items), each item
+        only the fields the guard reads (guard.core.podlist: decoded a pod at a time, so a backlog's
+        listing costs its bytes, not every field of every pod as Python objects)."""
         resp = self.core.list_pod_for_all_namespaces(field_selector="spec.nodeName=", resource_version=resource_version,
                                                      _preload_content=False, _request_timeout=self.timeout * 5)
-        doc = orjson.loads(resp.data)
-        return str((doc.get("metadata") or {}).get("resourceVersion") or ""), doc.get("items") or []
+        return read_pod_list(resp.data)
 
     def watch_pending(self, resource_version: str, *, timeout_seconds: int = 300) -> Iterator[dict]:
         """WATCH unscheduled pods from ``resource_version``: yields raw watch events (dicts).
