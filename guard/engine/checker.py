@@ -136,7 +136,7 @@ class Checker:
 
     def call(self, pod: PodRef, arrived: float | None = None, *, record: bool = True) -> Call:
         """A :class:`Call` for ``pod`` whose budget began at ``arrived`` (on this checker's timer; default now)."""
-        return Call(pod, self.deadline(arrived), record)
+        return Call(pod, (self._timer() if arrived is None else arrived) + self.settings.request_budget, record)
 
     @overload
     def answer(self, call: Call) -> Decision: ...
@@ -159,53 +159,49 @@ class Checker:
         counted, unless ``--fail-closed``). ``call.record`` False (a dry-run review) has no side
         effects beyond the guard's own caches: no audit record, no Event, no incident.
         """
+        pod = call.pod
         try:
-            return self._answer(call, now, wake)
+            if call.flight is not None:  # joined a GET in flight (the event loop), woken when it landed
+                read = call.flight.landed()
+                if read is None:
+                    return Pending.THREAD
+                decision, again = self._judge(pod, read, known_at=read.started)
+                # A ghost is condemned only by a read begun after the call (and its first sighting is
+                # recorded): a thread does both. So does a read that a watch contradicts.
+                if again or decision.is_ghost:
+                    return Pending.THREAD
+                return self._count(decision, call.deadline, self._ghost_miss, self._read_hit, metrics.VERDICTS_SHARED)
+            known_at = 0 if now else self.cache.tick()  # the guard knows this identity from here on
+            for hook in self.call_hooks:
+                hook()
+            cached = self.cache.ghost(pod)
+            if cached is not None:
+                if now:
+                    return Pending.THREAD
+                if call.record:
+                    self._scheduled_ghost(pod, cached)
+                return self._count(cached, call.deadline, self._ghost_hit)
+            prepared = self.cache.take_prepared(pod)
+            if prepared is not None:
+                return self._count(prepared, call.deadline, self._ghost_miss, metrics.VERDICTS_PREPARED)
+            if now:
+                flight = self.cache.join(pod.namespace, pod.name, wake) if wake is not None else None
+                if flight is None:
+                    return Pending.THREAD
+                self.cache.mark_asked(pod)
+                call.flight = flight
+                return Pending.JOINED
+            self.cache.mark_asked(pod)
+            decision, first, read = self._verify(pod, known_at, call.deadline)
+            if decision.is_ghost and call.record:
+                self._scheduled_ghost(pod, decision, read.read)
+            return self._count(decision, call.deadline, self._ghost_miss, self._read_miss if first else self._read_hit,
+                               metrics.VERDICTS_INLINE if read.own else metrics.VERDICTS_SHARED)
         except Exception:  # a bug of ours must never block a real pod
-            log.exception("internal error while checking pod %s; failing open", call.pod)
-            decision = Decision(Verdict.UNKNOWN, f"internal error while checking pod {call.pod}")
+            log.exception("internal error while checking pod %s; failing open", pod)
             self._verdicts[Verdict.UNKNOWN].inc()
             self._undecided["internal-error"].inc()
-            return decision
-
-    def _answer(self, call: Call, now: bool, wake: Callable[[], None] | None) -> Decision | Pending:
-        pod = call.pod
-        if call.flight is not None:  # joined a GET in flight (the event loop), woken when it landed
-            read = call.flight.landed()
-            if read is None:
-                return Pending.THREAD
-            decision, again = self._judge(pod, read, known_at=read.started)
-            # A ghost is condemned only by a read begun after the call (and its first sighting is
-            # recorded): a thread does both. So does a read that a watch contradicts.
-            if again or decision.is_ghost:
-                return Pending.THREAD
-            return self._count(decision, call.deadline, self._ghost_miss, self._read_hit, metrics.VERDICTS_SHARED)
-        known_at = 0 if now else self.cache.tick()  # the guard knows this identity from here on
-        for hook in self.call_hooks:
-            hook()
-        cached = self.cache.ghost(pod)
-        if cached is not None:
-            if now:
-                return Pending.THREAD
-            if call.record:
-                self._scheduled_ghost(pod, cached)
-            return self._count(cached, call.deadline, self._ghost_hit)
-        prepared = self.cache.take_prepared(pod)
-        if prepared is not None:
-            return self._count(prepared, call.deadline, self._ghost_miss, metrics.VERDICTS_PREPARED)
-        if now:
-            flight = self.cache.join(pod.namespace, pod.name, wake) if wake is not None else None
-            if flight is None:
-                return Pending.THREAD
-            self.cache.mark_asked(pod)
-            call.flight = flight
-            return Pending.JOINED
-        self.cache.mark_asked(pod)
-        decision, first, read = self._verify(pod, known_at, call.deadline)
-        if decision.is_ghost and call.record:
-            self._scheduled_ghost(pod, decision, read.read)
-        return self._count(decision, call.deadline, self._ghost_miss, self._read_miss if first else self._read_hit,
-                           metrics.VERDICTS_INLINE if read.own else metrics.VERDICTS_SHARED)
+            return Decision(Verdict.UNKNOWN, f"internal error while checking pod {pod}")
 
     def _count(self, decision: Decision, deadline: float, *counters: Counter) -> Decision:
         """The one place a call is counted: how it was answered (``counters``), its verdict, and for
