@@ -33,26 +33,49 @@ import guard
 GUARD_ROOT = os.path.dirname(os.path.abspath(guard.__file__))
 
 
+# The serving path's own layers: every file of theirs that a call enters is on its path.
+PATH_LAYERS = ("guard/serving/", "guard/http/", "guard/engine/")
+
+
+def _rel(filename: str) -> str | None:
+    if not filename.startswith(GUARD_ROOT + os.sep):
+        return None
+    return "guard/" + os.path.relpath(filename, GUARD_ROOT)
+
+
 @dataclass
 class Path:
     """The guard's files one call entered, in first-entry order, with the functions entered in each
-    (and how many times)."""
+    (and how many times).
+
+    ``hops``: the files the call is handed to: the files of the path's own layers (serving, http,
+    engine) and each file they call into. What a called function of the pure core or the kube
+    layer then calls within the guard (the codec's name checks, the verdict rule's helpers, the
+    client's transport) is part of that step, listed in ``files`` but not a hop."""
 
     files: dict[str, dict[str, int]] = field(default_factory=dict)
+    hops: list[str] = field(default_factory=list)
     calls: int = 0
 
     def enter(self, frame: FrameType) -> None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(GUARD_ROOT + os.sep):
+        rel = _rel(frame.f_code.co_filename)
+        if rel is None:
             return
         self.calls += 1
-        rel = "guard/" + os.path.relpath(filename, GUARD_ROOT)
         names = self.files.setdefault(rel, {})
         name = frame.f_code.co_qualname
         names[name] = names.get(name, 0) + 1
+        if rel not in self.hops:
+            caller = frame.f_back
+            while caller is not None and _rel(caller.f_code.co_filename) is None:  # through the stdlib and libraries
+                caller = caller.f_back
+            origin = _rel(caller.f_code.co_filename) if caller is not None else None
+            if rel.startswith(PATH_LAYERS) or origin is None or origin.startswith(PATH_LAYERS):
+                self.hops.append(rel)
 
     def render(self) -> str:
-        lines = [f"{len(self.files)} files, {self.calls} guard function calls"]
+        lines = [f"{len(self.hops)} files handed the call ({' -> '.join(self.hops)}); "
+                 f"{len(self.files)} guard files entered, {self.calls} guard function calls"]
         for rel, names in self.files.items():
             lines.append(f"  {rel}: " + ", ".join(n if k == 1 else f"{n} x{k}" for n, k in names.items()))
         return "\n".join(lines)
