@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -28,6 +27,7 @@ from prometheus_client import Counter
 from guard import metrics
 from guard.core import flood
 from guard.engine.cache import Flight, Read, VerdictCache
+from guard.engine.followups import FollowUps
 from guard.core.settings import Settings
 from guard.core.verdict import Decision, PodRef, QuorumRead, Verdict, decide
 
@@ -94,23 +94,12 @@ class Checker:
         self._verdicts = {v: metrics.labelled(metrics.VERDICTS, v.value) for v in Verdict}
         undecided = metrics.FAIL_CLOSED if settings.fail_closed else metrics.FAIL_OPEN
         self._undecided = {r: metrics.labelled(undecided, r) for r in ("budget", "apiserver", "internal-error")}
-        # Follow-ups run on two background threads; background=False runs them inline (deterministic tests).
-        self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghost-followup") if background else None
-        # Follow-ups (audit, probes, Events) running or queued on the threads at most. Beyond, they wait
-        # in an overflow keyed by pod identity: a second follow-up of the same kind for the same pod is
-        # coalesced into the waiting one (counted), so a flood of distinct ghosts loses none and a looping
-        # ghost takes one entry. Past FOLLOWUP_OVERFLOW identities they are dropped (counted), so memory
-        # stays bounded. Verdicts are never affected.
-        self._followup_slots = threading.BoundedSemaphore(FOLLOWUP_BACKLOG)
-        self._overflow: collections.OrderedDict[tuple[str, PodRef], tuple[Sequence[Callable[..., None]], tuple[object, ...]]] = (
-            collections.OrderedDict())
-        self._overflow_lock = threading.Lock()
-        # Sighting follow-ups queued or running, by pod: for a ghost no replica ever listed, one at a time,
-        # the rest coalesced (counted), so a caller repeating a forged identity cannot fill the queue.
-        self._sightings_pending: set[PodRef] = set()
-        self._lanes: tuple[collections.deque[tuple[Sequence[Callable[..., None]], PodRef, tuple[object, ...]]], ...] = (
-            collections.deque(), collections.deque())
-        self._lanes_lock = threading.Lock()
+        # Follow-ups (audit, probes, Events) off the request path, bounded and coalesced by pod identity
+        # (guard/engine/followups.py); a ghost some replica listed or served goes ahead of every ghost
+        # none ever showed. background=False runs them inline (deterministic tests).
+        self.followups: FollowUps[PodRef] = FollowUps(
+            backlog=FOLLOWUP_BACKLOG, overflow=FOLLOWUP_OVERFLOW, background=background, low=self._unsighted,
+            shed=lambda: metrics.labelled(metrics.FLOOD_SHED, flood.QUEUE_FULL).inc())
         # What a first sighting costs besides the verdict (record, Event, follow-up), for ghosts no
         # replica ever listed (guard/core/flood.py). ``tier`` (set by guard.engine.wiring) says which tier a
         # ghost is in; None: every ghost is treated as sighted (nothing budgeted).
@@ -342,93 +331,23 @@ class Checker:
                 log.exception("block recorder %s failed for %s", getattr(recorder, "__name__", recorder), pod)
 
     def _followup(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
-        """Call each of ``listeners`` (GhostListener or SightingListener) with ``pod, *args``, off the request path."""
+        """Call each of ``listeners`` (GhostListener or SightingListener) with ``pod, *args``, off the request
+        path. A ghost no replica ever listed has one sighting follow-up at a time, the rest coalesced
+        (counted), so a caller repeating a forged identity cannot fill the queue."""
         sighting = listeners is not self.listeners
-        if sighting:
-            with self._overflow_lock:
-                if pod in self._sightings_pending and self.tier is not None and self.tier(pod) == flood.UNSIGHTED:
-                    metrics.FOLLOWUPS_COALESCED.inc()
-                    return
-                self._sightings_pending.add(pod)
-        if self._followup_slots.acquire(blocking=False):
-            self._submit(listeners, pod, args)
-            return
-        key = ("sighting" if sighting else "new", pod)
-        with self._overflow_lock:
-            if key in self._overflow:
-                metrics.FOLLOWUPS_COALESCED.inc()
-                if key[0] == "sighting":  # the newest sighting's decision; a first sighting keeps its read
-                    self._overflow[key] = (listeners, args)
-                return
-            if len(self._overflow) >= FOLLOWUP_OVERFLOW and not self._make_room(pod):
-                metrics.FOLLOWUPS_DROPPED.inc()
-                if sighting:
-                    self._sightings_pending.discard(pod)
-                return
-            self._overflow[key] = (listeners, args)
-        self._drain()  # a slot may have been released since the acquire failed
+        self.followups.submit("sighting" if sighting else "new", pod, self._notify, listeners, pod, *args,
+                              once=sighting, newest=sighting)
 
-    def _make_room(self, pod: PodRef) -> bool:
-        """The overflow is full (under ``_overflow_lock``): drop the oldest waiting follow-up of a ghost
-        no replica ever listed to make room for ``pod``'s, unless ``pod`` is one too. True if room was made."""
-        if self.tier is None or self.tier(pod) == flood.UNSIGHTED:
-            if self.tier is not None:
-                metrics.labelled(metrics.FLOOD_SHED, flood.QUEUE_FULL).inc()
-            return False
-        for key in self._overflow:
-            if self.tier(key[1]) == flood.UNSIGHTED:
-                del self._overflow[key]
-                if key[0] == "sighting":
-                    self._sightings_pending.discard(key[1])
-                metrics.FOLLOWUPS_DROPPED.inc()
-                metrics.labelled(metrics.FLOOD_SHED, flood.QUEUE_FULL).inc()
-                return True
-        return False
-
-    def _submit(self, listeners: Sequence[Callable[..., None]], pod: PodRef, args: tuple[object, ...]) -> None:
-        """Run the follow-up on a slot already taken; the slot goes back (and the overflow moves) when done."""
-        if self._background is None:
-            try:
-                self._notify(listeners, pod, *args)
-            finally:
-                self._followup_slots.release()
-            self._drain()
-            return
-        # Two lanes: a ghost some replica listed or served goes ahead of every ghost none ever showed, so
-        # the follow-ups a flood of forged names was admitted for never delay a real ghost's.
-        lane = 1 if self.tier is not None and self.tier(pod) == flood.UNSIGHTED else 0
-        with self._lanes_lock:
-            self._lanes[lane].append((listeners, pod, args))
-        future = self._background.submit(self._run_next)
-        future.add_done_callback(self._followup_done)
-
-    def _run_next(self) -> None:
-        """One follow-up task: the oldest of the first lane, else of the second (one queued per task)."""
-        with self._lanes_lock:
-            listeners, pod, args = (self._lanes[0] or self._lanes[1]).popleft()
-        self._notify(listeners, pod, *args)
-
-    def _followup_done(self, _future: object) -> None:
-        self._followup_slots.release()
-        self._drain()
-
-    def _drain(self) -> None:
-        while True:
-            with self._overflow_lock:
-                if not self._overflow or not self._followup_slots.acquire(blocking=False):
-                    return
-                (_, pod), (listeners, args) = self._overflow.popitem(last=False)
-            self._submit(listeners, pod, args)
+    def _unsighted(self, pod: PodRef) -> bool | None:
+        """Whether no replica ever showed this ghost (None: no tiers, every ghost treated alike)."""
+        return None if self.tier is None else self.tier(pod) == flood.UNSIGHTED
 
     def followups_waiting(self) -> int:
         """Follow-ups waiting in the overflow (beyond the running and queued ones)."""
-        with self._overflow_lock:
-            return len(self._overflow)
+        return self.followups.waiting()
 
-    def _notify(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
-        if listeners is not self.listeners:
-            with self._overflow_lock:
-                self._sightings_pending.discard(pod)
+    @staticmethod
+    def _notify(listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
         for listener in listeners:
             try:
                 listener(pod, *args)
