@@ -1,5 +1,5 @@
-"""The follow-up queue (guard/engine/followups.py, the checker's): beyond the 1,000 running or queued, follow-ups wait keyed by
-pod identity. A flood of distinct ghosts loses none; a looping ghost's repeated sightings are
+"""The follow-up queue (guard/engine/followups.py, the checker's): beyond the 1,000 running or queued,
+follow-ups wait keyed by pod identity. A flood of distinct ghosts loses none; a looping ghost's repeated sightings are
 coalesced into one waiting entry and counted (ghost_guard_followups_coalesced_total)."""
 
 from __future__ import annotations
