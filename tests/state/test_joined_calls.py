@@ -12,21 +12,8 @@ import threading
 
 import pytest
 from prometheus_client import REGISTRY
-from scripted import (
-    Call,
-    Etcd,
-    FakeClock,
-    Pool,
-    ReplicaModel,
-    ScriptedGets,
-    answer_joined,
-    answer_prepared,
-    check,
-    join_flight,
-    pod,
-    settings,
-    settle,
-)
+from scripted import (Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, answer_joined, answer_prepared, check,
+    join_flight, pod, settings, settle)
 
 from guard.engine.checker import Checker
 from guard.engine.prepare import Preparer, ReplicaView

@@ -29,22 +29,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings as hsettings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from scripted import (
-    Call,
-    Etcd,
-    EtcdKube,
-    FakeClock,
-    Pool,
-    ReplicaModel,
-    ScriptedGets,
-    answer_joined,
-    answer_prepared,
-    check,
-    join_flight,
-    pod,
-    settings,
-    settle,
-)
+from scripted import (Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, ScriptedGets, answer_joined,
+    answer_prepared, check, join_flight, pod, settings, settle)
 
 from guard.audit.sqlite import AuditStore
 from guard.engine.checker import Checker

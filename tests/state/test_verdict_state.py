@@ -11,20 +11,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from scripted import (
-    Call,
-    Etcd,
-    EtcdKube,
-    FakeClock,
-    NS,
-    Pool,
-    ReplicaModel,
-    ScriptedGets,
-    answer_prepared,
-    check,
-    pod,
-    settings,
-)
+from scripted import (Call, Etcd, EtcdKube, FakeClock, NS, Pool, ReplicaModel, ScriptedGets, answer_prepared, check,
+    pod, settings)
 
 from guard.audit.sqlite import AuditStore
 from guard.engine.checker import Checker
