@@ -131,7 +131,8 @@ class Checker:
     def answer(self, call: Call) -> Decision: ...
 
     @overload
-    def answer(self, call: Call, *, now: Literal[True], wake: Callable[[], None] | None = None) -> Decision | Pending: ...
+    def answer(self, call: Call, *, now: Literal[True],
+               wake: Callable[[], None] | None = None) -> Decision | Pending: ...
 
     def answer(self, call: Call, *, now: bool = False, wake: Callable[[], None] | None = None) -> Decision | Pending:
         """The one way through the checker: the verdict for ``call.pod``, ready before ``call.deadline``.

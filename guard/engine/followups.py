@@ -1,5 +1,6 @@
-"""A bounded, coalescing executor for work off the request path (the checker's follow-ups: audit
-record, replica probes, Events, re-probes of a looping ghost).
+"""Work off the request path: a bounded, coalescing executor (:class:`FollowUps`, the checker's
+follow-ups: audit record, replica probes, Events, re-probes of a looping ghost), and one scheduler
+for work that runs later (:class:`Later`, the incident recorder's stale confirmations).
 
 At most ``backlog`` tasks run or are queued on the threads. Beyond, they wait in an overflow keyed by
 (kind, key): a second task of the same kind for the same key is coalesced into the waiting one
@@ -14,8 +15,11 @@ time. Nothing here affects a verdict.
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
@@ -132,3 +136,63 @@ class FollowUps(Generic[K]):
                     return
                 (kind, key), task = self._overflow.popitem(last=False)
             self._start(kind, key, task)
+
+
+class Later:
+    """Runs each task ``delay`` seconds from now: one thread keeps the due times (a heap) and hands each
+    task, when due, to ``run`` (an executor's ``submit``), instead of a ``threading.Timer`` (a thread)
+    per task. At most ``limit`` tasks wait; past that a new one is refused (logged). ``close`` drops
+    the waiting ones."""
+
+    def __init__(self, run: Callable[..., object], *, limit: int = 10_000, name: str = "ghost-later",
+                 timer: Callable[[], float] = time.monotonic) -> None:
+        self._run = run
+        self._limit = limit
+        self._name = name
+        self._timer = timer
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[object, ...]]] = []
+        self._order = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def call(self, delay: float, fn: Callable[..., None], *args: object) -> bool:
+        """Run ``fn(*args)`` on ``run`` once ``delay`` seconds have passed. False if refused."""
+        with self._cond:
+            if self._closed:
+                return False
+            if len(self._heap) >= self._limit:
+                log.warning("%d tasks wait already: %s not scheduled", len(self._heap), getattr(fn, "__name__", fn))
+                return False
+            heapq.heappush(self._heap, (self._timer() + delay, next(self._order), fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return True
+
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._heap)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._heap.clear()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                left = self._heap[0][0] - self._timer()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                _, _, fn, args = heapq.heappop(self._heap)
+                try:
+                    self._run(fn, *args)
+                except RuntimeError:  # the executor was shut down: the guard is stopping
+                    return

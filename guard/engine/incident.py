@@ -39,6 +39,7 @@ from guard.core import attribution
 from guard.core.attribution import ReplicaObservation
 from guard.audit.backend import AuditBackend, describe, open_store
 from guard.engine.checker import Checker
+from guard.engine.followups import Later
 from guard.kube.client import Kube, ReplicaClient, emit_event
 from guard.core.records import AuditError, AuditRecord, IdentityConflictError, UnknownGhostError, block_evidence
 from guard.engine.replicas import ReplicaPool
@@ -128,7 +129,7 @@ class IncidentRecorder:
     """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
 
     ``retract(pod)`` withdraws a ghost verdict (the checker's); ``later(delay, fn, *args)`` runs
-    ``fn`` after ``delay`` seconds (default: a timer thread; tests pass one that records the delay).
+    ``fn`` after ``delay`` seconds (default: guard.engine.followups.Later; tests pass one that records the delay).
     """
 
     def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditBackend | None, *,
@@ -140,8 +141,10 @@ class IncidentRecorder:
         self.pool = pool
         self.audit = audit
         self._retract = retract or (lambda pod: False)
-        self._schedule = later or self._timer_later
         self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-probe")
+        # Stale confirmations wait on one scheduler thread and run on the probe threads when due.
+        self._waiting = Later(self._probes.submit, name="ghost-confirm-later")
+        self._schedule = later or self._waiting.call
         self._lock = threading.Lock()
         self._last_probe: dict[PodRef, float] = {}  # ghost -> monotonic time of the last probe round
         self._stale: dict[str, set[PodRef]] = {}  # replica address -> ghosts it was confirmed to serve
@@ -154,7 +157,6 @@ class IncidentRecorder:
             self.audit_health.ok()
         self._audit_lock = threading.Lock()
         self._last_probes: dict[str, dict] = {}  # replica address -> its newest probe's outcome, for /readyz
-        self._timers: list[threading.Timer] = []
         self._closed = False
         self._heal = heal  # serve --heal: AutoHealer.submit
         # Whether the guard's cache check names a replica's watch frozen (CacheHealthMonitor.frozen, set by
@@ -439,13 +441,6 @@ class IncidentRecorder:
             return
         self._schedule(delay, self._run_safely, fn, *args)
 
-    def _timer_later(self, delay: float, fn, *args) -> None:
-        timer = threading.Timer(delay, fn, args=args)
-        timer.daemon = True
-        with self._lock:
-            self._timers = [t for t in self._timers if t.is_alive()] + [timer]
-        timer.start()
-
     @staticmethod
     def _run_safely(fn, *args) -> None:
         try:
@@ -455,8 +450,5 @@ class IncidentRecorder:
 
     def close(self) -> None:
         self._closed = True
-        with self._lock:
-            timers = list(self._timers)
-        for t in timers:
-            t.cancel()
+        self._waiting.close()
         self._probes.shutdown(wait=False, cancel_futures=True)

@@ -51,3 +51,23 @@ def test_a_flood_of_distinct_ghosts_loses_no_follow_up_and_a_looping_ghost_is_co
     assert len(set(new)) == n
     eventually(lambda: sightings == [looping], 10, what="the coalesced sighting")
     assert counter("ghost_guard_followups_dropped_total") == dropped0
+
+
+def test_later_runs_each_task_when_due_in_due_order_on_one_thread_and_close_drops_the_rest():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from guard.engine.followups import Later
+
+    ran: list[str] = []
+    pool = ThreadPoolExecutor(2)
+    later = Later(pool.submit)
+    assert later.call(0.3, ran.append, "second") and later.call(0.05, ran.append, "first")
+    assert later.call(0.05, ran.append, "also first") and later.call(3600, ran.append, "never")
+    assert [t.name for t in threading.enumerate()].count("ghost-later") == 1  # one thread, not one per task
+    eventually(lambda: len(ran) == 3, 10, what="the three tasks due")
+    assert ran[2] == "second" and set(ran[:2]) == {"first", "also first"}
+    assert later.waiting() == 1
+    later.close()
+    assert later.waiting() == 0 and not later.call(0, ran.append, "refused")
+    pool.shutdown(wait=True)
+    assert ran[-1] == "second"
