@@ -119,6 +119,10 @@ class Background:
 LATER_WORKERS = 8
 
 
+# At most this many delayed calls wait per component; past that a new one is refused (logged).
+LATER_LIMIT = 10_000
+
+
 class _Timer:
     """One thread taking delayed calls in due order (a heap) and handing each to a pool, for one
     :class:`Background`."""
@@ -135,6 +139,10 @@ class _Timer:
     def add(self, delay: float, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         with self._cond:
             if self._closed:
+                return
+            if len(self._heap) >= LATER_LIMIT:
+                self._log.warning("%d delayed calls wait already: %s not scheduled", len(self._heap),
+                                  getattr(fn, "__name__", fn))
                 return
             heapq.heappush(self._heap, (time.monotonic() + max(0.0, delay), next(self._seq), fn, args))
             self._cond.notify()

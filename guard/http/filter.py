@@ -39,12 +39,13 @@ from werkzeug.wsgi import ClosingIterator
 
 from guard import metrics
 from guard.core import extender
-from guard.engine.checker import Joined
 from guard.core.extender import ProtocolError
 from guard.http.exchange import BodyBudget, acquire_room, read_json_body, record_request
 from guard.core.node_verdict import ghost_candidates
 from guard.core.verdict import Decision, PodRef
+from guard.engine.checker import Call, Pending
 from guard.engine.wiring import Guard
+from guard.http.lane import PeerCert, Reply
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def answer(guard: Guard, path: str, body: bytes, arrived: float) -> tuple[bytes,
     ``arrived`` (time.monotonic) starts the request budget: the answer is ready within
     ``--request-budget`` of it, whatever the apiserver does."""
     args = _parse(guard, path, body)
-    decision = guard.checker.check(args.pod, deadline=guard.checker.deadline(arrived))
+    decision = guard.checker.answer(guard.checker.call(args.pod, arrived))
     return _encode(guard, path, args, decision), args.pod, decision
 
 
@@ -182,21 +183,22 @@ NOW_MAX_BODY = 128 * 1024
 @dataclass(frozen=True, slots=True)
 class Waiting:
     """A verb call that joined its pod's quorum GET in flight (DirectLane.answer_now), to be answered
-    when it lands (DirectLane.answer_landed). ``start`` is time.perf_counter at arrival (the request's
-    duration), ``arrived`` time.monotonic at arrival (its budget)."""
+    when it lands (DirectLane.answer_landed): the decoded call and the checker's Call, handed on,
+    never decoded again. ``start`` is time.perf_counter at arrival (the request's duration),
+    ``arrived`` time.monotonic at arrival (its budget)."""
 
     path: str
     args: Any
-    joined: Joined
+    call: Call
     remote: str | None
     start: float
     arrived: float
 
 
 class DirectLane:
-    """The verb calls the worker hands over without WSGI (guard.serving.worker.plain_call): the same answers
-    as :class:`FastLane`, and with mTLS the same role check as the WSGI lanes (``refuse``, and
-    ``allowed`` to ask without counting or logging).
+    """The verb calls the worker hands over without WSGI (guard.serving.worker.plain_call; the contract is
+    guard.http.lane.DirectLane): the same answers as :class:`FastLane`, and with mTLS the same role check
+    as the WSGI lanes (``refuse``, and ``allowed`` to ask without counting or logging).
 
     ``max_body`` (the BodyBudget's small size) bounds what the worker's event loop hands over
     (:meth:`answer_now`); a pool thread hands over bodies up to ``--max-body-bytes``, which the worker
@@ -204,24 +206,24 @@ class DirectLane:
 
     paths = frozenset(VERBS)
 
-    def __init__(self, fast: FastLane, refuse: Callable[[str, str, Any, str | None], bytes | None] | None,
-                 allowed: Callable[[str, Any], bool] | None = None) -> None:
+    def __init__(self, fast: FastLane, refuse: Callable[[str, str, PeerCert, str | None], bytes | None] | None,
+                 allowed: Callable[[str, PeerCert], bool] | None = None) -> None:
         self.fast = fast
         self.refuse = refuse
         self.allowed = allowed
         self.max_body = min(fast.bodies.small, fast.limit)
 
-    def answer_now(self, path: str, body: bytes, remote: str | None, peer_cert: Any,
-                   wake: Callable[[], None] | None = None) -> tuple[int, bytes] | Waiting | None:
+    def answer_now(self, path: str, body: bytes, remote: str | None, peer_cert: PeerCert,
+                   wake: Callable[[], None] | None = None) -> Reply | Waiting | None:
         """The answer when it needs no waiting (no GET, no lock held across I/O): a permitted caller,
         a body that decodes (at most NOW_MAX_BODY bytes) and a pod whose ``alive`` verdict was
-        verified ahead (Checker.answer_prepared).
+        verified ahead (Checker.answer, ``now``).
 
-        With ``wake``, a call whose pod's quorum GET is already in flight joins it
-        (Checker.join_flight) and comes back :class:`Waiting`: ``wake`` is called, on another
-        thread, when the GET lands, and the caller then asks :meth:`answer_landed`.
+        With ``wake``, a call whose pod's quorum GET is already in flight joins it and comes back
+        :class:`Waiting`: ``wake`` is called, on another thread, when the GET lands, and the caller
+        then asks :meth:`answer_landed`.
 
-        Else None, with nothing done or counted: the worker then hands the call to a pool thread
+        Else None, with nothing counted: the worker then hands the call to a pool thread
         (:meth:`__call__`), which answers everything else."""
         if len(body) > NOW_MAX_BODY or (self.allowed is not None and not self.allowed(path, peer_cert)):
             return None
@@ -232,34 +234,31 @@ class DirectLane:
             args = _parse(guard, path, body)
         except ProtocolError:
             return None
-        decision = guard.checker.answer_prepared(args.pod)
-        if decision is None:
-            if wake is None:
-                return None
-            joined = guard.checker.join_flight(args.pod, wake)
-            return None if joined is None else Waiting(path, args, joined, remote, start, arrived)
-        if guard.checker.blocks(decision):
+        call = guard.checker.call(args.pod, arrived)
+        decision = guard.checker.answer(call, now=True, wake=wake)
+        if decision is Pending.JOINED:
+            return Waiting(path, args, call, remote, start, arrived)
+        if decision is Pending.THREAD:
             return None
-        payload = _allow(guard, path, args)
+        return self._reply(path, args, decision, remote, start)
+
+    def answer_landed(self, waiting: Waiting) -> Reply | None:
+        """The answer of a :class:`Waiting` call once its GET has landed (Checker.answer, ``now``), or
+        None, with nothing counted: the worker hands the call to a pool thread, which goes through
+        Checker.answer within the same budget (``arrived``)."""
+        decision = self.fast.guard.checker.answer(waiting.call, now=True)
+        if isinstance(decision, Pending):
+            return None
+        return self._reply(waiting.path, waiting.args, decision, waiting.remote, waiting.start)
+
+    def _reply(self, path: str, args: Any, decision: Decision, remote: str | None, start: float) -> Reply:
+        payload = _encode(self.fast.guard, path, args, decision)
         record_request(self.fast.settings, "POST", path, 200, time.perf_counter() - start, remote, args.pod,
                        decision.verdict.value)
         return 200, payload
 
-    def answer_landed(self, waiting: Waiting) -> tuple[int, bytes] | None:
-        """The answer of a :class:`Waiting` call once its GET has landed (Checker.answer_joined), or
-        None, with nothing counted: the worker hands the call to a pool thread, which goes through
-        Checker.check within the same budget (``arrived``)."""
-        guard = self.fast.guard
-        decision = guard.checker.answer_joined(waiting.joined, guard.checker.deadline(waiting.arrived))
-        if decision is None:
-            return None
-        payload = _encode(guard, waiting.path, waiting.args, decision)
-        record_request(self.fast.settings, "POST", waiting.path, 200, time.perf_counter() - waiting.start,
-                       waiting.remote, waiting.args.pod, decision.verdict.value)
-        return 200, payload
-
-    def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: Any,
-                 arrived: float | None = None) -> tuple[int, bytes]:
+    def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: PeerCert,
+                 arrived: float | None = None) -> Reply:
         """The answer, from a pool thread. ``arrived`` (time.monotonic) is when the call's budget
         began, if it waited before this (a :class:`Waiting` call handed over); default now. The
         request's recorded duration counts from then too."""

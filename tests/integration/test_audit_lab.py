@@ -4,7 +4,7 @@ the probes name exactly that replica, `report` says what to do, and after a rest
 it healed.
 
 Real etcd, real HTTPS replicas, and the objects one guard worker builds, wired as
-``guard.engine.wiring.build_guard`` wires them: ``Checker.check`` (what /filter, /preempt and
+``guard.engine.wiring.build_guard`` wires them: ``Checker.answer`` (what /filter, /preempt and
 /validate/binding call) -> ``IncidentRecorder`` (new ghost, sightings, block recorder) -> the store
 ``open_audit_store`` opens, with the recorder's ``announce_new_ghost`` as its ``on_new`` hook (the new-ghost
 line on stdout). The follow-ups run inline
@@ -87,7 +87,7 @@ def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker, caps
     ghost = PodRef("default", "web-1", uid)
 
     # The scheduler asks about the ghost: quorum GET -> ghost-deleted -> record, etcd again, every replica probed.
-    decision = worker.checker.check(ghost)
+    decision = worker.checker.answer(worker.checker.call(ghost))
     assert decision.verdict.value == "ghost-deleted"
     evidence = {"reason": decision.reason,
                 "quorum_get": {"outcome": "not-found", "http_status": 404, "uid": None, "node_name": None,
@@ -131,7 +131,7 @@ def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker, caps
     # sighting is recorded and, the re-probe being due, every replica is probed again: healed.
     lab.replicas[1].restart()
     assert lab.wait_synced()
-    assert worker.checker.check(ghost).verdict.value == "ghost-deleted"
+    assert worker.checker.answer(worker.checker.call(ghost)).verdict.value == "ghost-deleted"
     assert announced(capsys) == []  # not new any more
     assert len(worker.delays) == 1  # nobody serves it: nothing to confirm
 

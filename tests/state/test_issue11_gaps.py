@@ -3,7 +3,7 @@ deterministic regression tests now that they are fixed."""
 
 from __future__ import annotations
 
-from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
+from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, check, pod, settings
 
 from guard.engine.checker import Checker
 from guard.engine.prepare import Preparer
@@ -25,7 +25,7 @@ def test_a_live_pod_costs_one_quorum_get_whatever_the_number_of_watches():
     background = Call(lambda: pv.verify_next(), "background verification")
     (get,) = gets.held
     pv.views.apply_event(v2, r2.deliver())  # the second watch shows the same pod, same UID
-    call = Call(lambda: checker.check(pod("web-0", a)), "/filter")  # the scheduler asks meanwhile
+    call = Call(lambda: check(checker, pod("web-0", a)), "/filter")  # the scheduler asks meanwhile
     for held in list(gets.held):  # the read in flight, and a GET of the call's own if it made one
         gets.release(held)
     assert background.result() is True

@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 
 import pytest
-from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
+from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, check, pod, settings
 
 from guard.engine.checker import Checker
 from guard.lab.harness import eventually
@@ -97,7 +97,7 @@ def test_a_pod_that_leaves_a_listing_loses_its_prepared_verdict(world):
     assert checker.cache.gone_since(pod("other", other)) > 0
     assert checker.cache.take_prepared(pod("other", other)) is None
     # A later call for it reads etcd again, with a read that began after it was seen gone.
-    assert checker.check(pod("other", other)).verdict is Verdict.GHOST_DELETED
+    assert check(checker, pod("other", other)).verdict is Verdict.GHOST_DELETED
 
 
 def test_a_replica_listed_before_the_pod_existed_does_not_disagree(world):

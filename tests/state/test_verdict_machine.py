@@ -2,10 +2,10 @@
 healthy replica.
 
 Random sequences of: create / delete / recreate-same-name / bind pods in etcd; scheduler calls
-(/filter, /preempt and binding reviews all call ``Checker.check``; dry-run reviews with
+(/filter, /preempt and binding reviews all call ``Checker.answer``; dry-run reviews with
 ``record=False``) for any UID a name ever had, or a UID of another name; the same calls as the
 worker's event loop takes them (a prepared verdict, or parked on the pod's GET in flight and
-answered when it lands, or handed to ``Checker.check`` then or when the budget nearly runs out); background
+answered when it lands, or handed to ``Checker.answer`` then or when the budget nearly runs out); background
 verifications (and the takeover of the backlog after an idle spell); quorum GETs held in flight
 and answered as of their start or as of now; watch events delivered late, or dropped, per replica;
 replica restarts; the incident recorder's confirmation rounds; clock steps; idle spells (no call
@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings as hsettings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from scripted import Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settle, settings
+from scripted import (Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, ScriptedGets, answer_joined,
+    answer_prepared, check, join_flight, pod, settings, settle)
 
 from guard.audit.sqlite import AuditStore
 from guard.engine.checker import Checker
@@ -77,7 +78,7 @@ class VerdictMachine(RuleBasedStateMachine):
                                          later=lambda delay, fn, *args: self.confirms.append((fn, args)))
         self.recorder.attach(self.checker)
         self.calls: list[tuple[Call, object]] = []
-        self.parked: list[tuple[object, list, object]] = []  # (Joined, landed flag, pod): loop calls waiting
+        self.parked: list[tuple[object, list, object]] = []  # (the joined Call, landed flag, pod): loop calls waiting
         self.answers = 0
 
     # -- etcd ------------------------------------------------------------------------------------
@@ -134,8 +135,8 @@ class VerdictMachine(RuleBasedStateMachine):
         return pod(name, data.draw(st.sampled_from(uids)))
 
     def _check_on_thread(self, p, *, record=True):
-        """Checker.check for ``p`` on its own thread (a pool thread's call), its answer checked once done."""
-        self.calls.append((Call(lambda: self.checker.check(p, deadline=self.clock() + FAR, record=record),
+        """Checker.answer for ``p`` on its own thread (a pool thread's call), its answer checked once done."""
+        self.calls.append((Call(lambda: check(self.checker, p, deadline=self.clock() + FAR, record=record),
                                 f"{p}:{p.uid}"), p))
 
     @precondition(lambda self: self.etcd.history)
@@ -143,14 +144,14 @@ class VerdictMachine(RuleBasedStateMachine):
     def loop_call(self, data, cross):
         """A /filter or /preempt as the worker's event loop takes it (guard.serving.worker._answer_now): a
         prepared verdict at once; else parked on the pod's GET in flight (answered when it lands,
-        see ``land``); else handed to a pool thread, which calls ``Checker.check``."""
+        see ``land``); else handed to a pool thread, which calls ``Checker.answer``."""
         p = self._draw_pod(data, cross)
-        decision = self.checker.answer_prepared(p)
+        decision = answer_prepared(self.checker, p)
         if decision is not None:
             self._answered(decision, p)
             return
         landed: list = []
-        joined = self.checker.join_flight(p, lambda: landed.append(True))
+        joined = join_flight(self.checker, p, lambda: landed.append(True))
         if joined is None:
             self._check_on_thread(p)
         else:
@@ -171,7 +172,7 @@ class VerdictMachine(RuleBasedStateMachine):
         for entry in [e for e in self.parked if e[1]]:
             self.parked.remove(entry)
             joined, _, p = entry
-            decision = self.checker.answer_joined(joined, self.clock() + FAR)
+            decision = answer_joined(self.checker, joined, self.clock() + FAR)
             if decision is None:
                 self._check_on_thread(p)
             else:
