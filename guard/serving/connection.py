@@ -92,6 +92,7 @@ from typing import Any, Callable, Protocol
 from guard.core.settings import Settings
 from guard.serving.framing import (ChunkScan, FramingError, error_reply, head_end, plain_call, plain_reply,
                                    request_framing, status_phrase)
+from guard.serving.offload import BUDGET_SHARE, OFFLOAD_BYTES, Offload
 
 # A closing connection waits this long for the client's FIN (so the reply is not reset away).
 LINGER_SECONDS = 1.0
@@ -124,7 +125,7 @@ class Conn:
     __slots__ = ("sock", "addr", "ip", "server", "tls", "state", "deadline", "buf", "events", "peer_cert",
                  "head", "head_len", "kind", "need", "body_start", "chunks",
                  "out", "keep", "reject", "closed", "reserved", "counted", "parked", "proven", "born", "refusing",
-                 "large")
+                 "large", "huge")
 
     def __init__(self, sock, addr, server, tls: bool) -> None:
         self.sock = sock
@@ -148,6 +149,7 @@ class Conn:
         self.born = time.monotonic()
         self.refusing = False  # refused (a 503 or a close), counted in ConnectionLoop.refusing until closed
         self.large = False  # holds one of its client's LARGE_PER_CLIENT turns
+        self.huge = False  # holds one of the OFFLOAD helper turns too
         self.reset()
 
     def reset(self) -> None:
@@ -234,6 +236,11 @@ class ConnectionLoop:
         self.refusing_max = max(16, s.max_connections // 8)
         self.large_running: _Tally = _Tally()  # large calls in the pool, per source address
         self.large_waiting: dict[str, deque] = {}  # large calls waiting their turn, per source address
+        # Helper processes that decode and encode calls over OFFLOAD_BYTES (guard.serving.offload): at most one
+        # such call each in the pool at once.
+        self.offload = Offload() if lane is not None else None
+        self.offload_count = self.offload.count if self.offload is not None else 0
+        self.huge_running = 0
         self.accept_paused_until = 0.0
         self.direct: Any = lane  # the app's direct lane (guard.http.lane.DIRECT_LANE), or None
         if lane is not None:
@@ -527,29 +534,56 @@ class ConnectionLoop:
         conn.state, conn.deadline = BUSY, 0.0
         self._unwatch(conn)
         if len(request) > LARGE_CALL:
-            if self.large_running[conn.ip] >= LARGE_PER_CLIENT:  # its client's turn is taken: wait for it
+            huge = len(request) > OFFLOAD_BYTES and self.offload is not None
+            if self.large_waiting.get(conn.ip) or not self._turn_free(conn.ip, huge):  # wait for a turn
                 arrived = time.monotonic() if arrived is None else arrived
                 conn.state, conn.deadline = QUEUED, arrived + self.settings.request_budget
                 self.large_waiting.setdefault(conn.ip, deque()).append((conn, request, arrived))
                 return
-            self.large_running[conn.ip] += 1
-            conn.large = True
+            self._take_turn(conn, huge)
+        self._submit(conn, request, arrived)
+
+    def _submit(self, conn: Conn, request: bytes, arrived: float | None) -> None:
         future = self.host.submit(self._serve_and_send, conn, request, arrived)
         future.add_done_callback(lambda f: self.host.defer(self._served, conn, f))
 
-    def _next_large(self, ip: str) -> None:
-        """A large call of ``ip`` left the pool: the next one waiting for its turn goes in."""
-        self.large_running[ip] -= 1
-        if self.large_running[ip] <= 0:
-            del self.large_running[ip]
-        waiting = self.large_waiting.get(ip)
-        while waiting:
-            conn, request, arrived = waiting.popleft()
-            if not conn.closed and conn.state == QUEUED:
-                self._to_pool(conn, request, arrived)
-                break
-        if not waiting:
-            self.large_waiting.pop(ip, None)
+    def _turn_free(self, ip: str, huge: bool) -> bool:
+        """Whether a large call of ``ip`` may take a pool thread now: its client has no other there, and
+        a call for a helper process (``huge``) finds one free (no thread ever waits for a helper)."""
+        return self.large_running[ip] < LARGE_PER_CLIENT and (not huge or self.huge_running < self.offload_count)
+
+    def _take_turn(self, conn: Conn, huge: bool) -> None:
+        self.large_running[conn.ip] += 1
+        conn.large = True
+        if huge:
+            self.huge_running += 1
+            conn.huge = True
+
+    def _next_large(self, conn: Conn) -> None:
+        """A large call left the pool: the calls waiting for a turn that is free now go in, one client
+        address after another (the address served last goes to the back)."""
+        self.large_running[conn.ip] -= 1
+        if self.large_running[conn.ip] <= 0:
+            del self.large_running[conn.ip]
+        if conn.huge:
+            conn.huge = False
+            self.huge_running -= 1
+        for ip in list(self.large_waiting):
+            waiting = self.large_waiting[ip]
+            while waiting and (waiting[0][0].closed or waiting[0][0].state != QUEUED):
+                waiting.popleft()
+            if waiting:
+                first, request, arrived = waiting[0]
+                huge = len(request) > OFFLOAD_BYTES and self.offload is not None
+                if not self._turn_free(ip, huge):
+                    continue
+                waiting.popleft()
+                first.state, first.deadline = BUSY, 0.0
+                self._take_turn(first, huge)
+                self._submit(first, request, arrived)
+            del self.large_waiting[ip]
+            if waiting:
+                self.large_waiting[ip] = waiting  # to the back of the round
 
     def _dequeue(self, conn: Conn) -> None:
         """A queued large call's budget ran out before its turn came: a 503 with the reason."""
@@ -563,7 +597,9 @@ class ConnectionLoop:
                 self.large_waiting.pop(conn.ip, None)
         self.rejected.labels("over-client-calls").inc()
         self._send_reply(conn, error_reply(503, f"too many large calls from {conn.ip} at once (each waits for the "
-                                                "one before it, within --request-budget); retry"), keep=False)
+                                                f"one before it, and a call over {OFFLOAD_BYTES} bytes for one of "
+                                                f"{self.offload_count} helper processes, within --request-budget); "
+                                                "retry"), keep=False)
 
     def _answer_now(self, conn: Conn, request: bytes) -> tuple[bytes, bool] | str | None:
         """(reply, keep-alive) when the app's direct lane can answer at once without waiting (its
@@ -630,7 +666,12 @@ class ConnectionLoop:
             call = plain_call(request, self.direct_paths, self.settings.max_body_bytes)
             if call is not None:
                 path, body, keep = call
-                status, payload = self.direct(path, body, conn.ip, conn.peer_cert, arrived)
+                if conn.huge and self.offload is not None:  # decoded and encoded by a helper process
+                    start = time.monotonic() if arrived is None else arrived
+                    with self.offload.codec(start + BUDGET_SHARE * self.settings.request_budget) as codec:
+                        status, payload = self.direct(path, body, conn.ip, conn.peer_cert, arrived, codec)
+                else:
+                    status, payload = self.direct(path, body, conn.ip, conn.peer_cert, arrived)
                 keep = keep and self.host.alive
                 return plain_reply(status, status_phrase(status), payload, keep), keep
         return self.host.serve_wsgi(conn, request)
@@ -658,7 +699,7 @@ class ConnectionLoop:
     def _served(self, conn: Conn, future) -> None:
         if conn.large:
             conn.large = False
-            self._next_large(conn.ip)
+            self._next_large(conn)
         if conn.closed:
             return
         try:
@@ -798,3 +839,5 @@ class ConnectionLoop:
             self._expire(time.monotonic())
         for conn in list(self.conns):
             self._close(conn, None)
+        if self.offload is not None:
+            self.offload.close()
