@@ -42,7 +42,7 @@ from guard.core import extender
 from guard.engine.checker import Joined
 from guard.core.extender import ProtocolError
 from guard.http.exchange import BodyBudget, acquire_room, read_json_body, record_request
-from guard.http.lane import Codec
+from guard.http.lane import CODEC, Codec
 from guard.core.verdict import Decision, PodRef
 from guard.engine.wiring import Guard
 
@@ -149,7 +149,8 @@ class FastLane:
             payload, status = orjson.dumps({"error": str(e)}), e.status
             record_request(self.settings, "POST", path, status, time.perf_counter() - start, environ.get("REMOTE_ADDR"))
         else:
-            status, payload = self.reply(path, body, environ.get("REMOTE_ADDR"), start, arrived)
+            status, payload = self.reply(path, body, environ.get("REMOTE_ADDR"), start, arrived,
+                                         environ.get(CODEC, LOCAL))
         start_response(_STATUS_LINES[status], [("Content-Type", _JSON), ("Content-Length", str(len(payload)))])
         if taken:  # the room is given back once the reply is written (the server closes the iterable)
             return ClosingIterator([payload], lambda: self.bodies.release(taken))
@@ -286,7 +287,7 @@ def blueprint(guard: Guard, bodies: BodyBudget) -> Blueprint:
         body = read_json_body(bodies, guard.settings.max_body_bytes)
         if isinstance(body, Response):
             return body
-        payload, g.pod, decision = answer(guard, request.path, body, g.arrived)
+        payload, g.pod, decision = answer(guard, request.path, body, g.arrived, request.environ.get(CODEC, LOCAL))
         g.verdict = decision.verdict.value
         return Response(payload, mimetype="application/json")
 

@@ -9,6 +9,10 @@ from typing import Any, Protocol
 # The WSGI environ key the worker adds: the verified client certificate (ssl.getpeercert() form, or None).
 PEER_CERT = "ghost_guard.peer_cert"
 
+# The WSGI environ key the worker adds for a large call: the Codec (below) that decodes a verb call's body and
+# encodes its answer (guard.serving.offload's helper processes); absent: guard.http.filter.LOCAL.
+CODEC = "ghost_guard.codec"
+
 # The key under which a WSGI app offers its direct lane (``app.extensions[DIRECT_LANE]``): a callable
 # ``lane(path, body, remote_ip, peer_cert, arrived=None, codec=LOCAL) -> (status, JSON payload)``, with
 # ``lane.paths`` (the paths it answers) and ``lane.max_body`` (the largest body it takes).

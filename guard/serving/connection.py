@@ -204,8 +204,9 @@ class Host(Protocol):
     def parent_alive(self) -> bool:
         """False once the supervisor is gone: the loop stops."""
 
-    def serve_wsgi(self, conn: Conn, request: bytes) -> tuple[bytes, bool]:
-        """In a pool thread: the complete reply of any request through the WSGI app, and keep-alive."""
+    def serve_wsgi(self, conn: Conn, request: bytes, codec: Any) -> tuple[bytes, bool]:
+        """In a pool thread: the complete reply of any request through the WSGI app, and keep-alive.
+        ``codec`` (unless None) decodes a verb call's body and encodes its answer (environ[CODEC])."""
 
 
 
@@ -481,7 +482,11 @@ class ConnectionLoop:
                     if chunked_end is None:
                         return False
                     end = chunked_end
-                request = conn.head + bytes(conn.buf[conn.head_len:end])
+                with memoryview(conn.buf) as view:  # one copy of a body (megabytes, under the GIL), not three
+                    if len(conn.head) == conn.head_len:  # the head as it came (no Expect dropped)
+                        request = bytes(view[:end])
+                    else:
+                        request = conn.head + bytes(view[conn.head_len:end])
                 del conn.buf[:end]
                 self._dispatch(conn, request)
                 return True
@@ -674,7 +679,11 @@ class ConnectionLoop:
                     status, payload = self.direct(path, body, conn.ip, conn.peer_cert, arrived)
                 keep = keep and self.host.alive
                 return plain_reply(status, status_phrase(status), payload, keep), keep
-        return self.host.serve_wsgi(conn, request)
+        if conn.huge and self.offload is not None:  # any other shape of a large call: the same helpers
+            start = time.monotonic() if arrived is None else arrived
+            with self.offload.codec(start + BUDGET_SHARE * self.settings.request_budget) as codec:
+                return self.host.serve_wsgi(conn, request, codec)
+        return self.host.serve_wsgi(conn, request, None)
 
     def _serve_and_send(self, conn: Conn, request: bytes, arrived: float | None = None) -> tuple[memoryview, bool, bool]:
         """In a pool thread: the reply, and as much of it as the socket takes right now (never waiting).

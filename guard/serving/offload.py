@@ -14,10 +14,12 @@ worker would have built.
 
 Bounds: the worker's event loop lets at most :data:`HELPERS` such calls into its pool at once (the
 others wait without a thread, guard.serving.connection), so a pool thread never waits for a helper
-and a small call never waits for any of it. Every exchange with a helper has the call's deadline (a
-share of ``--request-budget``); a helper that misses it, dies or answers nonsense is killed (a fresh
-one starts at once) and that call is decoded and encoded in the worker after all, so its
-verdict never depends on a helper (the guard's own error: logged, the answer unchanged). A
+and a small call never waits for any of it. Every exchange with a helper has the call's deadline (90 %
+of ``--request-budget``). A helper that dies or answers out of turn is killed (a fresh one starts at
+once) and that call is decoded and encoded in the worker after all: its answer never depends on a
+helper (the guard's own error, logged). A helper that misses the deadline is killed and replaced too,
+but that call gets a 503 with the reason: the machine is overloaded, and decoding in the worker would
+put the GIL time back on every other call. A
 helper's memory is one decoded body at most (bounded per byte by guard.core.extender.decode).
 
 Wire format, both ways: a 5-byte header (operation, payload length: ``!BI``) and the payload.
@@ -50,16 +52,28 @@ log = logging.getLogger(__name__)
 OFFLOAD_BYTES = 256 * 1024
 # Helper processes per worker: at most this many large calls run at once (the machine's cores, at most 2).
 HELPERS = max(1, min(2, os.cpu_count() or 1))
-# A helper's share of the request budget for its exchanges (the rest is for the worker's own decoding if it
-# misses it; a helper takes tens of milliseconds for a 4 MiB body).
-BUDGET_SHARE = 0.5
+# A helper's exchanges end within this share of the request budget (a helper takes tens of milliseconds for a
+# 4 MiB body; the rest of the budget is for writing the answer).
+BUDGET_SHARE = 0.9
 
 PARSE, ENCODE, OK, ERROR = 1, 2, 3, 4
-_HEADER = struct.Struct("!BI")
+# operation, payload length, a count (the candidates an answer dropped as ghost Nodes)
+_HEADER = struct.Struct("!BII")
 
 
 class HelperFailed(Exception):
-    """The helper missed its deadline, died or answered out of turn: it is replaced."""
+    """The helper died or answered out of turn: it is replaced, the worker answers the call itself."""
+
+
+class HelperLate(HelperFailed):
+    """The helper missed the call's deadline (the machine is overloaded): it is replaced and the call gets a
+    503 with the reason, rather than more work for the worker's GIL."""
+
+
+class Overloaded(ProtocolError):
+    """A large call's helper missed its deadline: 503 with the reason (the caller retries)."""
+
+    status = 503
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,21 +94,23 @@ class Helper:
         os.set_blocking(self.out, False)
         os.set_blocking(self.inp, False)
 
-    def exchange(self, op: int, payload: bytes, deadline: float) -> tuple[int, bytes]:
-        """Send one message and read the reply before ``deadline`` (time.monotonic). Raises HelperFailed."""
-        self._send(_HEADER.pack(op, len(payload)), deadline)
-        self._send(payload, deadline)
-        kind, size = _HEADER.unpack(self._recv(_HEADER.size, deadline))
-        return kind, self._recv(size, deadline)
+    def exchange(self, op: int, parts: tuple[bytes, ...], deadline: float) -> tuple[int, bytearray, int]:
+        """Send one message (its payload in ``parts``, never joined: a body is megabytes) and read the reply
+        (kind, payload, count) before ``deadline`` (time.monotonic). Raises HelperFailed, HelperLate."""
+        self._send(_HEADER.pack(op, sum(len(p) for p in parts), 0), deadline)
+        for part in parts:
+            self._send(part, deadline)
+        kind, size, count = _HEADER.unpack(self._recv(_HEADER.size, deadline))
+        return kind, self._recv(size, deadline), count
 
     def _wait(self, fd: int, write: bool, deadline: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise HelperFailed("deadline")
+            raise HelperLate("deadline")
         poll = select.poll()  # (not select: a worker's descriptors go past FD_SETSIZE)
         poll.register(fd, select.POLLOUT if write else select.POLLIN)
         if not poll.poll(left * 1000):
-            raise HelperFailed("deadline")
+            raise HelperLate("deadline")
 
     def _send(self, data: bytes, deadline: float) -> None:
         view = memoryview(data)
@@ -106,21 +122,21 @@ class Helper:
             except OSError as e:
                 raise HelperFailed(f"write: {e}") from e
 
-    def _recv(self, size: int, deadline: float) -> bytes:
-        parts, got = [], 0
+    def _recv(self, size: int, deadline: float) -> bytearray:
+        data = bytearray(size)
+        view, got = memoryview(data), 0
         while got < size:
             try:
-                chunk = os.read(self.inp, min(size - got, 1 << 20))
+                n = os.readv(self.inp, [view[got:]])
             except BlockingIOError:
                 self._wait(self.inp, False, deadline)
                 continue
             except OSError as e:
                 raise HelperFailed(f"read: {e}") from e
-            if not chunk:
+            if not n:
                 raise HelperFailed(f"exited ({self.proc.poll()})")
-            parts.append(chunk)
-            got += len(chunk)
-        return b"".join(parts)
+            got += n
+        return data
 
     def close(self) -> None:
         """Stop the helper now (it holds no state worth keeping)."""
@@ -150,7 +166,7 @@ class HelperCodec:
         if self.helper is not None:
             head = orjson.dumps({"path": path, "max_nodes": max_nodes}) + b"\n"
             try:
-                kind, reply = self.helper.exchange(PARSE, head + body, self.deadline)
+                kind, reply, _ = self.helper.exchange(PARSE, (head, body), self.deadline)
                 if kind == OK:
                     pod = orjson.loads(reply)
                     return HelperArgs(PodRef(namespace=pod["namespace"], name=pod["name"], uid=pod["uid"]))
@@ -166,9 +182,9 @@ class HelperCodec:
             if self.helper is not None:
                 plan = orjson.dumps({"reason": block_reason, "ghosts": list(ghosts)})
                 try:
-                    kind, reply = self.helper.exchange(ENCODE, plan, self.deadline)
-                    if kind == OK and len(reply) >= 8:
-                        return reply[8:], int.from_bytes(reply[:8], "big")
+                    kind, reply, dropped = self.helper.exchange(ENCODE, (plan,), self.deadline)
+                    if kind == OK:
+                        return reply, dropped  # type: ignore[return-value]  # (a bytearray: joined into the reply once)
                     if kind == ERROR:
                         raise _protocol_error(reply)
                     raise HelperFailed(f"answered {kind} to an encode")
@@ -178,13 +194,18 @@ class HelperCodec:
         return extender.verb_reply(args, block_reason, ghosts)
 
     def _failed(self, e: HelperFailed) -> None:
-        log.warning("the helper process for a large %s call failed (%s); the worker answers it itself", self.path, e)
         if self.helper is not None:
             self.helper.close()
             self.helper = None
+        if isinstance(e, HelperLate):
+            log.warning("the helper process for a large %s call missed its deadline (90%% of --request-budget); "
+                        "it is replaced, the call gets a 503", self.path)
+            raise Overloaded("the helper process decoding this large call did not finish within --request-budget "
+                             "(the guard's machine is overloaded); retry")
+        log.warning("the helper process for a large %s call failed (%s); the worker answers it itself", self.path, e)
 
 
-def _protocol_error(reply: bytes) -> ProtocolError:
+def _protocol_error(reply: bytes | bytearray) -> ProtocolError:
     doc = orjson.loads(reply)
     error = ProtocolError(doc["error"])
     error.status = int(doc["status"])
@@ -271,7 +292,8 @@ def serve_helper(inp: int = 0, out: int = 1) -> None:
         header = _read_exactly(inp, _HEADER.size)
         if header is None:
             return
-        op, size = _HEADER.unpack(header)
+        op, size, _ = _HEADER.unpack(header)
+        count = 0
         payload = _read_exactly(inp, size)
         if payload is None:
             return
@@ -285,16 +307,15 @@ def serve_helper(inp: int = 0, out: int = 1) -> None:
                 reply = orjson.dumps({"namespace": args.pod.namespace, "name": args.pod.name, "uid": args.pod.uid})
             elif op == ENCODE and args is not None:
                 plan = orjson.loads(payload)
-                answer, dropped = extender.verb_reply(args, plan["reason"], dict.fromkeys(plan["ghosts"]))
+                reply, count = extender.verb_reply(args, plan["reason"], dict.fromkeys(plan["ghosts"]))
                 args = None
-                reply = dropped.to_bytes(8, "big") + answer
             else:
                 raise ProtocolError(f"operation {op} out of turn")
             kind = OK
         except ProtocolError as e:
             args = None
             kind, reply = ERROR, orjson.dumps({"status": e.status, "error": str(e)})
-        _write_all(out, _HEADER.pack(kind, len(reply)))
+        _write_all(out, _HEADER.pack(kind, len(reply), count))
         _write_all(out, reply)
 
 

@@ -27,7 +27,7 @@ from gunicorn import http
 from gunicorn.http import wsgi
 from gunicorn.workers.gthread import ThreadWorker
 
-from guard.http.lane import DIRECT_LANE, PEER_CERT
+from guard.http.lane import CODEC, DIRECT_LANE, PEER_CERT
 from guard.serving.connection import Conn, ConnectionLoop
 
 
@@ -85,7 +85,7 @@ class GuardWorker(ThreadWorker):
     def parent_alive(self) -> bool:
         return bool(self.is_parent_alive())
 
-    def serve_wsgi(self, conn: Conn, request: bytes) -> tuple[bytes, bool]:
+    def serve_wsgi(self, conn: Conn, request: bytes, codec: Any) -> tuple[bytes, bool]:
         """In a pool thread: parse the complete request from memory with gunicorn's parser, run the
         WSGI app, collect the reply."""
         out = _Capture()
@@ -96,6 +96,8 @@ class GuardWorker(ThreadWorker):
             resp, environ = wsgi.create(req, out, conn.addr, conn.server, self.cfg)
             environ["wsgi.multithread"] = True
             environ[PEER_CERT] = conn.peer_cert
+            if codec is not None:
+                environ[CODEC] = codec
             if not self.alive:
                 resp.force_close()
             respiter = self.wsgi(environ, resp.start_response)
