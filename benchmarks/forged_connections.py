@@ -320,7 +320,9 @@ def flood(tmp: Path, seconds: float) -> None:
         worker = g.workers()[0]
         helpers = [pid for pid in child_pids(worker) if b"guard.serving.offload" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         print(f"| flood | peak RSS (VmHWM) | worker {status_kb(worker, 'VmHWM') / 1024:.1f} MiB; helper processes: "
-              + (", ".join(f"{status_kb(h, 'VmHWM') / 1024:.1f} MiB" for h in helpers) or "none") + " |")
+              + (", ".join(f"{status_kb(h, 'VmHWM') / 1024:.1f} MiB" for h in helpers) or "none")
+              + f"; helper calls late (503) {g.logs(tail=None).count('missed its deadline')}, failed (answered by the "
+              f"worker) {g.logs(tail=None).count('the worker answers it itself')} |")
     finally:
         g.stop()
 

@@ -7,7 +7,7 @@ real pods (it never reaches /filter, the built-in plugins already failed it).
 
 Three lanes, one answer (:func:`answer`):
 
-- :class:`DirectLane`, below WSGI: the worker (guard.serving.worker, ``plain_call``)
+- :class:`DirectLane`, below WSGI: the worker (guard.serving.framing, ``plain_call``)
   hands it the calls exactly as kube-scheduler makes them (``POST`` over
   HTTP/1.1, ``application/json``, a Content-Length body; in the worker's event
   loop at most the BodyBudget's small size, from a pool thread up to
@@ -194,7 +194,7 @@ class Waiting:
 
 
 class DirectLane:
-    """The verb calls the worker hands over without WSGI (guard.serving.worker.plain_call): the same answers
+    """The verb calls the worker hands over without WSGI (guard.serving.framing.plain_call): the same answers
     as :class:`FastLane`, and with mTLS the same role check as the WSGI lanes (``refuse``, and
     ``allowed`` to ask without counting or logging).
 

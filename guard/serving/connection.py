@@ -61,9 +61,12 @@ What bytes mean (heads, bodies, replies) is guard.serving.framing, pure; this mo
    parked ``PARK_MARGIN`` before its budget ends goes to a pool thread too,
    which waits out the rest of the same budget. A request over ``LARGE_CALL``
    (16 KiB) takes a pool thread only while no other of its source address's
-   does (state QUEUED meanwhile, no thread, not read), so large forged calls
-   from one address cannot occupy the pool; one still queued when its budget
-   ends gets a 503. Everything
+   does, and one over ``OFFLOAD_BYTES`` (256 KiB) only while a helper process
+   is free too (guard.serving.offload decodes its body and encodes its answer
+   there, so no other call waits on the GIL for it): state QUEUED meanwhile,
+   no thread, not read, turns given address by address; so large forged calls
+   cannot occupy the pool or the GIL; one still queued when its budget ends
+   gets a 503. Everything
    else, well-formed or not, takes a pool thread and the WSGI path, which answers
    it or refuses it with the reason.
 6. The loop **writes the rest of the reply** within ``--write-timeout`` (a reader too

@@ -6,7 +6,7 @@ loop and kube-scheduler's small calls wait (a kept-alive ``/filter`` went to p99
 forged 3.7 MiB bodies at once). A body over :data:`OFFLOAD_BYTES` in kube-scheduler's call shape
 therefore goes through a :class:`HelperCodec` (the lane's Codec, guard.http.lane): the body is
 written to one of :data:`HELPERS` helper processes (``python -m guard.serving.offload``, started
-with the worker, each holding one call at a time), which parses it (guard.core.extender.parse_verb)
+with the worker at a lower CPU priority, each holding one call at a time), which parses it (guard.core.extender.parse_verb)
 and sends back only the pod; the worker checks the pod as for any call (the decision is always the
 worker's), then sends the helper the outcome (blocked with a reason, or allowed without the ghost
 Nodes it knows) and gets back the answer's bytes (guard.core.extender.verb_reply): the same bytes the
@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 OFFLOAD_BYTES = 256 * 1024
 # Helper processes per worker: at most this many large calls run at once (the machine's cores, at most 2).
 HELPERS = max(1, min(2, os.cpu_count() or 1))
+# A helper runs at this lower CPU priority (nice): when the CPU is short, the worker's threads (small calls,
+# the event loop) go first; a large call's helper gets what is left, within its deadline.
+HELPER_NICE = 10
 # A helper's exchanges end within this share of the request budget (a helper takes tens of milliseconds for a
 # 4 MiB body; the rest of the budget is for writing the answer).
 BUDGET_SHARE = 0.9
@@ -287,6 +290,8 @@ def _write_all(fd: int, data: bytes) -> None:
 def serve_helper(inp: int = 0, out: int = 1) -> None:
     """The helper's loop: one call's parse, then its encode, on stdin/stdout, until stdin closes (the worker
     stopped or died). It imports only guard.core and orjson."""
+    with contextlib.suppress(OSError):
+        os.nice(HELPER_NICE)
     args: Any = None
     while True:
         header = _read_exactly(inp, _HEADER.size)
