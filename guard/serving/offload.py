@@ -17,7 +17,8 @@ others wait without a thread, guard.serving.connection), so a pool thread never 
 and a small call never waits for any of it. Every exchange with a helper has the call's deadline (90 %
 of ``--request-budget``). A helper that dies or answers out of turn is killed (a fresh one starts at
 once) and that call is decoded and encoded in the worker after all: its answer never depends on a
-helper (the guard's own error, logged). A helper that misses the deadline is killed and replaced too,
+helper (the guard's own error, logged); so is a call that finds its helper still starting (its imports,
+in a worker's first seconds), as every call was before helpers. A helper that misses the deadline is killed and replaced too,
 but that call gets a 503 with the reason: the machine is overloaded, and decoding in the worker would
 put the GIL time back on every other call. A
 helper's memory is one decoded body at most (bounded per byte by guard.core.extender.decode).
@@ -96,6 +97,20 @@ class Helper:
         self.out, self.inp = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         os.set_blocking(self.out, False)
         os.set_blocking(self.inp, False)
+        self.ready = False  # its imports done (it says so once, first thing)
+
+    def is_ready(self) -> bool:
+        """Whether the helper has started (read without waiting). Raises HelperFailed if it exited."""
+        if not self.ready:
+            poll = select.poll()
+            poll.register(self.inp, select.POLLIN)
+            if not poll.poll(0):
+                return False
+            kind, _, _ = _HEADER.unpack(self._recv(_HEADER.size, time.monotonic() + 1.0))
+            if kind != OK:
+                raise HelperFailed(f"started with {kind}")
+            self.ready = True
+        return True
 
     def exchange(self, op: int, parts: tuple[bytes, ...], deadline: float) -> tuple[int, bytearray, int]:
         """Send one message (its payload in ``parts``, never joined: a body is megabytes) and read the reply
@@ -245,17 +260,27 @@ class Offload:
             helper = self._free.pop() if took else None
         if took and helper is None:  # none could be started last time: try again
             helper = self._start()
-        codec = HelperCodec(helper, deadline)
+        use = helper
+        if helper is not None:
+            try:
+                if not helper.is_ready():  # still starting (a worker's first seconds): this call is decoded here
+                    use = None
+            except HelperFailed as e:
+                log.warning("a helper process for large calls exited (%s); replaced", e)
+                helper.close()
+                helper = use = None
+        codec = HelperCodec(use, deadline)
         try:
             yield codec
         finally:
             if took:
+                back = codec.helper if use is not None else helper
                 with self._cond:
                     if not self._closed:  # a failed helper is replaced at once (it starts while unused)
-                        self._free.append(codec.helper if codec.helper is not None else self._start())
+                        self._free.append(back if back is not None else self._start())
                         self._cond.notify()
-                    elif codec.helper is not None:
-                        codec.helper.close()
+                    elif back is not None:
+                        back.close()
 
     def close(self) -> None:
         with self._cond:
@@ -292,6 +317,7 @@ def serve_helper(inp: int = 0, out: int = 1) -> None:
     stopped or died). It imports only guard.core and orjson."""
     with contextlib.suppress(OSError):
         os.nice(HELPER_NICE)
+    _write_all(out, _HEADER.pack(OK, 0, 0))  # started: imports done
     args: Any = None
     while True:
         header = _read_exactly(inp, _HEADER.size)

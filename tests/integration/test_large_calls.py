@@ -62,6 +62,16 @@ def helpers(guard) -> list[int]:
     return out
 
 
+def started(guard) -> bool:
+    """Every helper has started: its imports done, it waits for a call (blocked reading its pipe). Before
+    that, the worker decodes a large call itself (as every call was before helpers)."""
+    pids = helpers(guard)
+    try:
+        return len(pids) == HELPERS and all("pipe_read" in open(f"/proc/{pid}/wchan").read() for pid in pids)
+    except OSError:
+        return False
+
+
 def cpu_ticks(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -76,8 +86,8 @@ def call(port: int, source: str, body: bytes) -> tuple[bytes, bytes]:
 
 
 def first_answer(guard, body: bytes) -> tuple[bytes, bytes]:
-    """The first large call's 200. A helper still starting on a loaded machine may miss the call's deadline:
-    that call gets a 503 with the reason (and the helper is replaced), so this asks until one is answered."""
+    """The first large call's 200. On a loaded machine a helper may miss the call's deadline: that call gets a
+    503 with the reason (and the helper is replaced), so this asks until one is answered."""
     answers = []
 
     def answered() -> bool:
@@ -99,7 +109,7 @@ def test_large_calls_are_decoded_by_helpers_and_answered_as_the_worker_would(sta
     assert len(body) > OFFLOAD_BYTES
     guard = serving(start_guard, ["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--audit-db",
                                   str(tmp_path / "a.db"), *(["--fail-closed"] if fail_closed else [])])
-    eventually(lambda: len(helpers(guard)) == HELPERS, 60, what=f"{HELPERS} helper processes", process=guard)
+    eventually(lambda: started(guard), 60, what=f"{HELPERS} helper processes started", process=guard)
     before = {pid: cpu_ticks(pid) for pid in helpers(guard)}
     head, reply = first_answer(guard, body)
     got = orjson.loads(reply)
@@ -128,9 +138,10 @@ def test_large_calls_are_decoded_by_helpers_and_answered_as_the_worker_would(sta
 def test_small_calls_are_answered_while_every_helper_holds_a_large_call(start_guard, dead_kubeconfig, tmp_path):
     guard = serving(start_guard, ["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--request-budget", "3",
                                   "--audit-db", str(tmp_path / "a.db")])
-    eventually(lambda: len(helpers(guard)) == HELPERS, 60, what=f"{HELPERS} helper processes", process=guard)
+    eventually(lambda: started(guard), 60, what=f"{HELPERS} helper processes started", process=guard)
     large = nodes_body()
-    first_answer(guard, large)  # the helpers have started
+    first_answer(guard, large)
+    eventually(lambda: started(guard), 60, what=f"{HELPERS} helper processes started", process=guard)
     stopped = helpers(guard)
     sockets = []
     try:
