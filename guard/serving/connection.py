@@ -543,7 +543,7 @@ class ConnectionLoop:
         self._unwatch(conn)
         if len(request) > LARGE_CALL:
             huge = len(request) > OFFLOAD_BYTES and self.offload is not None
-            if self.large_waiting.get(conn.ip) or not self._turn_free(conn.ip, huge):  # wait for a turn
+            if not self._turn_free(conn.ip, huge):  # wait for a turn (a free one is never left while one waits)
                 arrived = time.monotonic() if arrived is None else arrived
                 conn.state, conn.deadline = QUEUED, arrived + self.settings.request_budget
                 self.large_waiting.setdefault(conn.ip, deque()).append((conn, request, arrived))
