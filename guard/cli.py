@@ -144,7 +144,7 @@ def main() -> None:
 @setting("--frozen-after", type=float,
          help="Seconds a replica's cache revision may stand still behind etcd's before the replica is named frozen "
               "(revisions are read every third of this, at most every 20s).")
-# --- serving: connection deadlines and limits, TLS, caller identities (guard/serving/worker.py, guard/core/identity.py)
+# --- serving: connection deadlines and limits, TLS, caller identities (guard/serving/connection.py, guard/core/identity.py)
 @setting("--tls-handshake-timeout", type=float,
          help="Seconds a client has to complete the TLS handshake; then the connection is closed.")
 @setting("--header-timeout", type=float,

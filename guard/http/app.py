@@ -109,7 +109,7 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
     # Outermost of all, in every setup: a path that is not exactly a route is a 404 before anything
     # else (the role check, the fast lane, Flask's router, which would merge "//filter" into /filter).
     app.wsgi_app = RouteGate(app.wsgi_app, settings)  # type: ignore[method-assign]
-    # The direct lane (guard.serving.worker.plain_call) takes only the exact bytes "/filter" and "/preempt".
+    # The direct lane (guard.serving.framing.plain_call) takes only the exact bytes "/filter" and "/preempt".
     direct: DirectLane[filter_routes.Waiting] = filter_routes.DirectLane(
         fast, roles.refusal if roles is not None else None, roles.allowed if roles is not None else None)
     app.extensions[DIRECT_LANE] = direct

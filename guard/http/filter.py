@@ -7,7 +7,7 @@ real pods (it never reaches /filter, the built-in plugins already failed it).
 
 Three lanes, one answer (:func:`answer`):
 
-- :class:`DirectLane`, below WSGI: the worker (guard.serving.worker, ``plain_call``)
+- :class:`DirectLane`, below WSGI: the worker (guard.serving.framing, ``plain_call``)
   hands it the calls exactly as kube-scheduler makes them (``POST`` over
   HTTP/1.1, ``application/json``, a Content-Length body; in the worker's event
   loop at most the BodyBudget's small size, from a pool thread up to
@@ -41,69 +41,66 @@ from guard import metrics
 from guard.core import extender
 from guard.core.extender import ProtocolError
 from guard.http.exchange import BodyBudget, acquire_room, read_json_body, record_request
-from guard.core.node_verdict import ghost_candidates
 from guard.core.verdict import Decision, PodRef
 from guard.engine.checker import Call, Pending
 from guard.engine.wiring import Guard
-from guard.http.lane import PeerCert, Reply
+from guard.http.lane import CODEC, Codec, PeerCert, Reply
 
 log = logging.getLogger(__name__)
 
 
-def _filter_reject(args: extender.FilterArgs, decision: Decision) -> bytes:
-    return extender.filter_reject(args, extender.node_reason(decision.verdict))
+VERBS = frozenset({"/filter", "/preempt"})
 
 
-def _preempt_veto(args: extender.PreemptArgs, decision: Decision) -> bytes:
-    return extender.preempt_veto()
+class LocalCodec:
+    """A verb call's bytes decoded and encoded in this process (guard.core.extender); the worker may
+    hand :func:`answer` another codec of the same shape (guard.http.lane.Codec: guard.serving.offload
+    does a large call's in a helper process)."""
+
+    @staticmethod
+    def parse(path: str, body: bytes, max_nodes: int | None) -> Any:
+        return extender.parse_verb(path, body, max_nodes)
+
+    @staticmethod
+    def encode(args: Any, block_reason: str | None, ghosts: Any) -> tuple[bytes, int]:
+        return extender.verb_reply(args, block_reason, ghosts)
 
 
-# path -> (parse, block, allow)
-VERBS: dict[str, tuple[Callable[..., Any], Callable[[Any, Decision], bytes], Callable[[Any], bytes]]] = {
-    "/filter": (extender.parse_filter, _filter_reject, extender.filter_pass),
-    "/preempt": (extender.parse_preempt, _preempt_veto, extender.preempt_allow),
-}
+LOCAL = LocalCodec()
 
 
 def _parse(guard: Guard, path: str, body: bytes) -> Any:
-    parse = VERBS[path][0]
-    return parse(body, guard.settings.max_nodes) if path == "/filter" else parse(body)
+    return extender.parse_verb(path, body, guard.settings.max_nodes)
 
 
-def answer(guard: Guard, path: str, body: bytes, arrived: float) -> tuple[bytes, PodRef, Decision]:
+def answer(guard: Guard, path: str, body: bytes, arrived: float, codec: Codec = LOCAL) -> tuple[bytes, PodRef, Decision]:
     """Decode, check the pod, encode: the same three steps for both verbs. Raises ProtocolError.
 
     ``arrived`` (time.monotonic) starts the request budget: the answer is ready within
-    ``--request-budget`` of it, whatever the apiserver does."""
-    args = _parse(guard, path, body)
+    ``--request-budget`` of it, whatever the apiserver does. ``codec`` decodes and encodes the bytes
+    (the check is always here)."""
+    args = codec.parse(path, body, guard.settings.max_nodes)
     decision = guard.checker.answer(guard.checker.call(args.pod, arrived))
-    return _encode(guard, path, args, decision), args.pod, decision
+    return _encode(guard, path, args, decision, codec), args.pod, decision
 
 
-def _encode(guard: Guard, path: str, args: Any, decision: Decision) -> bytes:
-    """The verb's answer for this decision: blocked (a ghost, or fail-closed) or allowed."""
-    return VERBS[path][1](args, decision) if guard.checker.blocks(decision) else _allow(guard, path, args)
+def _encode(guard: Guard, path: str, args: Any, decision: Decision | None, codec: Codec = LOCAL) -> bytes:
+    """The verb's answer for this decision (None: allowed): blocked (a ghost, or fail-closed: every node
+    fails with the verdict, a preemptor is vetoed) or allowed, except ghost Nodes (guard/core/node_verdict.py)."""
+    blocked = decision is not None and guard.checker.blocks(decision)
+    nodes = guard.nodes
+    ghosts = nodes.knowledge.ghosts if nodes is not None and nodes.knowledge.ghosts else {}
+    payload, dropped = codec.encode(args, extender.node_reason(decision.verdict) if blocked and decision else None,
+                                    ghosts)
+    if dropped:
+        metrics.labelled(metrics.GHOST_NODE_CANDIDATES, path[1:]).inc(dropped)
+    return payload
 
 
 def _allow(guard: Guard, path: str, args: Any) -> bytes:
-    """A live pod's answer: every candidate, except ghost Nodes (guard/core/node_verdict.py). With no ghost
-    Node known (the normal case) that is one attribute test, no work per node name."""
-    nodes = guard.nodes
-    if nodes is not None and nodes.knowledge.ghosts:
-        return _allow_real_nodes(path, args, nodes.knowledge.ghosts)
-    return VERBS[path][2](args)
-
-
-def _allow_real_nodes(path: str, args: Any, ghosts: Any) -> bytes:
-    if path == "/filter":
-        failed = ghost_candidates(extender.candidate_names(args), ghosts)
-        if failed:
-            metrics.labelled(metrics.GHOST_NODE_CANDIDATES, "filter").inc(len(failed))
-        return extender.filter_some(args, failed)
-    dropped = {n for n in args.meta_victims if n in ghosts}
-    if dropped:
-        metrics.labelled(metrics.GHOST_NODE_CANDIDATES, "preempt").inc(len(dropped))
-    return extender.preempt_without(args, dropped)
+    """A live pod's answer: every candidate, except ghost Nodes. With no ghost Node known (the normal
+    case) that is one attribute test, no work per node name."""
+    return _encode(guard, path, args, None)
 
 
 # --- the fast lane ---------------------------------------------------------------------------------
@@ -152,19 +149,21 @@ class FastLane:
             payload, status = orjson.dumps({"error": str(e)}), e.status
             record_request(self.settings, "POST", path, status, time.perf_counter() - start, environ.get("REMOTE_ADDR"))
         else:
-            status, payload = self.reply(path, body, environ.get("REMOTE_ADDR"), start, arrived)
+            status, payload = self.reply(path, body, environ.get("REMOTE_ADDR"), start, arrived,
+                                         environ.get(CODEC, LOCAL))
         start_response(_STATUS_LINES[status], [("Content-Type", _JSON), ("Content-Length", str(len(payload)))])
         if taken:  # the room is given back once the reply is written (the server closes the iterable)
             return ClosingIterator([payload], lambda: self.bodies.release(taken))
         return [payload]
 
-    def reply(self, path: str, body: bytes, remote: str | None, start: float, arrived: float) -> tuple[int, bytes]:
+    def reply(self, path: str, body: bytes, remote: str | None, start: float, arrived: float,
+              codec: Codec = LOCAL) -> tuple[int, bytes]:
         """(status, JSON payload) of a verb call whose body is in memory; its metrics and access-log line recorded.
 
         ``start`` (time.perf_counter) times the request; ``arrived`` (time.monotonic) starts its budget."""
         pod = verdict = None
         try:
-            payload, pod, decision = answer(self.guard, path, body, arrived)
+            payload, pod, decision = answer(self.guard, path, body, arrived, codec)
             verdict = decision.verdict.value
             status = 200
         except ProtocolError as e:
@@ -196,7 +195,7 @@ class Waiting:
 
 
 class DirectLane:
-    """The verb calls the worker hands over without WSGI (guard.serving.worker.plain_call; the contract is
+    """The verb calls the worker hands over without WSGI (guard.serving.framing.plain_call; the contract is
     guard.http.lane.DirectLane): the same answers as :class:`FastLane`, and with mTLS the same role check
     as the WSGI lanes (``refuse``, and ``allowed`` to ask without counting or logging).
 
@@ -258,10 +257,11 @@ class DirectLane:
         return 200, payload
 
     def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: PeerCert,
-                 arrived: float | None = None) -> Reply:
+                 arrived: float | None = None, codec: Codec = LOCAL) -> Reply:
         """The answer, from a pool thread. ``arrived`` (time.monotonic) is when the call's budget
         began, if it waited before this (a :class:`Waiting` call handed over); default now. The
-        request's recorded duration counts from then too."""
+        request's recorded duration counts from then too. ``codec``: who decodes the body and encodes
+        the answer (the worker's helper process for a large call, guard.serving.offload)."""
         start = time.perf_counter()
         if arrived is None:
             arrived = time.monotonic()
@@ -271,7 +271,7 @@ class DirectLane:
             refused = self.refuse("POST", path, peer_cert, remote)
             if refused is not None:
                 return 403, refused
-        return self.fast.reply(path, body, remote, start, arrived)
+        return self.fast.reply(path, body, remote, start, arrived, codec)
 
 
 # --- the Flask lane: everything the fast lane passes on ----------------------------------------------
@@ -285,7 +285,7 @@ def blueprint(guard: Guard, bodies: BodyBudget) -> Blueprint:
         body = read_json_body(bodies, guard.settings.max_body_bytes)
         if isinstance(body, Response):
             return body
-        payload, g.pod, decision = answer(guard, request.path, body, g.arrived)
+        payload, g.pod, decision = answer(guard, request.path, body, g.arrived, request.environ.get(CODEC, LOCAL))
         g.verdict = decision.verdict.value
         return Response(payload, mimetype="application/json")
 

@@ -4,11 +4,28 @@ lane (:class:`DirectLane`). guard.serving imports it; it imports nothing of the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 # The WSGI environ key the worker adds: the verified client certificate (ssl.getpeercert() form, or None).
 PEER_CERT = "ghost_guard.peer_cert"
+
+# The WSGI environ key the worker adds for a large call: the Codec (below) that decodes a verb call's body and
+# encodes its answer (guard.serving.offload's helper processes); absent: guard.http.filter.LOCAL.
+CODEC = "ghost_guard.codec"
+
+
+class Codec(Protocol):
+    """Who turns a verb call's body into its arguments and the decision into the answer's bytes, the two
+    steps whose CPU grows with the body (guard.http.filter.LOCAL in the worker; guard.serving.offload
+    hands a large call's to a helper process, so that no other call waits on the GIL for them)."""
+
+    def parse(self, path: str, body: bytes, max_nodes: int | None) -> Any:
+        """The arguments (anything with the ``pod``, a PodRef). Raises ProtocolError."""
+
+    def encode(self, args: Any, block_reason: str | None, ghosts: Mapping[str, object]) -> tuple[bytes, int]:
+        """(answer, candidates dropped as ghost Nodes): guard.core.extender.verb_reply's contract."""
+
 
 # The key under which a WSGI app offers its direct lane (``app.extensions[DIRECT_LANE]``): a DirectLane.
 DIRECT_LANE = "ghost_guard.direct_lane"
@@ -32,7 +49,7 @@ W = TypeVar("W", bound=Waiting)
 
 class DirectLane(Protocol[W]):
     """What the worker calls for a verb call in exactly kube-scheduler's shape (``POST`` over HTTP/1.1, a
-    JSON body with a Content-Length: guard.serving.worker.plain_call), without WSGI.
+    JSON body with a Content-Length: guard.serving.framing.plain_call), without WSGI.
 
     In the event loop, which must never wait: :meth:`answer_now`, then, for a parked call, once the
     GET it waits for has landed, :meth:`answer_landed`. From a pool thread: the lane itself."""
@@ -52,7 +69,8 @@ class DirectLane(Protocol[W]):
         ...
 
     def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: PeerCert,
-                 arrived: float | None = None) -> Reply:
+                 arrived: float | None = None, codec: Codec = ...) -> Reply:
         """The reply, from a pool thread; ``arrived`` (time.monotonic): when the call's budget began,
-        if it was parked first (default: now)."""
+        if it was parked first (default: now); ``codec``: who decodes and encodes a large call (default:
+        this process)."""
         ...

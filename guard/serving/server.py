@@ -96,7 +96,7 @@ class GuardServer(BaseApplication):
             "workers": s.workers,
             "threads": s.threads,
             # gthread's process model and pool, with every connection read and written under deadlines
-            # by the worker's event loop before and after a pool thread sees it (guard/serving/worker.py).
+            # by the worker's event loop before and after a pool thread sees it (guard/serving/connection.py).
             "worker_class": "guard.serving.worker.GuardWorker",
             "timeout": 30,
             "graceful_timeout": 10,

@@ -142,7 +142,7 @@ class VerdictMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.etcd.history)
     @rule(data=st.data(), cross=st.booleans())
     def loop_call(self, data, cross):
-        """A /filter or /preempt as the worker's event loop takes it (guard.serving.worker._answer_now): a
+        """A /filter or /preempt as the worker's event loop takes it (guard.serving.connection.ConnectionLoop._answer_now): a
         prepared verdict at once; else parked on the pod's GET in flight (answered when it lands,
         see ``land``); else handed to a pool thread, which calls ``Checker.answer``."""
         p = self._draw_pod(data, cross)
@@ -168,7 +168,7 @@ class VerdictMachine(RuleBasedStateMachine):
             self._check_on_thread(entry[2])
 
     def land(self):
-        """The loop's side of a landed GET (guard.serving.worker._landed): answer, or hand to a pool thread."""
+        """The loop's side of a landed GET (guard.serving.connection.ConnectionLoop._landed): answer, or hand to a pool thread."""
         for entry in [e for e in self.parked if e[1]]:
             self.parked.remove(entry)
             joined, _, p = entry
