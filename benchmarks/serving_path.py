@@ -111,7 +111,7 @@ def serving_paths(kubeconfig: str, create: Callable[[str], str]) -> dict[str, tu
     from guard.core.verdict import PodRef
     from guard.http.app import create_app
     from guard.http.lane import DIRECT_LANE
-    from guard.serving.worker import plain_call, plain_reply
+    from guard.serving.framing import plain_call, plain_reply
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(kubeconfig=kubeconfig, audit_db=f"{tmp}/audit.db", events=False, prepare=False,

@@ -2,7 +2,7 @@
 are handed to the files docs/ARCHITECTURE.md draws ("One verb call"), and no more.
 
 In-process against the lab (real etcd, real HTTPS replicas, the kubernetes client), the app built as a
-worker builds it, driven as the worker drives its direct lane (guard.serving.worker: plain_call, the
+worker builds it, driven as the worker drives its direct lane (guard.serving.framing: plain_call, the
 lane, plain_reply). A new hop (a hook, a wrapper module, a second decode) fails here with the path.
 """
 
@@ -16,7 +16,7 @@ from guard.lab.harness import pod_manifest
 
 pytestmark = pytest.mark.timeout(120)
 
-PREPARED = ["guard/serving/worker.py", "guard/http/filter.py", "guard/core/extender.py", "guard/engine/checker.py",
+PREPARED = ["guard/serving/framing.py", "guard/http/filter.py", "guard/core/extender.py", "guard/engine/checker.py",
             "guard/engine/cache.py", "guard/http/exchange.py"]
 MISS = PREPARED[:5] + ["guard/kube/reads.py", "guard/core/verdict.py", "guard/http/exchange.py"]
 
