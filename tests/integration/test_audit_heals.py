@@ -69,7 +69,7 @@ def test_a_version_2_store_is_migrated_and_keeps_its_records(tmp_path):
         s.record_heal(uid="u1", action="placeholder", outcome="healed", detail="ok", at=3.0)
         assert s.record("u1").heals == (HealAttempt(3.0, "placeholder", "healed", "ok"),)
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     conn.close()
 
 

@@ -874,7 +874,7 @@ def test_ghostpod_crd_printer_columns_match_the_lab(crd):
 def test_ghostpod_schema_holds_what_the_guard_writes(crd):
     """Every field guard/audit/ghostpods.py writes is in the schema (structural schemas prune unknown fields),
     with the verdicts of guard/core/verdict.py and the store's bounds."""
-    from guard.audit.ghostpods import MAX_HEALS, MAX_REPLICAS, apply_ops
+    from guard.core.ghostpod_mapping import MAX_HEALS, MAX_REPLICAS, apply_ops
 
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
     spec, status = schema["spec"], schema["status"]["properties"]
