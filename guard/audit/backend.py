@@ -260,10 +260,11 @@ class GuardAudit:
                     self.health.ok()
         return self.health.detail()
 
-    def write(self, operation: str, what: str, fn: Callable[[AuditBackend], T]) -> T | None:
+    def write(self, operation: str, what: str, fn: Callable[[AuditBackend], T], *, health: bool = True) -> T | None:
         """``fn(store)``, one write; None when there is no store or it failed. The store's trouble (AuditError,
-        OSError) makes it unhealthy, once; a record's own trouble (a field refused: ValueError) is logged; a
-        write that needs a record the store lacks (UnknownGhostError: its block was not recorded) is neither."""
+        OSError) makes it unhealthy, once (``health=False``: logged only, as a retraction always was); a
+        record's own trouble (a field refused: ValueError) is logged; a write that needs a record the store
+        lacks (UnknownGhostError: its block was not recorded) is neither."""
         store = self.store
         if store is None:
             return None
@@ -273,6 +274,9 @@ class GuardAudit:
             log.debug("audit store: cannot record %s: %s", what, e)
             return None
         except (AuditError, OSError) as e:
+            if not health:
+                log.error("audit store: cannot record %s: %s", what, e)
+                return None
             log.debug("audit store: cannot record %s: %s", what, e)
             self.health.failed(operation, str(e))
             return None

@@ -178,7 +178,7 @@ class IncidentRecorder:
         for replica in cleared:
             metrics.STALE_REPLICA.labels(replica).set(0)
         self.audit.write("retract", f"the retraction of {pod}", lambda store: store.retract(
-            uid=pod.uid or f"{pod}", at=time.time(), namespace=pod.namespace, name=pod.name))
+            uid=pod.uid or f"{pod}", at=time.time(), namespace=pod.namespace, name=pod.name), health=False)
 
     def probe(self, pod: PodRef, *, confirm: bool = True) -> list[ReplicaObservation] | None:
         """Probe every replica's cache for the ghost (in parallel); record and act on the result.
