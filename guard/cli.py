@@ -671,8 +671,13 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
 @option("--probe-timeout", type=float, default=5.0,
         help="Seconds allowed for each read (a slower read counts that replica unreadable: not healed).")
 @click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", help="Output format.")
+# No environment variable on purpose, as --all: recording is a write, asked for on the command line.
+@click.option("--audit-store", "audit_store", default=None, metavar="kubernetes|sqlite:PATH",
+              help="Record each node/NAME heal attempt on that ghost Node's records in this audit store (the one "
+                   "`serve` writes); nothing is recorded without it.")
 def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | None, apiserver_replicas: str | None,
-         apiserver_server_name: str, timeout: float, probe_timeout: float, output: str) -> None:
+         apiserver_server_name: str, timeout: float, probe_timeout: float, output: str,
+         audit_store: str | None) -> None:
     """Make every apiserver replica's watch cache agree with etcd for these pods, restarting nothing.
 
     For each pod, re-verifies by a quorum GET, then: a deleted ghost gets a placeholder pod under its name
@@ -732,6 +737,8 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
             if output == "table":  # what is ready first: each pod's result as soon as it is known
                 click.echo(render(results[-1:], output), nl=False)
         node_results = [heal_node(kube, pool.clients, n, timeout=timeout, dry_run=dry_run) for n in nodes]
+        if audit_store and node_results:
+            _record_node_heals(audit_store, kubeconfig, node_results)
         if output == "json" and node_results:
             import json
 
@@ -750,6 +757,47 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         pool.close()
         kube.close()
     sys.exit(0 if all(r.ok for r in results) and all(r.ok for r in node_results) else 1)
+
+
+def _record_node_heals(spec: str, kubeconfig: str | None, results: list) -> None:
+    """``heal --audit-store``: each node/NAME attempt that wrote (or found etcd has the Node) as a heal on the
+    records of that ghost Node (every UID recorded under the name). A store that cannot take it is one line on
+    stderr: the heal itself is done and its exit status stands."""
+    import os
+    import time
+
+    from guard.audit.backend import StoreSpecError, open_store, parse_store
+    from guard.core.records import AuditError, node_heal_attempt
+
+    attempts = [(r, node_heal_attempt(r.outcome)) for r in results]
+    if not any(a for _, a in attempts):
+        return
+    try:
+        kind, path = parse_store(spec, DEFAULT_AUDIT_DB)
+        if kind == "sqlite" and not os.path.exists(str(path)):
+            click.echo(f"ghost-guard heal: no audit store at {path}: heal attempts not recorded", err=True)
+            return
+        store = open_store(spec, DEFAULT_AUDIT_DB, kubeconfig=kubeconfig, max_age_seconds=Settings.audit_max_age,
+                           max_records=Settings.audit_max_records, write_interval=0.0)
+    except (AuditError, StoreSpecError, OSError) as e:
+        click.echo(f"ghost-guard heal: heal attempts not recorded: {e}", err=True)
+        return
+    try:
+        records = store.node_records()
+        for result, attempt in attempts:
+            uids = [r.uid for r in records if r.name == result.node]
+            if attempt is None:
+                continue
+            if not uids:
+                click.echo(f"ghost-guard heal: the audit store has no record of ghost Node {visible(result.node)}: "
+                           "its heal is not recorded", err=True)
+            for uid in uids:
+                store.record_node_heal(name=result.node, uid=uid, action=attempt[0], outcome=attempt[1],
+                                       detail=result.detail, at=time.time())
+    except (AuditError, ValueError) as e:
+        click.echo(f"ghost-guard heal: heal attempts not recorded: {e}", err=True)
+    finally:
+        store.close()
 
 
 def kubectl_plugin() -> None:

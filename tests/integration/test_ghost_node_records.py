@@ -78,9 +78,17 @@ def test_a_lost_node_delete_is_recorded_in_both_stores_once_with_its_stale_repli
     assert r.returncode == 1, r.stderr
     assert [x["node"] for x in json.loads(r.stdout)["ghost_node_records"]] == ["ghost-node"]
 
-    # Healed without a restart: each guard sees the replica no longer serving it; the record says when.
-    r = ghost_guard("heal", "node/ghost-node", "--kubeconfig", lab.kubeconfig(0), "-o", "json")
-    assert r.returncode == 0, r.stdout + r.stderr
+    # Healed without a restart, the attempt recorded in each store (--audit-store); each guard sees the replica
+    # no longer serving it; the record says when.
+    r = ghost_guard("heal", "node/ghost-node", "--kubeconfig", lab.kubeconfig(0), "-o", "json",
+                    "--audit-store", f"sqlite:{db}")
+    assert r.returncode == 0 and r.stderr == "", r.stdout + r.stderr
+    r = ghost_guard("heal", "node/ghost-node", "--kubeconfig", lab.kubeconfig(2), "--audit-store", "kubernetes")
+    assert r.returncode == 0 and "consistent" in r.stdout, r.stdout + r.stderr  # nothing left to heal: not recorded
+    (rec,) = node_records(*sqlite)
+    assert [(h["action"], h["outcome"]) for h in rec["heals"]] == [("placeholder", "healed")]
+    r = ghost_guard("heal", "node/real-node", "--kubeconfig", lab.kubeconfig(2), "--audit-store", "kubernetes")
+    assert r.returncode == 0 and "no record of ghost Node real-node" in r.stderr, r.stdout + r.stderr
 
     def healed(store: list[str]) -> dict | None:
         (rec,) = node_records(*store)
