@@ -34,7 +34,7 @@ import os
 import sqlite3
 import stat
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from guard.core.records import (
@@ -288,17 +288,22 @@ class AuditStore:
         Raises :class:`UnknownGhostError` if ``uid`` has no record, ValueError for an unknown
         ``action``/``outcome``; ``detail`` is clipped to 1024 characters."""
         check_text("uid", uid, MAX_UID)
-        heal = _heal_row(action, outcome, detail, at)
+        self._record_heal(lambda conn: self._ids(conn, uid, namespace, name), _heal_row(action, outcome, detail, at),
+                          f"no audit record for uid {uid!r}: record_block first", f"ghost {uid}")
+
+    def _record_heal(self, find: Callable[[sqlite3.Connection], list[int]], heal: tuple[float, str, str, str],
+                     missing: str, what: str) -> None:
+        """One heal attempt on every ghost row ``find`` names (UnknownGhostError ``missing`` when none)."""
         conn = self._connection()
         try:
             with _immediate(conn):
-                ids = self._ids(conn, uid, namespace, name)
+                ids = find(conn)
                 if not ids:
-                    raise UnknownGhostError(f"no audit record for uid {uid!r}: record_block first")
+                    raise UnknownGhostError(missing)
                 for ghost in ids:
                     self._heal(conn, ghost, heal)
         except sqlite3.Error as e:
-            raise AuditError(f"cannot record a heal of ghost {uid} in {self.path}: {e}") from e
+            raise AuditError(f"cannot record a heal of {what} in {self.path}: {e}") from e
 
     @staticmethod
     def _heal(conn: sqlite3.Connection, ghost: int, heal: tuple[float, str, str, str]) -> None:
@@ -337,18 +342,9 @@ class AuditStore:
         """Record one heal attempt of ghost Node ``(name, uid)``; with ``uid`` "", on every record of the name.
         Raises :class:`UnknownGhostError` if there is none."""
         node_identity(name, uid)
-        heal = _heal_row(action, outcome, detail, at)
-        conn = self._connection()
-        try:
-            with _immediate(conn):
-                ids = [r[0] for r in conn.execute("SELECT id FROM ghosts WHERE kind = 'node' AND name = ? AND (uid = ?"
-                                                  " OR ? = '')", (name, uid, uid))]
-                if not ids:
-                    raise UnknownGhostError(f"no audit record for ghost Node {name!r}")
-                for ghost in ids:
-                    self._heal(conn, ghost, heal)
-        except sqlite3.Error as e:
-            raise AuditError(f"cannot record a heal of ghost Node {name} in {self.path}: {e}") from e
+        self._record_heal(lambda conn: [r[0] for r in conn.execute(
+            "SELECT id FROM ghosts WHERE kind = 'node' AND name = ? AND (uid = ? OR ? = '')", (name, uid, uid))],
+            _heal_row(action, outcome, detail, at), f"no audit record for ghost Node {name!r}", f"ghost Node {name}")
 
     @staticmethod
     def _node_id(conn: sqlite3.Connection, name: str, uid: str) -> int:

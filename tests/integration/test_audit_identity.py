@@ -7,7 +7,9 @@ import sqlite3
 
 import pytest
 
-from guard.audit.sqlite import APPLICATION_ID, SCHEMA_VERSION, AuditStore
+from old_stores import write_old_store
+
+from guard.audit.sqlite import SCHEMA_VERSION, AuditStore
 from guard.core.records import HealAttempt, UnknownGhostError
 
 
@@ -84,29 +86,12 @@ def test_node_records_are_pruned_like_pod_records(tmp_path):
 
 def test_a_version_3_store_is_migrated_and_keeps_its_records_probes_and_heals(tmp_path):
     path = str(tmp_path / "v3.db")
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.executescript("""
-        CREATE TABLE ghosts (uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, verdict TEXT NOT NULL,
-            evidence TEXT NOT NULL, first_seen REAL NOT NULL, last_seen REAL NOT NULL, times_blocked INTEGER NOT NULL,
-            retracted_at REAL);
-        CREATE INDEX ghosts_last_seen ON ghosts (last_seen);
-        CREATE INDEX ghosts_namespace ON ghosts (namespace, last_seen);
-        CREATE TABLE replica_observations (uid TEXT NOT NULL, replica TEXT NOT NULL, serves INTEGER,
-            cache_resource_version TEXT, error TEXT, last_checked REAL NOT NULL, first_seen_serving REAL, healed_at REAL,
-            PRIMARY KEY (uid, replica));
-        CREATE INDEX replica_observations_replica ON replica_observations (replica);
-        CREATE TABLE heal_attempts (uid TEXT NOT NULL, at REAL NOT NULL, action TEXT NOT NULL, outcome TEXT NOT NULL,
-            detail TEXT NOT NULL);
-        CREATE INDEX heal_attempts_uid ON heal_attempts (uid, at);
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    write_old_store(path, 3, """
         INSERT INTO ghosts VALUES ('u1', 'default', 'web-0', 'ghost-deleted', '{"reason": "r"}', 1.0, 2.0, 3, NULL);
         INSERT INTO ghosts VALUES ('u2', 'default', 'web-1', 'ghost-replaced', '{}', 1.0, 5.0, 1, 6.0);
         INSERT INTO replica_observations VALUES ('u1', 'r1', 1, '7', NULL, 2.0, 1.5, NULL);
         INSERT INTO heal_attempts VALUES ('u1', 3.0, 'placeholder', 'healed', 'ok');
     """)
-    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    conn.execute("PRAGMA user_version = 3")
-    conn.close()
     with AuditStore(path) as s:
         (web0,) = s.records()
         assert (web0.uid, web0.name, web0.times_blocked, web0.stale_replicas) == ("u1", "web-0", 3, ["r1"])
