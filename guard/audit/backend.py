@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
-from guard import metrics
 from guard.core.records import AuditError, AuditRecord, NewRecordHook, NodeRecord, UnknownGhostError
 from guard.core.rendering import format_time
 from guard.core.settings import Settings
@@ -172,6 +171,14 @@ def open_for(settings: Settings, *, on_new: NewRecordHook | None = None) -> tupl
         return None, str(e)[len(named):] if str(e).startswith(named) else str(e)
 
 
+def _metrics() -> Any:
+    """guard.metrics, imported on first use: ``serve``'s master imports this module (``writable_default``) before
+    the multiprocess metrics directory is set up, and a metric module imported there would not reach /metrics."""
+    from guard import metrics
+
+    return metrics
+
+
 class AuditHealth:
     """Whether the audit store takes writes, shown three ways and never as a readiness problem
     (verdicts do not need the store): ``ghost_guard_audit_store_healthy``, one log line per
@@ -193,12 +200,12 @@ class AuditHealth:
             if was is True:
                 return
             self.since = time.time()
-        metrics.AUDIT_STORE_HEALTHY.set(1)
+        _metrics().AUDIT_STORE_HEALTHY.set(1)
         if was is False:
             log.warning("audit store %s is writable again: ghosts are recorded again", self.path)
 
     def failed(self, operation: str, error: str) -> None:
-        metrics.AUDIT_WRITE_ERRORS.labels(operation).inc()
+        _metrics().AUDIT_WRITE_ERRORS.labels(operation).inc()
         with self._lock:
             self.failures += 1
             changed = self.healthy is not False
@@ -206,7 +213,7 @@ class AuditHealth:
             if changed:
                 self.since = time.time()
         if changed:
-            metrics.AUDIT_STORE_HEALTHY.set(0)
+            _metrics().AUDIT_STORE_HEALTHY.set(0)
             log.error("audit store %s cannot be written (%s): ghosts are still blocked, but not recorded until it "
                       "can; readiness is not affected", self.path, error[:500])
 
