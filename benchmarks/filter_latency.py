@@ -13,6 +13,12 @@ Cases, at 100 and 5,000 node names:
 - ``miss-alive``: a new pod per call: the quorum GET runs inline (``--no-prepare``).
 
 Run from the repository root: ``python -m benchmarks.filter_latency [--calls 400]``. Prints a Markdown table.
+
+``--ghost-nodes-ab ROUNDS``: the cost of ghost-Node checking instead. Two guards on one lab, one with
+``--ghost-nodes`` (the default) and one with ``--no-ghost-nodes``, and the pass-through, called in
+alternating blocks (the order turned each block) for ROUNDS rounds of ``--calls`` calls per server and
+case (hit-alive, hit-ghost; 100 and 5,000 node names; the lab holds the 100 Nodes, so the guard's Node
+watches have something to watch). Prints each round's p50s and ratios, then the medians.
 """
 
 from __future__ import annotations
@@ -113,14 +119,84 @@ def summary(samples: list[float]) -> dict:
             "per_s": len(s) / sum(s)}
 
 
+def ghost_nodes_ab(rounds: int, calls: int, block: int) -> int:
+    """``--ghost-nodes-ab``: guard with and without ghost-Node checking, side by side (module docstring)."""
+    from guard.lab.harness import node_manifest
+
+    rows: list[tuple[int, int, str, float, float, float]] = []  # round, nodes, case, with, without, pass-through
+    with Lab(replicas=1) as lab, tempfile.TemporaryDirectory() as tmp:
+        api = lab.core_v1(0)
+        ns = "bench"
+        api.create_namespace({"metadata": {"name": ns}})
+        for i in range(100):
+            api.create_node(node_manifest(f"node-{i:05d}"))
+        live_uid = api.create_namespaced_pod(ns, pod_manifest("live")).metadata.uid
+        ghost_uid = make_ghost(lab, ns, "ghost", stale=0)
+        passthrough, pt_url = start_passthrough()
+        common = ["--alive-ttl", "0.99", "--kubeconfig", lab.kubeconfig(0)]
+        with_nodes = start_guard(["--ghost-nodes", "--audit-db", f"{tmp}/a.db", *common])
+        without = start_guard(["--no-ghost-nodes", "--audit-db", f"{tmp}/b.db", *common])
+        try:
+            eventually(lambda: with_nodes.metric("ghost_guard_node_watch_up") == 1, 30, what="the Node watch up")
+            servers = [with_nodes.url("/filter"), without.url("/filter"), f"{pt_url}/filter"]
+            for r in range(rounds):
+                for n in (100, 5000):
+                    nodes = [f"node-{i:05d}" for i in range(n)]
+                    for case, (name, uid) in {"hit-alive": ("live", live_uid), "hit-ghost": ("ghost", ghost_uid)}.items():
+                        payload = body(ns, name, uid, nodes)
+                        samples: list[list[float]] = [[], [], []]
+                        sessions = [requests.Session() for _ in servers]
+                        try:
+                            for s in sessions:
+                                s.trust_env = False
+                            for s, url in zip(sessions, servers):
+                                for _ in range(5):  # warm the connection and the caches
+                                    timed(s, url, payload)
+                            for b, start_i in enumerate(range(0, calls, block)):
+                                order = [(b + k) % 3 for k in range(3)]  # who goes first turns each block
+                                for k in order:
+                                    samples[k] += [timed(sessions[k], servers[k], payload)
+                                                   for _ in range(start_i, min(start_i + block, calls))]
+                        finally:
+                            for s in sessions:
+                                s.close()
+                        p50 = [statistics.median(x) * 1000 for x in samples]
+                        rows.append((r + 1, n, case, *p50))
+        finally:
+            stop_group(passthrough)
+            with_nodes.stop()
+            without.stop()
+    print(f"{machine()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end; "
+          f"{rounds} rounds of {calls} calls per server and case\n")
+    print("| round | nodes | case | --ghost-nodes p50 ms | --no-ghost-nodes p50 ms | pass-through p50 ms "
+          "| ratio with | ratio without | with / without |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r, n, case, w, wo, pt in rows:
+        print(f"| {r} | {n} | {case} | {w:.3f} | {wo:.3f} | {pt:.3f} | {w / pt:.2f} | {wo / pt:.2f} | {w / wo:.2f} |")
+    print("\nMedians over the rounds:\n")
+    print("| nodes | case | ratio with | ratio without | with / without |")
+    print("|---:|---|---:|---:|---:|")
+    for n in (100, 5000):
+        for case in ("hit-alive", "hit-ghost"):
+            mine = [row for row in rows if row[1] == n and row[2] == case]
+            print(f"| {n} | {case} | {statistics.median(w / pt for *_, w, _, pt in mine):.2f} | "
+                  f"{statistics.median(wo / pt for *_, wo, pt in mine):.2f} | "
+                  f"{statistics.median(w / wo for *_, w, wo, _ in mine):.2f} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=400, help="calls per case and server")
     ap.add_argument("--block", type=int, default=50, help="calls per block before switching server")
     ap.add_argument("--no-pin", action="store_true", help="don't give the extender its own CPU")
+    ap.add_argument("--ghost-nodes-ab", type=int, metavar="ROUNDS", default=0,
+                    help="measure --ghost-nodes against --no-ghost-nodes instead, in ROUNDS alternating rounds")
     args = ap.parse_args()
     if not args.no_pin:
         pin_harness()
+    if args.ghost_nodes_ab:
+        return ghost_nodes_ab(args.ghost_nodes_ab, args.calls, args.block)
 
     results = []
     with Lab(replicas=1) as lab, tempfile.TemporaryDirectory() as tmp:

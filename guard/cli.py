@@ -330,6 +330,27 @@ def _audit_records(command: str, store, *, namespace, verdict, replica, since, l
         sys.exit(1)
 
 
+def _node_records(command: str, store, *, since: str | None, limit: int | None, quiet: bool = True) -> list:
+    """The ghost Node records (guard.core.records.NodeRecord). ``quiet``: a store that cannot list them (a cluster
+    without the GhostNode CRD) has none; else that is exit 1, as for pods."""
+    import time
+
+    from guard.core.records import AuditError
+    from guard.core.rendering import parse_since
+
+    try:
+        since_at = parse_since(since, now=time.time()) if since is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--since") from e
+    try:
+        return store.node_records(since=since_at, limit=limit)
+    except AuditError as e:
+        if quiet:
+            return []
+        click.echo(f"ghost-guard {command}: {e}", err=True)
+        sys.exit(1)
+
+
 # Filters deliberately have no environment variable: a GHOST_GUARD_NAMESPACE set
 # for the guard's own deployment must never silently filter an operator's query.
 @main.group("audit", invoke_without_command=True, short_help="List the blocked ghost pods the audit store recorded.")
@@ -345,16 +366,31 @@ def _audit_records(command: str, store, *, namespace, verdict, replica, since, l
 @click.option("--retracted", is_flag=True, default=False,
               help="Also list records whose verdict the guard withdrew (etcd showed the pod pending after all).")
 @click.option("--output", "-o", default="table", type=click.Choice(["table", "json", "jsonl"]), help="Output format.")
+@click.option("--nodes", is_flag=True, default=False,
+              help="List the ghost Nodes recorded instead (Nodes etcd lacks that a replica served; --since and "
+                   "--limit apply).")
 @click.pass_context
 def audit(ctx: click.Context, db: str | None, store: str | None, kubeconfig: str | None, namespace: str | None,
           verdict: str | None, replica: str | None, since: str | None, limit: int | None, retracted: bool,
-          output: str) -> None:
+          output: str, nodes: bool) -> None:
     """List blocked ghost pods from the audit store, most recently seen first.
 
-    `ghost-guard audit export` copies one store into another."""
+    `ghost-guard audit --nodes` lists the ghost Nodes recorded; `ghost-guard audit export` copies one store
+    into another."""
     if ctx.invoked_subcommand is not None:
         return
-    from guard.core.rendering import render_records
+    from guard.core.rendering import render_node_records, render_records
+
+    if nodes:
+        if namespace or verdict or replica or retracted:
+            raise click.UsageError("--nodes takes --since and --limit only (Nodes have no namespace or verdict)")
+        opened = _open_audit_store("audit", db, store, kubeconfig)
+        try:
+            node_records = _node_records("audit", opened, since=since, limit=limit, quiet=False)
+        finally:
+            opened.close()
+        click.echo(render_node_records(node_records, output), nl=False)
+        return
 
     host = _host_only(replica)
     if host is not None:
@@ -369,6 +405,7 @@ def audit(ctx: click.Context, db: str | None, store: str | None, kubeconfig: str
         records = _audit_records("audit", opened, namespace=namespace, verdict=verdict,
                                  replica=None if host else replica, since=since, limit=None if host else limit,
                                  retracted=retracted)
+        n_nodes = len(_node_records("audit", opened, since=since, limit=None)) if output == "table" else 0
     finally:
         opened.close()
     if host:  # --replica HOST without the port: every port of that host
@@ -378,6 +415,8 @@ def audit(ctx: click.Context, db: str | None, store: str | None, kubeconfig: str
         click.echo(f"ghost-guard audit: no ghost was ever seen served by replica {replica}; `ghost-guard report` "
                    "lists the replicas as the store names them (HOST:PORT, or HOST alone for every port)", err=True)
     click.echo(render_records(records, output), nl=False)
+    if output == "table" and n_nodes:
+        click.echo(f"\n{n_nodes} ghost Node record{'s' if n_nodes != 1 else ''}: ghost-guard audit --nodes")
 
 
 def _host_of(replica: str) -> str:
@@ -469,16 +508,28 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
     from guard.core.rendering import build_report, render_report
 
     db = db or readable_default(DEFAULT_AUDIT_DB)
-    text, records = "", None
+    text, records, node_records = "", None, []
     if not (live and store is None and not os.path.exists(db)):
         opened = _open_audit_store("report", db, store, kubeconfig)
         try:
             records = _audit_records("report", opened, namespace=namespace, verdict=None, replica=None, since=since,
                                      limit=None)
+            node_records = [] if namespace else _node_records("report", opened, since=since, limit=None)
         finally:
             opened.close()
         text = render_report(records, output)
+        if node_records:  # ghost Nodes the guard recorded: a section (a key in JSON) only when there is one
+            from guard.core.rendering import node_record_to_dict, render_node_report
+
+            if output == "json":
+                import json
+
+                text = json.dumps({**json.loads(text), "ghost_node_records": [
+                    node_record_to_dict(r) for r in node_records]}, indent=2) + "\n"
+            else:
+                text += "\n" + render_node_report(node_records)
     serving = records is not None and bool(build_report(records)["stale_replicas"])  # exit 1, as diagnose does
+    serving = serving or any(r.stale_replicas for r in node_records)
     if not live:
         click.echo(text, nl=False)
         sys.exit(1 if serving else 0)
@@ -621,8 +672,13 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
 @option("--probe-timeout", type=float, default=5.0,
         help="Seconds allowed for each read (a slower read counts that replica unreadable: not healed).")
 @click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", help="Output format.")
+# No environment variable on purpose, as --all: recording is a write, asked for on the command line.
+@click.option("--audit-store", "audit_store", default=None, metavar="kubernetes|sqlite:PATH",
+              help="Record each node/NAME heal attempt on that ghost Node's records in this audit store (the one "
+                   "`serve` writes); nothing is recorded without it.")
 def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | None, apiserver_replicas: str | None,
-         apiserver_server_name: str, timeout: float, probe_timeout: float, output: str) -> None:
+         apiserver_server_name: str, timeout: float, probe_timeout: float, output: str,
+         audit_store: str | None) -> None:
     """Make every apiserver replica's watch cache agree with etcd for these pods, restarting nothing.
 
     For each pod, re-verifies by a quorum GET, then: a deleted ghost gets a placeholder pod under its name
@@ -682,6 +738,8 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
             if output == "table":  # what is ready first: each pod's result as soon as it is known
                 click.echo(render(results[-1:], output), nl=False)
         node_results = [heal_node(kube, pool.clients, n, timeout=timeout, dry_run=dry_run) for n in nodes]
+        if audit_store and node_results:
+            _record_node_heals(audit_store, kubeconfig, node_results)
         if output == "json" and node_results:
             import json
 
@@ -700,6 +758,47 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         pool.close()
         kube.close()
     sys.exit(0 if all(r.ok for r in results) and all(r.ok for r in node_results) else 1)
+
+
+def _record_node_heals(spec: str, kubeconfig: str | None, results: list) -> None:
+    """``heal --audit-store``: each node/NAME attempt that wrote (or found etcd has the Node) as a heal on the
+    records of that ghost Node (every UID recorded under the name). A store that cannot take it is one line on
+    stderr: the heal itself is done and its exit status stands."""
+    import os
+    import time
+
+    from guard.audit.backend import StoreSpecError, open_store, parse_store
+    from guard.core.records import AuditError, node_heal_attempt
+
+    attempts = [(r, node_heal_attempt(r.outcome)) for r in results]
+    if not any(a for _, a in attempts):
+        return
+    try:
+        kind, path = parse_store(spec, DEFAULT_AUDIT_DB)
+        if kind == "sqlite" and not os.path.exists(str(path)):
+            click.echo(f"ghost-guard heal: no audit store at {path}: heal attempts not recorded", err=True)
+            return
+        store = open_store(spec, DEFAULT_AUDIT_DB, kubeconfig=kubeconfig, max_age_seconds=Settings.audit_max_age,
+                           max_records=Settings.audit_max_records, write_interval=0.0)
+    except (AuditError, StoreSpecError, OSError) as e:
+        click.echo(f"ghost-guard heal: heal attempts not recorded: {e}", err=True)
+        return
+    try:
+        records = store.node_records()
+        for result, attempt in attempts:
+            uids = [r.uid for r in records if r.name == result.node]
+            if attempt is None:
+                continue
+            if not uids:
+                click.echo(f"ghost-guard heal: the audit store has no record of ghost Node {visible(result.node)}: "
+                           "its heal is not recorded", err=True)
+            for uid in uids:
+                store.record_node_heal(name=result.node, uid=uid, action=attempt[0], outcome=attempt[1],
+                                       detail=result.detail, at=time.time())
+    except (AuditError, ValueError) as e:
+        click.echo(f"ghost-guard heal: heal attempts not recorded: {e}", err=True)
+    finally:
+        store.close()
 
 
 def kubectl_plugin() -> None:

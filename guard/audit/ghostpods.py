@@ -44,240 +44,36 @@ from __future__ import annotations
 
 import atexit
 import collections
-import datetime
-import hashlib
 import heapq
 import logging
 import math
-import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from guard import metrics
 from guard.core import flood
 from guard.core.token_bucket import TokenBucket
-from guard.kube.writes import GHOSTPOD_GROUP, GHOSTPOD_VERSION, GhostPodError, GhostPods
-from guard.core.records import (
-    MAX_HEALS_PER_GHOST, MAX_NAME, MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt, NewRecordHook,
-    ReplicaState, check_text, check_time, evidence_json,
+from guard.core.ghostpod_mapping import (
+    API_VERSION, KIND, LABEL_MANAGED_BY, NODE_KIND, Key, Pending, apply_ops, from_time, node_spec, node_to_record,
+    object_name, record_status, status_patch, to_record, widen,
 )
+from guard.core.records import (
+    MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, NewRecordHook, NodeRecord, check_text,
+    check_time, evidence_json, identity, node_identity,
+)
+from guard.kube.writes import GhostPodError, GhostPods
 
 log = logging.getLogger("guard.ghostpods")
 
-API_VERSION: Final = f"{GHOSTPOD_GROUP}/{GHOSTPOD_VERSION}"
-KIND: Final = "GhostPod"
 MIN_WRITE_INTERVAL: Final = 10.0  # seconds between two writes of one identity by one guard process
 MAX_CONFLICT_RETRIES: Final = 8
 MAX_BACKOFF: Final = 30.0
-MAX_OPS_PER_RECORD: Final = 256
-MAX_HEALS: Final = MAX_HEALS_PER_GHOST  # status.heals: the newest attempts (the CRD's maxItems), as in SQLite
-MAX_REPLICAS: Final = 64  # status.replicas (the CRD's maxItems)
 PRUNE_INTERVAL: Final = 600.0
 CLOSE_DEADLINE: Final = 8.0  # within gunicorn's graceful_timeout (10 s, guard/serving/server.py)
 FLUSH_WRITERS: Final = 8
-LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
-
-Key = tuple[str, str, str]  # (namespace, name, uid): one pod identity
-
-
-# --- names and times (pure) ------------------------------------------------------------
-
-
-def object_name(namespace: str, name: str, uid: str) -> str:
-    """The GhostPod's name: ``<pod name, at most 40 characters>-<10 hex digits of sha256(ns, name, uid)>``.
-
-    A valid DNS subdomain for any input (characters outside [a-z0-9.-] become ``-``), the same
-    in every guard replica, and different for every pod identity."""
-    digest = hashlib.sha256(f"{namespace}\x00{name}\x00{uid}".encode()).hexdigest()[:10]
-    stem = re.sub(r"[^a-z0-9.-]", "-", name.lower())[:40]
-    stem = re.sub(r"^[^a-z0-9]+|[^a-z0-9]+$", "", stem)
-    stem = re.sub(r"\.(?=[^a-z0-9])|(?<=[^a-z0-9])\.", "-", stem)  # no empty DNS labels ("a..b", "a.-b")
-    return f"{stem}-{digest}" if stem else f"ghost-{digest}"
-
-
-def to_time(at: float) -> str:
-    """Seconds since the epoch -> RFC 3339 UTC with microseconds (``2026-12-01T10:38:24.123456Z``)."""
-    return datetime.datetime.fromtimestamp(at, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def from_time(text: object) -> float | None:
-    """RFC 3339 (with or without a fraction) -> seconds since the epoch; None if absent or unreadable."""
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        value = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=datetime.timezone.utc)
-    return value.timestamp()
-
-
-# --- operations on a status (pure) ----------------------------------------------------------
-
-
-@dataclass
-class _Pending:
-    """What one guard process has to write for one identity: the spec (for a create) and operations."""
-
-    key: Key
-    spec: dict | None = None
-    ops: list[dict] = field(default_factory=list)
-    attempts: int = 0
-    since: float = 0.0  # monotonic: when the oldest pending operation arrived
-
-    def add(self, op: dict) -> None:
-        last = self.ops[-1] if self.ops else None
-        if op["op"] == "block" and last is not None and last["op"] == "block":  # a looping ghost: one counter
-            last["count"] += op["count"]
-            last["first"] = min(last["first"], op["first"])
-            last["last"] = max(last["last"], op["last"])
-            return
-        self.ops.append(op)
-        if len(self.ops) > MAX_OPS_PER_RECORD:  # bounded: drop the oldest probe (a newer one of it follows)
-            for i, o in enumerate(self.ops):
-                if o["op"] == "probe":
-                    del self.ops[i]
-                    break
-            else:
-                del self.ops[0]
-
-    def absorb(self, newer: _Pending) -> None:
-        """Put ``newer``'s operations after ours (a failed write goes back in front)."""
-        if self.spec is None:
-            self.spec = newer.spec
-        for op in newer.ops:
-            self.add(op)
-        self.since = min(self.since, newer.since) if self.since else newer.since
-
-
-def apply_ops(status: Mapping[str, Any] | None, ops: list[dict]) -> dict:
-    """The status after ``ops``, with the audit store's rules (guard/audit/sqlite.py's AuditStore):
-
-    - block: ``timesBlocked`` + count, ``firstSeen`` the oldest, ``lastSeen`` the newest; clears
-      ``retractedAt`` (a new, proven verdict);
-    - retract: sets ``retractedAt``, forgets the replica probes (no report names a replica);
-    - probe: ignored while retracted or older than the replica's newest; ``firstSeenServing``
-      when first seen serving (again, after a heal), ``healedAt`` when an answered probe finds it
-      no longer serving; a failed probe (``serves`` None) changes neither;
-    - heal: appended (the newest ``MAX_HEALS`` kept, a repeat of the same attempt once).
-    """
-    out: dict[str, Any] = {k: v for k, v in (status or {}).items()}
-    replicas = {r["replica"]: dict(r) for r in out.get("replicas") or [] if isinstance(r, dict) and r.get("replica")}
-    heals = [dict(h) for h in out.get("heals") or [] if isinstance(h, dict)]
-    for op in ops:
-        kind = op["op"]
-        if kind == "block":
-            out["timesBlocked"] = int(out.get("timesBlocked") or 0) + op["count"]
-            first, last = from_time(out.get("firstSeen")), from_time(out.get("lastSeen"))
-            out["firstSeen"] = to_time(op["first"] if first is None else min(first, op["first"]))
-            out["lastSeen"] = to_time(op["last"] if last is None else max(last, op["last"]))
-            out.pop("retractedAt", None)
-        elif kind == "retract":
-            out["retractedAt"] = to_time(op["at"])
-            replicas.clear()
-        elif kind == "probe":
-            if out.get("retractedAt"):
-                continue
-            _merge_probe(replicas, op)
-        elif kind == "heal":
-            entry = {"at": to_time(op["at"]), "action": op["action"][:64], "outcome": op["outcome"][:64],
-                     "detail": op["detail"][:512]}
-            if entry not in heals:
-                heals.append(entry)
-    ordered = sorted(replicas.values(), key=lambda r: r["replica"])[:MAX_REPLICAS]
-    out["replicas"] = ordered
-    out["staleReplicas"] = ",".join(r["replica"] for r in ordered if r.get("firstSeenServing") and not r.get("healedAt"))
-    heals.sort(key=lambda h: from_time(h["at"]) or 0.0)
-    out["heals"] = heals[-MAX_HEALS:]
-    return out
-
-
-def _merge_probe(replicas: dict[str, dict], op: dict) -> None:
-    at, serves = op["at"], op["serves"]
-    cur = replicas.get(op["replica"])
-    if cur is not None and (from_time(cur.get("lastChecked")) or 0.0) > at:
-        return  # an older probe than the one written
-    new = dict(cur or {"replica": op["replica"]})
-    new["serves"] = serves
-    for key, value in (("cacheResourceVersion", op["rv"]), ("error", op["error"])):
-        if value is None:
-            new.pop(key, None)
-        else:
-            new[key] = value
-    new["lastChecked"] = to_time(at)
-    if serves is True:
-        if cur is None or not cur.get("firstSeenServing") or cur.get("healedAt"):
-            new["firstSeenServing"] = to_time(at)
-        new.pop("healedAt", None)
-    elif serves is False and new.get("firstSeenServing") and not new.get("healedAt"):
-        new["healedAt"] = to_time(at)
-    replicas[op["replica"]] = new
-
-
-def status_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any], resource_version: str) -> dict:
-    """A JSON merge patch turning status ``old`` into ``new`` on exactly that resourceVersion."""
-    status: dict[str, Any] = dict(new)
-    for key in (old or {}):
-        if key not in new:
-            status[key] = None  # merge patch: null deletes
-    return {"metadata": {"resourceVersion": resource_version}, "status": status}
-
-
-def to_record(obj: Mapping[str, Any]) -> AuditRecord | None:
-    """A GhostPod object -> :class:`~guard.core.records.AuditRecord` (None if it is not one of ours)."""
-    meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
-    if not isinstance(spec, dict) or not isinstance(status, dict) or not spec.get("podUID"):
-        return None
-    created = from_time(meta.get("creationTimestamp")) or 0.0
-    first = from_time(status.get("firstSeen"))
-    last = from_time(status.get("lastSeen"))
-    replicas = []
-    for r in status.get("replicas") or []:
-        if not isinstance(r, dict) or not r.get("replica"):
-            continue
-        serves = r.get("serves")
-        replicas.append(ReplicaState(
-            replica=str(r["replica"]), serves=serves if isinstance(serves, bool) else None,
-            cache_resource_version=r.get("cacheResourceVersion"), error=r.get("error"),
-            last_checked=from_time(r.get("lastChecked")) or 0.0, first_seen_serving=from_time(r.get("firstSeenServing")),
-            healed_at=from_time(r.get("healedAt"))))
-    heals = tuple(HealAttempt(at=from_time(h.get("at")) or 0.0, action=str(h.get("action", "")),
-                              outcome=str(h.get("outcome", "")), detail=str(h.get("detail", "")))
-                  for h in status.get("heals") or [] if isinstance(h, dict))
-    raw_evidence = spec.get("evidence")
-    evidence: dict[str, Any] = raw_evidence if isinstance(raw_evidence, dict) else {}
-    return AuditRecord(
-        uid=str(spec["podUID"]), namespace=str(meta.get("namespace", "")), name=str(spec.get("podName", "")),
-        verdict=str(spec.get("verdict", "")), evidence=evidence,
-        first_seen=first if first is not None else created, last_seen=last if last is not None else created,
-        times_blocked=int(status.get("timesBlocked") or 0), replicas=tuple(sorted(replicas, key=lambda r: r.replica)),
-        retracted_at=from_time(status.get("retractedAt")), heals=heals)
-
-
-def record_status(record: AuditRecord) -> dict:
-    """The GhostPod status that says what ``record`` says (``audit export``)."""
-    ops: list[dict] = [{"op": "block", "count": record.times_blocked, "first": record.first_seen,
-                        "last": record.last_seen}]
-    status = apply_ops({}, ops)
-    status["replicas"] = [
-        {k: v for k, v in {"replica": r.replica, "serves": r.serves, "cacheResourceVersion": r.cache_resource_version,
-                           "error": r.error, "lastChecked": to_time(r.last_checked),
-                           "firstSeenServing": to_time(r.first_seen_serving) if r.first_seen_serving is not None else None,
-                           "healedAt": to_time(r.healed_at) if r.healed_at is not None else None}.items()
-         if v is not None or k == "serves"}
-        for r in record.replicas][:MAX_REPLICAS]
-    status["staleReplicas"] = ",".join(record.stale_replicas)
-    if record.retracted_at is not None:
-        status["retractedAt"] = to_time(record.retracted_at)
-    status["heals"] = [{"at": to_time(h.at), "action": h.action[:64], "outcome": h.outcome[:64], "detail": h.detail[:512]}
-                       for h in getattr(record, "heals", ())][-MAX_HEALS:]
-    return status
-
 
 # --- the store ----------------------------------------------------------------------------
 
@@ -288,7 +84,7 @@ class KubeAuditStore:
 
     writes_in_background = True  # a record call returns before the write: check() says how writes go
 
-    def __init__(self, api: GhostPods, *, max_age_seconds: float = 30 * 86400, max_records: int = 100_000,
+    def __init__(self, api: GhostPods, *, node_api: GhostPods | None = None, max_age_seconds: float = 30 * 86400, max_records: int = 100_000,
                  on_new: NewRecordHook | None = None, write_qps: float = 20.0, queue_size: int = 50_000, writers: int = 2,
                  min_interval: float = MIN_WRITE_INTERVAL, prune_interval: float = PRUNE_INTERVAL,
                  start: bool = True, clock: Callable[[], float] = time.time,
@@ -298,6 +94,8 @@ class KubeAuditStore:
         if not write_qps > 0 or queue_size < 1:
             raise ValueError("write_qps must be positive and queue_size at least 1")
         self.api = api
+        self.node_api = node_api if node_api is not None else GhostPods(api.kube, timeout=api.timeout,
+                                                                        list_timeout=api.list_timeout, nodes=True)
         self.path = "kubernetes"  # how AuditHealth names a store
         self.max_age_seconds = float(max_age_seconds)
         self.max_records = max_records
@@ -309,7 +107,7 @@ class KubeAuditStore:
         self._mono = monotonic
         self._rate = TokenBucket(write_qps, max(1, int(write_qps)), monotonic)
         self._cond = threading.Condition()
-        self._pending: dict[Key, _Pending] = {}
+        self._pending: dict[Key, Pending] = {}
         self._heap: list[tuple[float, int, Key]] = []  # (due, seq, key): when each pending identity may be written
         self._seq = 0
         self._in_flight: set[Key] = set()
@@ -341,9 +139,7 @@ class KubeAuditStore:
                      at: float) -> bool | None:
         """Queue one block of ``(namespace, name, uid)``. True the first time this process records it; None when
         it was dropped (the queue is full: counted, and ``check()`` says so)."""
-        check_text("uid", uid, MAX_UID)
-        check_text("namespace", namespace, MAX_NAMESPACE)
-        check_text("name", name, MAX_NAME)
+        identity(namespace, name, uid)
         if verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {', '.join(VERDICTS)}; not {verdict!r}")
         evidence_text = evidence_json(evidence, strict=False)
@@ -382,12 +178,61 @@ class KubeAuditStore:
         for key in keys:
             self._queue(key, dict(op), known_only=True)
 
-    def record_heal(self, *, uid: str, action: str, outcome: str, detail: str, at: float) -> None:
+    def record_heal(self, *, uid: str, action: str, outcome: str, detail: str, at: float,
+                    namespace: str | None = None, name: str | None = None) -> None:
         check_text("uid", uid, MAX_UID)
         op = {"op": "heal", "action": str(action), "outcome": str(outcome), "detail": str(detail),
               "at": check_time("at", at)}
-        for key in self._keys_of(uid):
+        keys = [identity(namespace, name, uid)] if namespace is not None and name is not None else self._keys_of(uid)
+        for key in keys:
             self._queue(key, dict(op), known_only=True)
+
+    # -- ghost Nodes: GhostNode objects (cluster-scoped), the same writers ------------------------
+
+    def record_node(self, *, name: str, uid: str, serving: Sequence[str], at: float, healed: Sequence[str] = (),
+                    evidence: Mapping[str, Any] | None = None) -> bool | None:
+        """Queue ghost Node ``(name, uid)`` as served by ``serving`` (one detection) and no longer served by
+        ``healed``. True the first time this process records it; None when dropped (queue full) or when
+        ``uid`` is unknown ("": the GhostNode is named by the identity)."""
+        key = node_identity(name, uid)
+        at = check_time("at", at)
+        if not uid:
+            return None
+        evidence = dict(evidence or {})
+        spec = node_spec(name, uid, evidence if evidence_json(evidence, strict=False) is not None else {"truncated": True})
+        ops: list[dict] = [{"op": "block", "counter": "timesDetected", "count": 1, "first": at, "last": at}] if serving else []
+        ops += [{"op": "probe", "replica": r, "serves": True, "rv": None, "error": None, "at": at} for r in serving]
+        ops += [{"op": "probe", "replica": r, "serves": False, "rv": None, "error": None, "at": at} for r in healed]
+        for r in [*serving, *healed]:
+            check_text("replica", r, MAX_REPLICA)
+        new: bool | None = None
+        for i, op in enumerate(ops):
+            got = self._queue(key, op, spec=spec) if i == 0 and serving else self._queue(key, op, known_only=True)
+            new = got if i == 0 else new
+        return new
+
+    def record_node_heal(self, *, name: str, uid: str, action: str, outcome: str, detail: str, at: float) -> None:
+        """Queue one heal attempt on the GhostNode of ``(name, uid)`` (written if the object exists)."""
+        key = node_identity(name, uid)
+        if not uid:
+            return
+        self._queue(key, {"op": "heal", "action": str(action), "outcome": str(outcome), "detail": str(detail),
+                          "at": check_time("at", at)})
+
+    def node_records(self, *, since: float | None = None, limit: int | None = None) -> list[NodeRecord]:
+        """Every GhostNode as a record, most recently seen first (the filters of the SQLite store's)."""
+        if since is not None:
+            since = check_time("since", since)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"limit must be a non-negative integer, not {limit!r}")
+        out = [r for r in (node_to_record(o) for o in self.objects(nodes=True))
+               if r is not None and (since is None or r.last_seen >= since)]
+        out.sort(key=lambda r: (-r.last_seen, r.name, r.uid))
+        return out if limit is None else out[:limit]
+
+    def _api_for(self, namespace: str) -> GhostPods:
+        """The GhostNode calls for a ghost Node's key (no namespace), else the GhostPod calls."""
+        return self.node_api if namespace == "" else self.api
 
     def _keys_of(self, uid: str) -> list[Key]:
         with self._cond:
@@ -413,7 +258,7 @@ class KubeAuditStore:
                     if self._dropped == 1 or self._dropped % 1000 == 0:
                         log.error("audit store: %s", self._problem)
                     return None
-                entry = self._pending[key] = _Pending(key, since=now)
+                entry = self._pending[key] = Pending(key, since=now)
                 if key not in self._in_flight:
                     self._schedule(key, now)
             if spec is not None and entry.spec is None:
@@ -466,7 +311,7 @@ class KubeAuditStore:
                 delay = 0.0 if self._flushing else self._rate.take()
             self._write_one(entry)
 
-    def _write_one(self, entry: _Pending) -> None:
+    def _write_one(self, entry: Pending) -> None:
         key = entry.key
         try:
             self._write(entry)
@@ -489,7 +334,7 @@ class KubeAuditStore:
             metrics.AUDIT_PENDING.set(len(self._pending))
         metrics.AUDIT_WRITES.labels("ok").inc()
 
-    def _failed(self, entry: _Pending, e: GhostPodError) -> None:
+    def _failed(self, entry: Pending, e: GhostPodError) -> None:
         key = entry.key
         metrics.AUDIT_WRITES.labels("retry" if e.transient else "rejected").inc()
         with self._cond:
@@ -517,16 +362,18 @@ class KubeAuditStore:
 
     def _create_or_get(self, namespace: str, obj_name: str, spec: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Create the object, or read it if another replica (or an earlier export) already did: (object, created)."""
+        api = self._api_for(namespace)
         try:
-            return self.api.create(namespace, self._new_object(namespace, obj_name, spec)), True
+            return api.create(namespace, self._new_object(namespace, obj_name, spec)), True
         except GhostPodError as e:
             if e.reason != "AlreadyExists":
                 raise
-            return self.api.get(namespace, obj_name), False
+            return api.get(namespace, obj_name), False
 
-    def _write(self, entry: _Pending) -> None:
+    def _write(self, entry: Pending) -> None:
         namespace, name, uid = entry.key
-        obj_name = object_name(namespace, name, uid)
+        obj_name = object_name(namespace, name, uid)  # a ghost Node's (namespace ""): node_object_name
+        api = self._api_for(namespace)
         with self._cond:
             obj = self._known.get(entry.key)
         created = False
@@ -542,18 +389,18 @@ class KubeAuditStore:
             new = apply_ops(old, entry.ops)
             rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
             try:
-                obj = self.api.patch_status(namespace, obj_name, status_patch(old, new, rv))
+                obj = api.patch_status(namespace, obj_name, status_patch(old, new, rv))
                 break
             except GhostPodError as e:
                 if e.reason == "Conflict":  # another replica wrote it: read it again, apply again
-                    obj = self.api.get(namespace, obj_name)
+                    obj = api.get(namespace, obj_name)
                     continue
                 if e.missing:  # deleted meanwhile (retention): create it again if we can
                     with self._cond:
                         self._known.pop(entry.key, None)
                     if entry.spec is None:
                         return
-                    obj = self.api.create(namespace, self._new_object(namespace, obj_name, entry.spec))
+                    obj = api.create(namespace, self._new_object(namespace, obj_name, entry.spec))
                     created = True
                     continue
                 raise
@@ -570,7 +417,7 @@ class KubeAuditStore:
 
     def _get_or_none(self, namespace: str, name: str) -> dict | None:
         try:
-            return self.api.get(namespace, name)
+            return self._api_for(namespace).get(namespace, name)
         except GhostPodError as e:
             if e.missing:
                 return None
@@ -578,6 +425,9 @@ class KubeAuditStore:
 
     @staticmethod
     def _new_object(namespace: str, name: str, spec: dict) -> dict:
+        if namespace == "":  # a ghost Node: cluster-scoped
+            return {"apiVersion": API_VERSION, "kind": NODE_KIND,
+                    "metadata": {"name": name, "labels": {LABEL_MANAGED_BY: "kube-ghost-guard"}}, "spec": spec}
         return {"apiVersion": API_VERSION, "kind": KIND,
                 "metadata": {"name": name, "namespace": namespace,
                              "labels": {LABEL_MANAGED_BY: "kube-ghost-guard"}},
@@ -640,18 +490,19 @@ class KubeAuditStore:
 
     # -- reads --------------------------------------------------------------------------------
 
-    def objects(self, namespace: str | None = None) -> list[dict]:
-        """Every GhostPod (of ``namespace``), page by page. Raises AuditError."""
+    def objects(self, namespace: str | None = None, *, nodes: bool = False) -> list[dict]:
+        """Every GhostPod (of ``namespace``), or with ``nodes`` every GhostNode, page by page. Raises AuditError."""
         out: list[dict] = []
         cont = None
+        api = self.node_api if nodes else self.api
         try:
             while True:
-                items, cont = self.api.list(namespace, cont=cont)
+                items, cont = api.list(namespace, cont=cont)
                 out += items
                 if not cont:
                     return out
         except GhostPodError as e:
-            raise AuditError(f"cannot read GhostPods: {e}") from e
+            raise AuditError(f"cannot read {'GhostNodes' if nodes else 'GhostPods'}: {e}") from e
 
     def records(self, *, namespace: str | None = None, verdict: str | None = None, replica: str | None = None,
                 since: float | None = None, limit: int | None = None, retracted: bool = False) -> list[AuditRecord]:
@@ -701,7 +552,7 @@ class KubeAuditStore:
             for _ in range(MAX_CONFLICT_RETRIES):
                 raw_status = obj.get("status")
                 old: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
-                new = _widen(old, want)
+                new = widen(old, want)
                 if new == old:
                     return created
                 try:
@@ -744,8 +595,33 @@ class KubeAuditStore:
                 if e.missing or e.reason == "Conflict":
                     continue  # another replica deleted it, or it was written since: keep it
                 raise AuditError(f"cannot prune GhostPods: {e}") from e
+        deleted += self._prune_nodes(now)
         if deleted:
             metrics.AUDIT_PRUNED.inc(deleted)
+        return deleted
+
+    def _prune_nodes(self, now: float) -> int:
+        """GhostNodes last seen before ``now - max_age_seconds`` (ghost Nodes are few: by age only), with the same
+        preconditions. A cluster without the GhostNode CRD (manifests/crd before ghost Nodes) has none to prune."""
+        try:
+            objs = self.objects(nodes=True)
+        except AuditError as e:
+            log.debug("GhostNodes not pruned: %s", e)
+            return 0
+        deleted = 0
+        for obj in objs:
+            rec = node_to_record(obj)
+            meta = obj.get("metadata") or {}
+            last = rec.last_seen if rec is not None else (from_time(meta.get("creationTimestamp")) or 0.0)
+            if last >= now - self.max_age_seconds:
+                continue
+            try:
+                self.node_api.delete("", str(meta.get("name", "")), uid=str(meta.get("uid", "")),
+                                     resource_version=str(meta.get("resourceVersion", "")))
+                deleted += 1
+            except GhostPodError as e:
+                if not (e.missing or e.reason == "Conflict"):
+                    raise AuditError(f"cannot prune GhostNodes: {e}") from e
         return deleted
 
     def _prune_safely(self) -> None:
@@ -791,29 +667,3 @@ class KubeAuditStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _widen(old: Mapping[str, Any], want: Mapping[str, Any]) -> dict:
-    """``old`` brought up to ``want`` without counting twice: the larger count, the wider time span, the
-    newer probe per replica, every heal once."""
-    out = dict(old)
-    out["timesBlocked"] = max(int(old.get("timesBlocked") or 0), int(want.get("timesBlocked") or 0))
-    for key, pick in (("firstSeen", min), ("lastSeen", max)):
-        times = [t for t in (from_time(old.get(key)), from_time(want.get(key))) if t is not None]
-        if times:
-            out[key] = to_time(pick(times))
-    if want.get("retractedAt") and not old.get("retractedAt"):
-        out["retractedAt"] = want["retractedAt"]
-    replicas = {r["replica"]: r for r in old.get("replicas") or [] if isinstance(r, dict) and r.get("replica")}
-    for r in want.get("replicas") or []:
-        cur = replicas.get(r["replica"])
-        if cur is None or (from_time(cur.get("lastChecked")) or 0.0) < (from_time(r.get("lastChecked")) or 0.0):
-            replicas[r["replica"]] = r
-    out["replicas"] = sorted(replicas.values(), key=lambda r: r["replica"])[:MAX_REPLICAS]
-    out["staleReplicas"] = ",".join(r["replica"] for r in out["replicas"] if r.get("firstSeenServing") and not r.get("healedAt"))
-    heals = [h for h in old.get("heals") or [] if isinstance(h, dict)]
-    for h in want.get("heals") or []:
-        if h not in heals:
-            heals.append(h)
-    heals.sort(key=lambda h: from_time(h.get("at")) or 0.0)
-    out["heals"] = heals[-MAX_HEALS:]
-    return out

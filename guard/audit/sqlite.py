@@ -14,10 +14,12 @@ gunicorn workers and several guard processes sharing one file:
   and never cross a ``fork()``: a connection opened in another process id is
   dropped (not closed: closing would touch the parent's locks) and reopened.
 
-Three tables: ``ghosts`` (one row per ghost UID), ``replica_observations``
-(one row per UID and apiserver replica: the newest probe of that replica's
+Three tables: ``ghosts`` (one row per ghost identity, the key of
+:data:`guard.core.records.Identity`: a Pod's (namespace, name, UID), ``kind = 'pod'``; a
+ghost Node's name and UID, ``kind = 'node'`` with an empty namespace), ``replica_observations``
+(one row per ghost and apiserver replica: the newest probe of that replica's
 watch cache, plus when it started serving the ghost and when it healed) and
-``heal_attempts`` (``serve --heal``). What a record holds, its field limits and
+``heal_attempts`` (``serve --heal``, ``heal node/NAME --audit-store``), both joined to ``ghosts.id``. What a record holds, its field limits and
 the errors are :mod:`guard.core.records`; this module maps them onto the tables
 (``SCHEMA_VERSION`` and the migrations below). A fourth table, ``meta``, is the
 ``/readyz`` write check's scratch row (``check``).
@@ -32,19 +34,19 @@ import os
 import sqlite3
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from guard.core.records import (
-    HEAL_ACTIONS, HEAL_OUTCOMES, MAX_ERROR, MAX_HEAL_DETAIL, MAX_HEALS_PER_GHOST, MAX_NAME, MAX_NAMESPACE, MAX_REPLICA,
-    MAX_RESOURCE_VERSION, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt, IdentityConflictError,
-    NewRecordHook, ReplicaState, UnknownGhostError, check_text, check_time, evidence_json,
+    HEAL_ACTIONS, HEAL_OUTCOMES, MAX_ERROR, MAX_HEAL_DETAIL, MAX_HEALS_PER_GHOST, MAX_NAMESPACE, MAX_REPLICA,
+    MAX_RESOURCE_VERSION, MAX_UID, NODE_VERDICT, VERDICTS, AuditError, AuditRecord, HealAttempt, NewRecordHook,
+    NodeRecord, ReplicaState, UnknownGhostError, check_text, check_time, evidence_json, identity, node_identity,
 )
 
 log = logging.getLogger("guard.audit")
 
 APPLICATION_ID: Final = 0x47474144  # "GGAD": marks the file as a ghost-guard audit store
-SCHEMA_VERSION: Final = 3  # 2: ghosts.retracted_at; 3: heal_attempts
+SCHEMA_VERSION: Final = 4  # 2: ghosts.retracted_at; 3: heal_attempts; 4: keyed by identity, ghost Nodes
 BUSY_TIMEOUT_SECONDS: Final = 5.0
 CHECK_BUSY_TIMEOUT_SECONDS: Final = 1.0
 PRUNE_EVERY_WRITES: Final = 1000
@@ -55,7 +57,9 @@ _INHERITED: list[sqlite3.Connection] = []
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS ghosts (
-    uid           TEXT PRIMARY KEY,
+    id            INTEGER PRIMARY KEY,
+    kind          TEXT NOT NULL DEFAULT 'pod',
+    uid           TEXT NOT NULL,
     namespace     TEXT NOT NULL,
     name          TEXT NOT NULL,
     verdict       TEXT NOT NULL,
@@ -63,12 +67,14 @@ CREATE TABLE IF NOT EXISTS ghosts (
     first_seen    REAL NOT NULL,
     last_seen     REAL NOT NULL,
     times_blocked INTEGER NOT NULL,
-    retracted_at  REAL
+    retracted_at  REAL,
+    UNIQUE (kind, namespace, name, uid)
 );
+CREATE INDEX IF NOT EXISTS ghosts_uid ON ghosts (uid);
 CREATE INDEX IF NOT EXISTS ghosts_last_seen ON ghosts (last_seen);
 CREATE INDEX IF NOT EXISTS ghosts_namespace ON ghosts (namespace, last_seen);
 CREATE TABLE IF NOT EXISTS replica_observations (
-    uid                    TEXT NOT NULL,
+    ghost                  INTEGER NOT NULL,
     replica                TEXT NOT NULL,
     serves                 INTEGER,
     cache_resource_version TEXT,
@@ -76,17 +82,17 @@ CREATE TABLE IF NOT EXISTS replica_observations (
     last_checked           REAL NOT NULL,
     first_seen_serving     REAL,
     healed_at              REAL,
-    PRIMARY KEY (uid, replica)
+    PRIMARY KEY (ghost, replica)
 );
 CREATE INDEX IF NOT EXISTS replica_observations_replica ON replica_observations (replica);
 CREATE TABLE IF NOT EXISTS heal_attempts (
-    uid     TEXT NOT NULL,
+    ghost   INTEGER NOT NULL,
     at      REAL NOT NULL,
     action  TEXT NOT NULL,
     outcome TEXT NOT NULL,
     detail  TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS heal_attempts_uid ON heal_attempts (uid, at);
+CREATE INDEX IF NOT EXISTS heal_attempts_ghost ON heal_attempts (ghost, at);
 """
 
 
@@ -103,8 +109,8 @@ class AuditStore:
     seen serving the ghost) before confirmed ones. :meth:`record_block` prunes by itself
     every 1000 writes or 60 s (of its ``at`` times), per process.
 
-    ``on_new`` (a :data:`guard.core.records.NewRecordHook`): called with each record
-    new to the file, after the commit that inserted it, once per UID across every
+    ``on_new`` (a :data:`guard.core.records.NewRecordHook`): called with each ghost Pod record
+    new to the file, after the commit that inserted it, once per identity across every
     process sharing the file (``guard.engine.incident`` writes the new-ghost line with it).
     """
 
@@ -137,50 +143,27 @@ class AuditStore:
     # -- writes ------------------------------------------------------------
 
     def record_block(self, *, uid: str, namespace: str, name: str, verdict: str, evidence: Mapping[str, Any], at: float) -> bool:
-        """Record that ghost ``uid`` was blocked at ``at``. True if the UID is new to the store.
+        """Record that ghost ``(namespace, name, uid)`` was blocked at ``at``. True if the identity is new to
+        the store (a UID recorded under another name is another record: a forged call's record never hides
+        the real pod's).
 
         Returns only after the commit is durable: that is the acknowledgement.
-        A known UID gets ``times_blocked + 1``, ``last_seen`` = the newest
+        A known identity gets ``times_blocked + 1``, ``last_seen`` = the newest
         ``at``, ``first_seen`` = the oldest, and the newest verdict. Evidence
         accumulates: the stored object is updated with the new one's keys
         (the newer write wins a key), so a later sighting that knows less
         keeps what the quorum GET said (if the merge would pass 4 KiB, the
         newer evidence alone is kept).
         """
-        check_text("uid", uid, MAX_UID)
-        check_text("namespace", namespace, MAX_NAMESPACE)
-        check_text("name", name, MAX_NAME)
+        key = identity(namespace, name, uid)
         if verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {', '.join(VERDICTS)}; not {verdict!r}")
-        evidence_text = evidence_json(evidence)
+        evidence_text = str(evidence_json(evidence))
         at = check_time("at", at)
         conn = self._connection()
         try:
             with _immediate(conn):
-                row = conn.execute("SELECT evidence, last_seen, namespace, name FROM ghosts WHERE uid = ?",
-                                   (uid,)).fetchone()
-                if row is not None and (row[2], row[3]) != (namespace, name):
-                    raise IdentityConflictError(f"uid {uid} is recorded as {row[2]}/{row[3]}, not {namespace}/{name}: "
-                                                f"not recorded")
-                if row is None:
-                    conn.execute(
-                        "INSERT INTO ghosts (uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked)"
-                        " VALUES (?, ?, ?, ?, ?, ?, ?, 1)",
-                        (uid, namespace, name, verdict, evidence_text, at, at),
-                    )
-                else:
-                    stored, last_seen = _load_evidence(row[0]), row[1]
-                    newest = at >= last_seen
-                    merged = {**stored, **evidence} if newest else {**evidence, **stored}
-                    merged_json = evidence_json(merged, strict=False) or (evidence_text if newest else row[0])
-                    conn.execute(
-                        "UPDATE ghosts SET retracted_at = NULL,"
-                        " verdict = CASE WHEN ? THEN ? ELSE verdict END, evidence = ?,"
-                        " first_seen = min(first_seen, ?), last_seen = max(last_seen, ?),"
-                        " times_blocked = times_blocked + 1"
-                        " WHERE uid = ?",
-                        (newest, verdict, merged_json, at, at, uid),
-                    )
+                row = self._upsert(conn, "pod", key, verdict, evidence, evidence_text, at, count=1)
         except sqlite3.Error as e:
             raise AuditError(f"cannot record block of {namespace}/{name} in {self.path}: {e}") from e
         new = row is None
@@ -190,21 +173,57 @@ class AuditStore:
         self._maybe_prune(at)
         return new
 
+    def _upsert(self, conn: sqlite3.Connection, kind: str, key: tuple[str, str, str], verdict: str,
+                evidence: Mapping[str, Any], evidence_text: str, at: float, *, count: int) -> tuple | None:
+        """Insert the identity's row, or count ``count`` more sightings and merge the evidence; the row as it
+        was (None: inserted). Within the caller's write transaction."""
+        namespace, name, uid = key
+        row = conn.execute("SELECT id, evidence, last_seen FROM ghosts WHERE kind = ? AND namespace = ? AND name = ?"
+                           " AND uid = ?", (kind, namespace, name, uid)).fetchone()
+        if row is None:
+            conn.execute(
+                "INSERT INTO ghosts (kind, uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (kind, uid, namespace, name, verdict, evidence_text, at, at, count),
+            )
+            return None
+        stored, last_seen = _load_evidence(row[1]), row[2]
+        newest = at >= last_seen
+        merged = {**stored, **evidence} if newest else {**evidence, **stored}
+        merged_json = evidence_json(merged, strict=False) or (evidence_text if newest else row[1])
+        conn.execute(
+            "UPDATE ghosts SET retracted_at = NULL,"
+            " verdict = CASE WHEN ? THEN ? ELSE verdict END, evidence = ?,"
+            " first_seen = min(first_seen, ?), last_seen = max(last_seen, ?),"
+            " times_blocked = times_blocked + ?"
+            " WHERE id = ?",
+            (newest, verdict, merged_json, at, at, count, row[0]),
+        )
+        return tuple(row)
+
+    @staticmethod
+    def _ids(conn: sqlite3.Connection, uid: str, namespace: str | None, name: str | None) -> list[int]:
+        """The ghost Pod rows of ``uid``: the one of that identity with ``namespace`` and ``name``, else every one."""
+        if namespace is not None and name is not None:
+            return [r[0] for r in conn.execute("SELECT id FROM ghosts WHERE kind = 'pod' AND uid = ? AND namespace = ?"
+                                               " AND name = ?", (uid, namespace, name))]
+        return [r[0] for r in conn.execute("SELECT id FROM ghosts WHERE kind = 'pod' AND uid = ?", (uid,))]
+
     def retract(self, *, uid: str, at: float, namespace: str | None = None, name: str | None = None) -> bool:
-        """Mark ghost ``uid``'s record retracted at ``at`` (etcd showed the pod pending after all) and
-        forget its replica probes, so that no report names a replica for it. True if there was a record.
-        A later block of the same UID (a new, proven verdict) clears the mark. With ``namespace`` and
-        ``name``, only a record of that identity is touched."""
+        """Mark the record of ghost ``(namespace, name, uid)`` retracted at ``at`` (etcd showed the pod pending
+        after all) and forget its replica probes, so that no report names a replica for it. True if there was
+        a record. A later block of the same identity (a new, proven verdict) clears the mark. Without
+        ``namespace`` and ``name``, every record of that UID is touched."""
         check_text("uid", uid, MAX_UID)
         at = check_time("at", at)
         conn = self._connection()
         try:
             with _immediate(conn):
-                row = conn.execute("SELECT namespace, name FROM ghosts WHERE uid = ?", (uid,)).fetchone()
-                if row is None or (namespace is not None and tuple(row) != (namespace, name)):
-                    return False
-                found = conn.execute("UPDATE ghosts SET retracted_at = ? WHERE uid = ?", (at, uid)).rowcount
-                conn.execute("DELETE FROM replica_observations WHERE uid = ?", (uid,))
+                ids = self._ids(conn, uid, namespace, name)
+                for ghost in ids:
+                    conn.execute("UPDATE ghosts SET retracted_at = ? WHERE id = ?", (at, ghost))
+                    conn.execute("DELETE FROM replica_observations WHERE ghost = ?", (ghost,))
+                found = len(ids)
         except sqlite3.Error as e:
             raise AuditError(f"cannot retract the record of {uid} in {self.path}: {e}") from e
         return bool(found)
@@ -213,73 +232,135 @@ class AuditStore:
                      namespace: str | None = None, name: str | None = None) -> None:
         """Record one probe of ``replica``'s watch cache for ghost ``uid``.
 
-        Keeps the newest probe per (uid, replica): a probe older than the one
+        Keeps the newest probe per (ghost, replica): a probe older than the one
         stored is ignored. ``first_seen_serving`` is set when the replica is
         first seen serving the ghost (again, after a heal); ``healed_at`` when a
         probe that answered finds it no longer serving it. A failed probe
         (``serves=None``) changes neither. ``error`` is clipped to 512
         characters. Raises :class:`UnknownGhostError` (an :class:`AuditError`
         and a :class:`LookupError`) if ``uid`` has no record. With ``namespace``
-        and ``name``, a record of another identity is left alone (no error).
+        and ``name``, only the record of that identity (none: left alone, no error); without, every record of
+        the UID.
         """
         check_text("uid", uid, MAX_UID)
         probe = _probe_row(replica, serves, cache_resource_version, error, at)
         conn = self._connection()
         try:
             with _immediate(conn):
-                row = conn.execute("SELECT retracted_at, namespace, name FROM ghosts WHERE uid = ?", (uid,)).fetchone()
-                if row is None:
+                if conn.execute("SELECT 1 FROM ghosts WHERE kind = 'pod' AND uid = ?", (uid,)).fetchone() is None:
                     raise UnknownGhostError(f"no audit record for uid {uid!r}: record_block first")
-                if row[0] is not None:  # withdrawn: a probe finishing late names no replica
-                    return
-                if namespace is not None and (row[1], row[2]) != (namespace, name):  # another pod's record
-                    return
-                conn.execute(
-                    "INSERT INTO replica_observations"
-                    " (uid, replica, serves, cache_resource_version, error, last_checked, first_seen_serving, healed_at)"
-                    " VALUES (?1, ?2, ?3, ?4, ?5, ?6, CASE WHEN ?3 = 1 THEN ?6 END, NULL)"
-                    " ON CONFLICT (uid, replica) DO UPDATE SET"
-                    "  serves = excluded.serves,"
-                    "  cache_resource_version = excluded.cache_resource_version,"
-                    "  error = excluded.error,"
-                    "  last_checked = excluded.last_checked,"
-                    "  first_seen_serving = CASE"
-                    "   WHEN ?3 = 1 AND (first_seen_serving IS NULL OR healed_at IS NOT NULL) THEN ?6"
-                    "   ELSE first_seen_serving END,"
-                    "  healed_at = CASE"
-                    "   WHEN ?3 = 1 THEN NULL"
-                    "   WHEN ?3 = 0 AND first_seen_serving IS NOT NULL AND healed_at IS NULL THEN ?6"
-                    "   ELSE healed_at END"
-                    " WHERE excluded.last_checked >= replica_observations.last_checked",
-                    (uid, *probe),
-                )
+                for ghost in self._ids(conn, uid, namespace, name):
+                    self._probe(conn, ghost, probe)
         except sqlite3.Error as e:
             raise AuditError(f"cannot record a probe of ghost {uid} in {self.path}: {e}") from e
 
-    def record_heal(self, *, uid: str, action: str, outcome: str, detail: str, at: float) -> None:
-        """Record one heal attempt of ghost ``uid`` (the newest MAX_HEALS_PER_GHOST are kept).
+    @staticmethod
+    def _probe(conn: sqlite3.Connection, ghost: int, probe: tuple) -> None:
+        """One probe of one replica on ghost row ``ghost`` (a retracted record takes none: a probe finishing
+        late names no replica). Within the caller's write transaction."""
+        if conn.execute("SELECT retracted_at FROM ghosts WHERE id = ?", (ghost,)).fetchone()[0] is not None:
+            return
+        conn.execute(
+            "INSERT INTO replica_observations"
+            " (ghost, replica, serves, cache_resource_version, error, last_checked, first_seen_serving, healed_at)"
+            " VALUES (?1, ?2, ?3, ?4, ?5, ?6, CASE WHEN ?3 = 1 THEN ?6 END, NULL)"
+            " ON CONFLICT (ghost, replica) DO UPDATE SET"
+            "  serves = excluded.serves,"
+            "  cache_resource_version = excluded.cache_resource_version,"
+            "  error = excluded.error,"
+            "  last_checked = excluded.last_checked,"
+            "  first_seen_serving = CASE"
+            "   WHEN ?3 = 1 AND (first_seen_serving IS NULL OR healed_at IS NOT NULL) THEN ?6"
+            "   ELSE first_seen_serving END,"
+            "  healed_at = CASE"
+            "   WHEN ?3 = 1 THEN NULL"
+            "   WHEN ?3 = 0 AND first_seen_serving IS NOT NULL AND healed_at IS NULL THEN ?6"
+            "   ELSE healed_at END"
+            " WHERE excluded.last_checked >= replica_observations.last_checked",
+            (ghost, *probe),
+        )
+
+    def record_heal(self, *, uid: str, action: str, outcome: str, detail: str, at: float,
+                    namespace: str | None = None, name: str | None = None) -> None:
+        """Record one heal attempt of ghost ``uid`` (the newest MAX_HEALS_PER_GHOST are kept): on the record of
+        that identity with ``namespace`` and ``name``, else on every record of the UID.
 
         Raises :class:`UnknownGhostError` if ``uid`` has no record, ValueError for an unknown
         ``action``/``outcome``; ``detail`` is clipped to 1024 characters."""
         check_text("uid", uid, MAX_UID)
-        if action not in HEAL_ACTIONS:
-            raise ValueError(f"action must be one of {', '.join(HEAL_ACTIONS)}; not {action!r}")
-        if outcome not in HEAL_OUTCOMES:
-            raise ValueError(f"outcome must be one of {', '.join(HEAL_OUTCOMES)}; not {outcome!r}")
-        if not isinstance(detail, str):
-            raise ValueError("detail must be a string")
-        at = check_time("at", at)
+        self._record_heal(lambda conn: self._ids(conn, uid, namespace, name), _heal_row(action, outcome, detail, at),
+                          f"no audit record for uid {uid!r}: record_block first", f"ghost {uid}")
+
+    def _record_heal(self, find: Callable[[sqlite3.Connection], list[int]], heal: tuple[float, str, str, str],
+                     missing: str, what: str) -> None:
+        """One heal attempt on every ghost row ``find`` names (UnknownGhostError ``missing`` when none)."""
         conn = self._connection()
         try:
             with _immediate(conn):
-                if conn.execute("SELECT 1 FROM ghosts WHERE uid = ?", (uid,)).fetchone() is None:
-                    raise UnknownGhostError(f"no audit record for uid {uid!r}: record_block first")
-                conn.execute("INSERT INTO heal_attempts (uid, at, action, outcome, detail) VALUES (?, ?, ?, ?, ?)",
-                             (uid, at, action, outcome, detail[:MAX_HEAL_DETAIL]))
-                conn.execute("DELETE FROM heal_attempts WHERE uid = ?1 AND rowid NOT IN (SELECT rowid FROM heal_attempts"
-                             " WHERE uid = ?1 ORDER BY at DESC, rowid DESC LIMIT ?2)", (uid, MAX_HEALS_PER_GHOST))
+                ids = find(conn)
+                if not ids:
+                    raise UnknownGhostError(missing)
+                for ghost in ids:
+                    self._heal(conn, ghost, heal)
         except sqlite3.Error as e:
-            raise AuditError(f"cannot record a heal of ghost {uid} in {self.path}: {e}") from e
+            raise AuditError(f"cannot record a heal of {what} in {self.path}: {e}") from e
+
+    @staticmethod
+    def _heal(conn: sqlite3.Connection, ghost: int, heal: tuple[float, str, str, str]) -> None:
+        conn.execute("INSERT INTO heal_attempts (ghost, at, action, outcome, detail) VALUES (?, ?, ?, ?, ?)",
+                     (ghost, *heal))
+        conn.execute("DELETE FROM heal_attempts WHERE ghost = ?1 AND rowid NOT IN (SELECT rowid FROM heal_attempts"
+                     " WHERE ghost = ?1 ORDER BY at DESC, rowid DESC LIMIT ?2)", (ghost, MAX_HEALS_PER_GHOST))
+
+    # -- ghost Nodes ---------------------------------------------------------
+
+    def record_node(self, *, name: str, uid: str, serving: Sequence[str], at: float, healed: Sequence[str] = (),
+                    evidence: Mapping[str, Any] | None = None) -> bool:
+        """Record ghost Node ``(name, uid)`` (a quorum read said etcd lacks it) as served by the replicas
+        ``serving`` at ``at``, and no longer served by ``healed``. True if the identity is new to the store.
+        Each call with replicas serving it counts one detection; the replicas are kept as probes are
+        (``first_seen_serving``, ``healed_at``)."""
+        key = node_identity(name, uid)
+        at = check_time("at", at)
+        evidence = dict(evidence or {})
+        evidence_text = str(evidence_json(evidence))
+        probes = [_probe_row(r, True, None, None, at) for r in serving] + [
+            _probe_row(r, False, None, None, at) for r in healed]
+        conn = self._connection()
+        try:
+            with _immediate(conn):
+                row = self._upsert(conn, "node", key, NODE_VERDICT, evidence, evidence_text, at, count=1 if serving else 0)
+                ghost = self._node_id(conn, name, uid)
+                for probe in probes:
+                    self._probe(conn, ghost, probe)
+        except sqlite3.Error as e:
+            raise AuditError(f"cannot record ghost Node {name} in {self.path}: {e}") from e
+        self._maybe_prune(at)
+        return row is None
+
+    def record_node_heal(self, *, name: str, uid: str, action: str, outcome: str, detail: str, at: float) -> None:
+        """Record one heal attempt of ghost Node ``(name, uid)``; with ``uid`` "", on every record of the name.
+        Raises :class:`UnknownGhostError` if there is none."""
+        node_identity(name, uid)
+        self._record_heal(lambda conn: [r[0] for r in conn.execute(
+            "SELECT id FROM ghosts WHERE kind = 'node' AND name = ? AND (uid = ? OR ? = '')", (name, uid, uid))],
+            _heal_row(action, outcome, detail, at), f"no audit record for ghost Node {name!r}", f"ghost Node {name}")
+
+    @staticmethod
+    def _node_id(conn: sqlite3.Connection, name: str, uid: str) -> int:
+        return int(conn.execute("SELECT id FROM ghosts WHERE kind = 'node' AND namespace = '' AND name = ? AND uid = ?",
+                                (name, uid)).fetchone()[0])
+
+    def node_records(self, *, since: float | None = None, limit: int | None = None) -> list[NodeRecord]:
+        """Ghost Node records, most recently seen first (``since``: last seen at or after it; ``limit``)."""
+        clauses, params = ["kind = 'node'"], []
+        if since is not None:
+            clauses.append("last_seen >= ?")
+            params.append(check_time("since", since))
+        _check_limit(limit)
+        return [NodeRecord(name=r.name, uid=r.uid, first_seen=r.first_seen, last_seen=r.last_seen,
+                           times_detected=r.times_blocked, evidence=r.evidence, replicas=r.replicas, heals=r.heals)
+                for r in self._select(" AND ".join(clauses), params, limit=limit)]
 
     def prune(self, *, now: float) -> int:
         """Drop records last seen before ``now - max_age_seconds``, then, beyond ``max_records``, the least
@@ -296,14 +377,14 @@ class AuditStore:
                 # the most recently seen first within each (guard.core.flood.prune_key): a flood of forged names
                 # never pushes out the records that name a stale replica.
                 by_count = conn.execute(
-                    "DELETE FROM ghosts WHERE uid IN (SELECT uid FROM ghosts ORDER BY EXISTS (SELECT 1 FROM"
-                    " replica_observations r WHERE r.uid = ghosts.uid AND r.first_seen_serving IS NOT NULL) DESC,"
-                    " last_seen DESC, uid LIMIT -1 OFFSET ?)",
+                    "DELETE FROM ghosts WHERE id IN (SELECT id FROM ghosts ORDER BY EXISTS (SELECT 1 FROM"
+                    " replica_observations r WHERE r.ghost = ghosts.id AND r.first_seen_serving IS NOT NULL) DESC,"
+                    " last_seen DESC, uid, id LIMIT -1 OFFSET ?)",
                     (self.max_records,),
                 ).rowcount
                 if by_age or by_count:
-                    conn.execute("DELETE FROM replica_observations WHERE uid NOT IN (SELECT uid FROM ghosts)")
-                    conn.execute("DELETE FROM heal_attempts WHERE uid NOT IN (SELECT uid FROM ghosts)")
+                    conn.execute("DELETE FROM replica_observations WHERE ghost NOT IN (SELECT id FROM ghosts)")
+                    conn.execute("DELETE FROM heal_attempts WHERE ghost NOT IN (SELECT id FROM ghosts)")
         except sqlite3.Error as e:
             raise AuditError(f"cannot prune {self.path}: {e}") from e
         return by_age + by_count
@@ -327,7 +408,7 @@ class AuditStore:
         ``limit`` (at most that many records); ``retracted`` (also records whose
         verdict was withdrawn; left out by default).
         """
-        clauses: list[str] = [] if retracted else ["retracted_at IS NULL"]
+        clauses: list[str] = ["kind = 'pod'"] + ([] if retracted else ["retracted_at IS NULL"])
         params: list[Any] = []
         if namespace is not None:
             check_text("namespace", namespace, MAX_NAMESPACE)
@@ -340,23 +421,21 @@ class AuditStore:
             params.append(verdict)
         if replica is not None:
             check_text("replica", replica, MAX_REPLICA)
-            clauses.append("uid IN (SELECT uid FROM replica_observations WHERE replica = ? AND first_seen_serving IS NOT NULL)")
+            clauses.append("id IN (SELECT ghost FROM replica_observations WHERE replica = ? AND first_seen_serving IS NOT NULL)")
             params.append(replica)
         if since is not None:
             clauses.append("last_seen >= ?")
             params.append(check_time("since", since))
-        if limit is not None:
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-                raise ValueError(f"limit must be a non-negative integer, not {limit!r}")
+        _check_limit(limit)
         return self._select(" AND ".join(clauses), params, limit=limit)
 
     def _select(self, where: str, params: list[Any], *, limit: int | None) -> list[AuditRecord]:
         # ``where`` is built from fixed clause texts only; every value is bound.
-        sql = ("SELECT uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked, retracted_at"
+        sql = ("SELECT id, uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked, retracted_at"
                " FROM ghosts")
         if where:
             sql += " WHERE " + where
-        sql += " ORDER BY last_seen DESC, uid"
+        sql += " ORDER BY last_seen DESC, uid, id"
         if limit is not None:
             sql += " LIMIT ?"
             params = [*params, limit]
@@ -382,17 +461,17 @@ class AuditStore:
                 first_seen=fs,
                 last_seen=ls,
                 times_blocked=tb,
-                replicas=tuple(replicas.get(uid, ())),
+                replicas=tuple(replicas.get(ghost, ())),
                 retracted_at=ra,
-                heals=tuple(heals.get(uid, ())),
+                heals=tuple(heals.get(ghost, ())),
             )
-            for uid, ns, nm, vd, ev, fs, ls, tb, ra in rows
+            for ghost, uid, ns, nm, vd, ev, fs, ls, tb, ra in rows
         ]
 
     def record(self, uid: str) -> AuditRecord | None:
-        """The record of ghost ``uid``, or None (e.g. to decide on a re-probe with ``should_reprobe``)."""
+        """The most recently seen record of a ghost Pod with this UID (any name), or None."""
         check_text("uid", uid, MAX_UID)
-        found = self._select("uid = ?", [uid], limit=1)
+        found = self._select("kind = 'pod' AND uid = ?", [uid], limit=1)
         return found[0] if found else None
 
     def check(self) -> str | None:
@@ -491,7 +570,8 @@ class AuditStore:
                     raise AuditPathError(f"{self.path} is an SQLite database of another program (application_id {app_id}, {tables} schema objects)")
             if app_id == APPLICATION_ID and version == 1:  # 1 -> 2: a verdict can be withdrawn
                 conn.execute("ALTER TABLE ghosts ADD COLUMN retracted_at REAL")
-            # 2 -> 3: heal attempts (serve --heal) get their own table, created with the schema below
+            if app_id == APPLICATION_ID and version < 4:  # 2 -> 3: heal attempts; 3 -> 4: keyed by identity
+                _migrate_to_identity(conn)
 
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
@@ -501,8 +581,8 @@ class AuditStore:
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @staticmethod
-    def _replica_rows(conn: sqlite3.Connection, uids: list[str]) -> dict[str, list[ReplicaState]]:
-        out: dict[str, list[ReplicaState]] = {}
+    def _replica_rows(conn: sqlite3.Connection, uids: list[int]) -> dict[int, list[ReplicaState]]:
+        out: dict[int, list[ReplicaState]] = {}
         if not uids:
             return out
         # Bound the number of parameters per statement (SQLite's limit is 32766).
@@ -510,8 +590,8 @@ class AuditStore:
             chunk = uids[start : start + 500]
             marks = ",".join("?" * len(chunk))  # placeholders only; values are bound
             for uid, replica, serves, rv, error, checked, first_serving, healed_at in conn.execute(
-                "SELECT uid, replica, serves, cache_resource_version, error, last_checked, first_seen_serving, healed_at"
-                f" FROM replica_observations WHERE uid IN ({marks}) ORDER BY uid, replica",
+                "SELECT ghost, replica, serves, cache_resource_version, error, last_checked, first_seen_serving, healed_at"
+                f" FROM replica_observations WHERE ghost IN ({marks}) ORDER BY ghost, replica",
                 chunk,
             ):
                 out.setdefault(uid, []).append(
@@ -528,13 +608,14 @@ class AuditStore:
         return out
 
     @staticmethod
-    def _heal_rows(conn: sqlite3.Connection, uids: list[str]) -> dict[str, list[HealAttempt]]:
-        out: dict[str, list[HealAttempt]] = {}
+    def _heal_rows(conn: sqlite3.Connection, uids: list[int]) -> dict[int, list[HealAttempt]]:
+        out: dict[int, list[HealAttempt]] = {}
         for start in range(0, len(uids), 500):
             chunk = uids[start : start + 500]
             marks = ",".join("?" * len(chunk))  # placeholders only; values are bound
             for uid, at, action, outcome, detail in conn.execute(
-                f"SELECT uid, at, action, outcome, detail FROM heal_attempts WHERE uid IN ({marks}) ORDER BY uid, at, rowid",
+                f"SELECT ghost, at, action, outcome, detail FROM heal_attempts WHERE ghost IN ({marks})"
+                " ORDER BY ghost, at, rowid",
                 chunk,
             ):
                 out.setdefault(uid, []).append(HealAttempt(at, action, outcome, detail))
@@ -586,6 +667,53 @@ class _immediate:
             self.conn.execute("COMMIT")
         elif self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
+
+
+def _migrate_to_identity(conn: sqlite3.Connection) -> None:
+    """Schema 2 or 3 -> 4, in the caller's write transaction: ``ghosts`` keyed by UID becomes keyed by identity
+    (an ``id``, ``kind``, unique (kind, namespace, name, uid)); its replica rows and heal attempts follow their
+    ghost's new ``id``. Every record is kept as it was (each UID had one identity)."""
+    conn.execute("ALTER TABLE ghosts RENAME TO ghosts_v3")
+    conn.execute("DROP INDEX IF EXISTS ghosts_last_seen")
+    conn.execute("DROP INDEX IF EXISTS ghosts_namespace")
+    conn.execute("ALTER TABLE replica_observations RENAME TO replica_observations_v3")
+    conn.execute("DROP INDEX IF EXISTS replica_observations_replica")
+    has_heals = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'heal_attempts'").fetchone()
+    if has_heals:
+        conn.execute("ALTER TABLE heal_attempts RENAME TO heal_attempts_v3")
+        conn.execute("DROP INDEX IF EXISTS heal_attempts_uid")
+    for statement in _SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute("INSERT INTO ghosts (kind, uid, namespace, name, verdict, evidence, first_seen, last_seen, times_blocked,"
+                 " retracted_at) SELECT 'pod', uid, namespace, name, verdict, evidence, first_seen, last_seen,"
+                 " times_blocked, retracted_at FROM ghosts_v3")
+    conn.execute("INSERT INTO replica_observations (ghost, replica, serves, cache_resource_version, error, last_checked,"
+                 " first_seen_serving, healed_at) SELECT g.id, r.replica, r.serves, r.cache_resource_version, r.error,"
+                 " r.last_checked, r.first_seen_serving, r.healed_at FROM replica_observations_v3 r"
+                 " JOIN ghosts g ON g.kind = 'pod' AND g.uid = r.uid")
+    if has_heals:
+        conn.execute("INSERT INTO heal_attempts (ghost, at, action, outcome, detail) SELECT g.id, h.at, h.action,"
+                     " h.outcome, h.detail FROM heal_attempts_v3 h JOIN ghosts g ON g.kind = 'pod' AND g.uid = h.uid"
+                     " ORDER BY h.rowid")
+        conn.execute("DROP TABLE heal_attempts_v3")
+    conn.execute("DROP TABLE replica_observations_v3")
+    conn.execute("DROP TABLE ghosts_v3")
+
+
+def _check_limit(limit: object) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be a non-negative integer, not {limit!r}")
+
+
+def _heal_row(action: object, outcome: object, detail: object, at: object) -> tuple[float, str, str, str]:
+    if action not in HEAL_ACTIONS:
+        raise ValueError(f"action must be one of {', '.join(HEAL_ACTIONS)}; not {action!r}")
+    if outcome not in HEAL_OUTCOMES:
+        raise ValueError(f"outcome must be one of {', '.join(HEAL_OUTCOMES)}; not {outcome!r}")
+    if not isinstance(detail, str):
+        raise ValueError("detail must be a string")
+    return (check_time("at", at), str(action), str(outcome), detail[:MAX_HEAL_DETAIL])
 
 
 def _probe_row(replica: str, serves: object, cache_resource_version: object, error: object, at: object) -> tuple[str, int | None, str | None, str | None, float]:

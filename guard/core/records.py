@@ -2,8 +2,11 @@
 
 Pure: no I/O and no clock. The one module to open to change what a record holds:
 
-- the record types: :class:`AuditRecord` (one blocked ghost Pod), :class:`ReplicaState`
-  (one apiserver replica's newest cache probe for it), :class:`HealAttempt` (one heal);
+- the record types: :class:`AuditRecord` (one blocked ghost Pod), :class:`NodeRecord` (one ghost
+  Node), :class:`ReplicaState` (one apiserver replica's newest cache probe for either),
+  :class:`HealAttempt` (one heal);
+- the identity a record is keyed by in both stores (:func:`identity`, :func:`node_identity`): a ghost
+  Pod's (namespace, name, UID), a ghost Node's name and UID;
 - the vocabularies and limits of their fields (verdicts, heal actions and outcomes,
   lengths, the evidence's 4 KiB) and the checks that enforce them (:func:`check_text`,
   :func:`check_time`, :func:`evidence_json`);
@@ -124,6 +127,62 @@ class AuditRecord:
     def stale_replicas(self) -> list[str]:
         """Replicas seen serving this ghost and not healed since, sorted."""
         return sorted(r.replica for r in self.replicas if r.stale)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """One ghost Node (a Node deleted in etcd, still served by some replica's watch cache), deduplicated by
+    identity (name, UID). ``replicas``: the replicas seen serving it (``first_seen_serving``) and, once a
+    later look found one no longer serving it, ``healed_at``. ``times_detected``: how many times the guard
+    confirmed it (a quorum read said NotFound while a replica served it); ``heals``: ``heal node/NAME``
+    attempts recorded with the store named."""
+
+    name: str
+    uid: str
+    first_seen: float
+    last_seen: float
+    times_detected: int
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    replicas: tuple[ReplicaState, ...] = field(default=())
+    heals: tuple[HealAttempt, ...] = field(default=())
+
+    @property
+    def stale_replicas(self) -> list[str]:
+        """Replicas seen serving this ghost Node and not healed since, sorted."""
+        return sorted(r.replica for r in self.replicas if r.stale)
+
+
+NODE_VERDICT: Final = "ghost-node"
+"""The verdict a ghost Node's record carries (in SQLite's ``verdict`` column, and as ``audit``'s words)."""
+
+Identity = tuple[str, str, str]
+"""What both stores key a record by: (namespace, name, UID); ("", name, UID) for a ghost Node (a Pod's
+namespace is never empty). Two calls naming one UID under two names are two records: a forged name
+can never hide, merge into or move a real ghost's record."""
+
+
+def identity(namespace: str, name: str, uid: str) -> Identity:
+    """A ghost Pod's identity, checked (ValueError for a field a store refuses)."""
+    check_text("uid", uid, MAX_UID)
+    check_text("namespace", namespace, MAX_NAMESPACE)
+    check_text("name", name, MAX_NAME)
+    return (namespace, name, uid)
+
+
+def node_identity(name: str, uid: str) -> Identity:
+    """A ghost Node's identity, checked. ``uid`` is "" when no replica told it (the record is then the name's)."""
+    check_text("node name", name, MAX_NAME)
+    if uid:
+        check_text("node uid", uid, MAX_UID)
+    return ("", name, uid)
+
+
+def node_heal_attempt(outcome: str) -> tuple[str, str] | None:
+    """``heal node/NAME``'s outcome (guard/engine/node_healer.py) as a recorded heal (action, outcome), or None
+    for an attempt that wrote nothing and found nothing to heal (consistent, unreadable, a dry run)."""
+    return {"healed": ("placeholder", "healed"), "timeout": ("placeholder", "timeout"),
+            "failed": ("placeholder", "failed"), "refused": ("placeholder", "refused"),
+            "etcd-has-it": ("none", "alive")}.get(outcome)
 
 
 NewRecordHook = Callable[[AuditRecord], None]

@@ -32,7 +32,7 @@ from guard.core.attribution import (
     stale_replicas,
 )
 from guard.core.names import pastable, shell_line, visible
-from guard.core.records import AuditRecord
+from guard.core.records import AuditRecord, NodeRecord
 
 OUTPUTS: Final = ("table", "json", "jsonl")
 SCHEDULER_ISSUE: Final = "kubernetes#123072"
@@ -540,4 +540,71 @@ def render_ghost_nodes(ghosts: Sequence[Mapping[str, Any]], errors: Sequence[str
                       "etcd); kube-scheduler drops the Node once the replica it reads no longer serves it."]
     for e in errors:
         lines.append(f"  (not checked: {visible(e)})")
+    return "\n".join(lines) + "\n"
+
+
+# -- ghost Nodes in the audit store (``audit --nodes``, ``report``) ---------------------------------
+
+
+def node_record_to_dict(record: NodeRecord) -> dict[str, Any]:
+    """The JSON shape of one ghost Node record (``audit --nodes -o json|jsonl``, ``report -o json``)."""
+    return {
+        "node": record.name,
+        "uid": record.uid,
+        "evidence": dict(record.evidence),
+        "first_seen": format_time(record.first_seen),
+        "last_seen": format_time(record.last_seen),
+        "times_detected": record.times_detected,
+        "stale_replicas": record.stale_replicas,
+        "replicas": [{"replica": r.replica,
+                      "first_seen_serving": format_time(r.first_seen_serving) if r.first_seen_serving is not None else None,
+                      "healed_at": format_time(r.healed_at) if r.healed_at is not None else None}
+                     for r in sorted(record.replicas, key=lambda r: r.replica)],
+        "heals": [{"at": format_time(h.at), "action": h.action, "outcome": h.outcome, "detail": h.detail}
+                  for h in record.heals],
+    }
+
+
+NODE_COLUMNS: Final = ("LAST SEEN", "NODE", "DETECTED", "FIRST SEEN", "STALE REPLICAS", "HEALED REPLICAS", "UID")
+
+
+def _node_rows(records: Sequence[NodeRecord]) -> list[Sequence[object]]:
+    return [(format_time(r.last_seen), visible(r.name), r.times_detected, format_time(r.first_seen),
+             ",".join(r.stale_replicas) or "-",
+             ",".join(sorted(x.replica for x in r.replicas if x.healed_at is not None and not x.stale)) or "-",
+             visible(r.uid) or "-") for r in records]
+
+
+def render_node_records(records: Sequence[NodeRecord], output: str = "table") -> str:
+    """``ghost-guard audit --nodes`` output: the ghost Node records, as ``audit``'s pod records."""
+    _check_output(output)
+    if output == "json":
+        return _dumps([node_record_to_dict(r) for r in records]) + "\n"
+    if output == "jsonl":
+        return "".join(json.dumps(node_record_to_dict(r), separators=(",", ":"), allow_nan=False) + "\n"
+                       for r in records)
+    if not records:
+        return "no ghost Node records match\n"
+    lines = _table(NODE_COLUMNS, _node_rows(records))
+    heals = sorted(((r, h) for r in records for h in r.heals), key=lambda rh: -rh[1].at)
+    if heals:
+        lines += ["", "Heal attempts (ghost-guard heal node/NAME), newest first:"] + _table(
+            ("NODE", "UID", "AT", "ACTION", "OUTCOME", "DETAIL"),
+            [(f"node/{visible(r.name)}", visible(r.uid) or "-", format_time(h.at), h.action, h.outcome, h.detail)
+             for r, h in heals], indent="  ")
+    return "\n".join(lines) + "\n"
+
+
+def render_node_report(records: Sequence[NodeRecord]) -> str:
+    """``ghost-guard report``'s section on the ghost Nodes the guard recorded (nothing when there is none): the
+    ones a replica still serves, with the heal to run, then the healed ones."""
+    if not records:
+        return ""
+    stale = [r for r in records if r.stale_replicas]
+    lines = ["Ghost Nodes recorded by the guard (deleted in etcd, served by a replica's cache; refused as "
+             "candidates with --ghost-nodes):"]
+    lines += _table(NODE_COLUMNS, _node_rows(records), indent="  ")
+    if stale:
+        lines += ["", "Remediation for ghost Nodes (no restart: a placeholder Node created and deleted under the name):"]
+        lines += [f"  ghost-guard heal node/{visible(r.name)}" for r in stale]
     return "\n".join(lines) + "\n"

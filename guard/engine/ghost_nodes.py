@@ -8,8 +8,10 @@ all beyond the watches, and none per pod; the scheduling path only reads ``ghost
 mapping replaced whole on each change: no lock, no work when it is empty).
 
 A confirmed ghost Node is attributed to the replicas serving it: a log line,
-``ghost_guard_ghost_nodes{replica}``, ``ghost_guard_ghost_node_detections_total{replica}``
-and a ``GhostNode`` Warning Event on the Node. A read that fails leaves the Node passing
+``ghost_guard_ghost_nodes{replica}``, ``ghost_guard_ghost_node_detections_total{replica}``,
+a ``GhostNode`` Warning Event on the Node, and the audit store's record of the ghost Node
+(``record_node``: its name and UID, as a serving replica's cache has it, and those replicas; once per
+identity, each replica marked healed when it no longer serves it). A read that fails leaves the Node passing
 (fail open), counted in ``ghost_guard_node_reads_total{outcome="error"}``.
 """
 
@@ -21,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from guard import metrics
+from guard.audit.backend import GuardAudit
 from guard.kube.reads import Kube
 from guard.kube.watch import ReplicaClient, WatchExpired
 from guard.kube.writes import emit_node_event
@@ -40,7 +43,8 @@ class GhostNodes:
     """The ghost Nodes every apiserver replica serves, for ``/filter`` and ``/preempt``."""
 
     def __init__(self, kube: Kube, pool: ReplicaPool, *, knowledge: NodeKnowledge | None = None,
-                 clock: Callable[[], float] = time.monotonic, events: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, events: bool = True,
+                 audit: GuardAudit | None = None) -> None:
         self.kube = kube
         self.pool = pool
         self.knowledge = knowledge or NodeKnowledge()
@@ -52,6 +56,8 @@ class GhostNodes:
         self._watchers: dict[str, tuple[ReplicaClient, threading.Thread, threading.Event]] = {}
         self._up: dict[str, bool] = {}
         self._reported: set[tuple[str, str]] = set()  # (name, replica) whose detection was counted
+        self._audit = audit
+        self._uids: dict[str, str] = {}  # ghost Node name -> the UID its record was written under
 
     @property
     def ghosts(self) -> Mapping[str, GhostNode]:
@@ -106,6 +112,7 @@ class GhostNodes:
                     ghost.name, ", ".join(ghost.replicas), ghost.name)
         for replica in fresh:
             metrics.GHOST_NODE_DETECTIONS.labels(replica).inc()
+        self._record(ghost)
         if self._events:
             try:
                 emit_node_event(self.kube, ghost.name, "GhostNode",
@@ -115,13 +122,49 @@ class GhostNodes:
             except Exception as e:  # an Event is information: never a reason to fail
                 log.warning("could not record a GhostNode Event for %s: %s", ghost.name, str(e)[:200])
 
+    def _record(self, ghost: GhostNode) -> None:
+        """The audit record of a confirmed ghost Node: its UID from a replica serving it (the etcd read said 404:
+        only a stale cache still knows it), the replicas serving it."""
+        if self._audit is None:
+            return
+        uid = self._uids.get(ghost.name)
+        if uid is None:
+            clients = {c.replica.address: c for c in self.pool.clients()}
+            for replica in ghost.replicas:
+                client = clients.get(replica)
+                got = client.node_uid(ghost.name) if client is not None else None
+                if got:
+                    uid = got
+                    break
+            uid = uid or ""  # no replica told it (it healed meanwhile, or did not answer): the name's record
+            if len(self._uids) > 10_000:
+                self._uids.clear()
+            self._uids[ghost.name] = uid
+        name, replicas = ghost.name, list(ghost.replicas)
+        self._audit.write("node", f"ghost Node {name}", lambda store: store.record_node(
+            name=name, uid=uid, serving=replicas, at=time.time(),
+            evidence={"quorum_get": {"outcome": "not-found"}, "served_by": replicas}))
+
     def _export(self, clients: Mapping[str, ReplicaClient]) -> None:
         ghosts = self.knowledge.ghosts
         for address in clients:
             served = sum(1 for g in ghosts.values() if address in g.replicas)
             metrics.GHOST_NODES.labels(address).set(served)
             metrics.NODE_WATCH_UP.labels(address).set(1 if self._up.get(address) else 0)
-        self._reported = {(n, r) for n, r in self._reported if n in ghosts}
+        healed: dict[str, list[str]] = {}  # a replica that served a ghost Node and no longer does
+        for n, r in self._reported:
+            if n not in ghosts or r not in ghosts[n].replicas:
+                healed.setdefault(n, []).append(r)
+        self._reported = {(n, r) for n, r in self._reported if n in ghosts and r in ghosts[n].replicas}
+        for name, replicas in healed.items():
+            uid = self._uids.get(name, "") if name in ghosts else self._uids.pop(name, "")
+            log.info("ghost Node %s is no longer served by %s", name, ", ".join(sorted(replicas)))
+            self._record_healed(name, uid, sorted(replicas))
+
+    def _record_healed(self, name: str, uid: str, replicas: list[str]) -> None:
+        if self._audit is not None:
+            self._audit.write("node", f"ghost Node {name}", lambda store: store.record_node(
+                name=name, uid=uid, serving=[], healed=replicas, at=time.time()))
 
     # --- one replica's Nodes ----------------------------------------------------------------------
 

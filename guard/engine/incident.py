@@ -36,13 +36,13 @@ from collections.abc import Callable
 from guard import metrics
 from guard.core import attribution
 from guard.core.attribution import ReplicaObservation
-from guard.audit.backend import AuditBackend, describe, open_store
+from guard.audit.backend import AuditBackend, GuardAudit
 from guard.engine.background import Background
 from guard.engine.checker import Checker
 from guard.kube.reads import Kube
 from guard.kube.watch import ReplicaClient
 from guard.kube.writes import emit_event
-from guard.core.records import AuditError, AuditRecord, IdentityConflictError, UnknownGhostError, block_evidence
+from guard.core.records import AuditRecord, block_evidence
 from guard.engine.replicas import ReplicaPool
 from guard.core.rendering import format_time, new_ghost_line
 from guard.core.settings import Settings
@@ -69,63 +69,6 @@ def announce_new_ghost(record: AuditRecord) -> None:
         log.warning("cannot write new-ghost line: %s", e)
 
 
-def open_audit_store(settings: Settings) -> tuple[AuditBackend | None, str | None]:
-    """The audit store ``--audit-store`` names (announcing each new ghost on stdout), or None and why it cannot
-    be opened."""
-    try:
-        return open_store(settings.audit_store, settings.audit_db, kubeconfig=settings.kubeconfig,
-                          max_age_seconds=settings.audit_max_age, max_records=settings.audit_max_records,
-                          on_new=announce_new_ghost, write_qps=settings.audit_write_qps,
-                          queue_size=settings.audit_queue_size, write_interval=settings.audit_write_interval), None
-    except (AuditError, OSError, ValueError) as e:
-        named = f"audit store {describe(settings.audit_store, settings.audit_db)}: "  # AuditHealth names the store
-        return None, str(e)[len(named):] if str(e).startswith(named) else str(e)
-
-
-class AuditHealth:
-    """Whether the audit store takes writes, shown three ways and never as a readiness problem
-    (verdicts do not need the store): ``ghost_guard_audit_store_healthy``, one log line per
-    change of state (not per write), and a detail in ``/readyz``'s body."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self.healthy: bool | None = None
-        self.error: str | None = None
-        self.since = time.time()
-        self.failures = 0
-
-    def ok(self) -> None:
-        if self.healthy is True:  # the common case, without the lock
-            return
-        with self._lock:
-            was, self.healthy, self.error = self.healthy, True, None
-            if was is True:
-                return
-            self.since = time.time()
-        metrics.AUDIT_STORE_HEALTHY.set(1)
-        if was is False:
-            log.warning("audit store %s is writable again: ghosts are recorded again", self.path)
-
-    def failed(self, operation: str, error: str) -> None:
-        metrics.AUDIT_WRITE_ERRORS.labels(operation).inc()
-        with self._lock:
-            self.failures += 1
-            changed = self.healthy is not False
-            self.healthy, self.error = False, error[:500]
-            if changed:
-                self.since = time.time()
-        if changed:
-            metrics.AUDIT_STORE_HEALTHY.set(0)
-            log.error("audit store %s cannot be written (%s): ghosts are still blocked, but not recorded until it "
-                      "can; readiness is not affected", self.path, error[:500])
-
-    def detail(self) -> dict:
-        with self._lock:
-            return {"path": self.path, "writable": self.healthy, "error": self.error, "since": format_time(self.since),
-                    "failures": self.failures}
-
-
 class IncidentRecorder:
     """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
 
@@ -134,14 +77,15 @@ class IncidentRecorder:
     one that records the delay).
     """
 
-    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditBackend | None, *,
+    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: GuardAudit | AuditBackend | None, *,
                  retract: Callable[[PodRef], bool] | None = None,
                  later: Callable[..., None] | None = None, audit_error: str | None = None,
                  heal: Callable[[PodRef], bool] | None = None) -> None:
         self.settings = settings
         self.kube = kube
         self.pool = pool
-        self.audit = audit
+        # The store and its health (guard/audit/backend.py): opened by wiring, or a bare store (tests).
+        self.audit = audit if isinstance(audit, GuardAudit) else GuardAudit(settings, audit, error=audit_error)
         self._retract = retract or (lambda pod: False)
         self._bg = Background(log)
         self._schedule = later or self._bg.later
@@ -151,12 +95,6 @@ class IncidentRecorder:
         self._stale: dict[str, set[PodRef]] = {}  # replica address -> ghosts it was confirmed to serve
         self._stale_pods: set[PodRef] = set()  # ghosts some replica was confirmed to serve
         self._verdicts: dict[PodRef, Verdict] = {}  # ghost -> its verdict, for the words of the alert
-        self.audit_health = AuditHealth(describe(settings.audit_store, settings.audit_db))
-        if audit is None:
-            self.audit_health.failed("open", audit_error or "not opened")
-        else:
-            self.audit_health.ok()
-        self._audit_lock = threading.Lock()
         self._last_probes: dict[str, dict] = {}  # replica address -> its newest probe's outcome, for /readyz
         self._closed = False
         self._heal = heal  # serve --heal: AutoHealer.submit
@@ -171,7 +109,7 @@ class IncidentRecorder:
         """Whether blocks are recorded on the request path (:meth:`record_block_now`, a
         ``Checker.block_recorders`` entry): for a store that only queues them in memory (GhostPods), so
         that a block is recorded even when its follow-up waits or the process exits first."""
-        return bool(getattr(self.audit, "writes_in_background", False))
+        return self.audit.writes_in_background
 
     def attach(self, checker: Checker) -> None:
         """Hear the checker's ghosts: a first sighting (:meth:`new_ghost`), every later one
@@ -242,11 +180,8 @@ class IncidentRecorder:
             cleared = [r for r, uids in self._stale.items() if not uids]
         for replica in cleared:
             metrics.STALE_REPLICA.labels(replica).set(0)
-        if self.audit is not None:
-            try:
-                self.audit.retract(uid=pod.uid or f"{pod}", at=time.time(), namespace=pod.namespace, name=pod.name)
-            except (AuditError, ValueError, OSError) as e:
-                log.error("audit store: cannot mark the record of %s retracted: %s", pod, e)
+        self.audit.write("retract", f"the retraction of {pod}", lambda store: store.retract(
+            uid=pod.uid or f"{pod}", at=time.time(), namespace=pod.namespace, name=pod.name), health=False)
 
     def probe(self, pod: PodRef, *, confirm: bool = True) -> list[ReplicaObservation] | None:
         """Probe every replica's cache for the ghost (in parallel); record and act on the result.
@@ -370,65 +305,19 @@ class IncidentRecorder:
     # -- plumbing -------------------------------------------------------------------
 
     def check_audit(self) -> dict:
-        """Test the store with a write (or open it again if it never opened); its health, for /readyz."""
-        with self._audit_lock:
-            if self.audit is None:
-                store, error = open_audit_store(self.settings)
-                if store is None:
-                    self.audit_health.failed("open", error or "not opened")
-                else:
-                    self.audit = store
-                    self.audit_health.ok()
-            else:
-                problem = self.audit.check()
-                if problem:
-                    self.audit_health.failed("check", problem)
-                else:
-                    self.audit_health.ok()
-        return self.audit_health.detail()
+        """The audit store's health, for /readyz (guard.audit.backend.GuardAudit.check)."""
+        return self.audit.check()
 
     def _record_block(self, pod: PodRef, decision: Decision, evidence: dict) -> None:
-        if self.audit is None:
-            return
-        try:
-            self.audit.record_block(uid=pod.uid or f"{pod}", namespace=pod.namespace, name=pod.name,
-                                    verdict=decision.verdict.value, evidence=evidence, at=time.time())
-        except IdentityConflictError as e:  # this identity's trouble (a forged name came first), not the store's
-            log.warning("audit store: %s", e)
-        except (AuditError, OSError) as e:  # the store's trouble: its health says so, once
-            log.debug("audit store: cannot record block of %s: %s", pod, e)
-            self.audit_health.failed("block", str(e))
-        except ValueError as e:  # this record's trouble (a field the store refuses)
-            log.error("audit store: cannot record block of %s: %s", pod, e)
-        else:
-            self._written()
+        self.audit.write("block", f"block of {pod}", lambda store: store.record_block(
+            uid=pod.uid or f"{pod}", namespace=pod.namespace, name=pod.name, verdict=decision.verdict.value,
+            evidence=evidence, at=time.time()))
 
     def _record_probe(self, pod: PodRef, obs: ReplicaObservation) -> None:
-        if self.audit is None:
-            return
-        try:
-            self.audit.record_probe(uid=pod.uid or f"{pod}", replica=obs.replica, serves=obs.serves_ghost,
-                                    cache_resource_version=obs.cache_resource_version, error=obs.error,
-                                    at=obs.checked_at, namespace=pod.namespace, name=pod.name)
-        except UnknownGhostError as e:  # its block was not recorded (the store failed then): nothing to attach to
-            log.debug("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
-        except (AuditError, OSError) as e:
-            log.debug("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
-            self.audit_health.failed("probe", str(e))
-        except ValueError as e:
-            log.error("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
-        else:
-            self._written()
-
-    def _written(self) -> None:
-        """A record call returned. The SQLite store returns once the write is durable: healthy. The GhostPod
-        store only queues it (written in the background): its health is what its writers last saw."""
-        problem = (self.audit.check() if self.audit is not None and getattr(self.audit, "writes_in_background", False)
-                   else None)
-        if problem:
-            self.audit_health.failed("block", problem)
-        else:
-            self.audit_health.ok()
+        self.audit.write("probe", f"probe of {pod} on {obs.replica}", lambda store: store.record_probe(
+            uid=pod.uid or f"{pod}", replica=obs.replica, serves=obs.serves_ghost,
+            cache_resource_version=obs.cache_resource_version, error=obs.error, at=obs.checked_at,
+            namespace=pod.namespace, name=pod.name))
 
     def _event(self, pod: PodRef, reason: str, message: str, key: str = "") -> None:
         try:

@@ -18,7 +18,8 @@ from guard.engine.autoheal import AutoHealer
 from guard.engine.cache_health import CacheHealthMonitor
 from guard.engine.checker import Checker
 from guard.engine.ghost_nodes import GhostNodes
-from guard.engine.incident import IncidentRecorder, open_audit_store
+from guard.audit.backend import GuardAudit
+from guard.engine.incident import IncidentRecorder, announce_new_ghost
 from guard.kube.config import load_configuration
 from guard.kube.reads import Kube
 from guard.engine.prepare import Preparer
@@ -97,11 +98,11 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
                 pool_size=settings.threads + settings.verify_concurrency)
     checker = Checker(settings, kube.quorum_get)
     # An audit store that cannot be opened or written never changes a verdict nor readiness: its
-    # health is a metric, a log line and a /readyz detail (IncidentRecorder.check_audit).
-    audit, audit_error = open_audit_store(settings)
+    # health is a metric, a log line and a /readyz detail (guard/audit/backend.py GuardAudit).
+    audit = GuardAudit.open(settings, on_new=announce_new_ghost)
     pool = ReplicaPool(settings, kube)
-    healer = AutoHealer(settings, kube, pool, audit) if settings.heal else None
-    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract, audit_error=audit_error,
+    healer = AutoHealer(settings, kube, pool, audit.store) if settings.heal else None
+    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract,
                                  heal=healer.submit if healer is not None else None)
     if healer is not None:
         healer.done = incidents.after_heal
@@ -123,7 +124,7 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
     cache_health.start()
     nodes = None
     if settings.ghost_nodes:
-        nodes = GhostNodes(kube, pool, events=settings.events)
+        nodes = GhostNodes(kube, pool, events=settings.events, audit=audit)
         nodes.start()
     return Guard(settings, kube, checker, incidents, preparer, nodes, readiness_checks=list(readiness_checks),
                  details={

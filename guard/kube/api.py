@@ -304,6 +304,26 @@ class _LightCustomObjects(_Light):
         return self.api.call("DELETE", self.api.path(self._NS + "/{name}", group=group, version=version,
                                                      namespace=namespace, plural=plural, name=name), body=body, **kw)
 
+    _CLUSTER = "/apis/{group}/{version}/{plural}"
+
+    def create_cluster_custom_object(self, group: str, version: str, plural: str, body: Any, **kw: Any) -> Any:
+        return self.api.call("POST", self.api.path(self._CLUSTER, group=group, version=version, plural=plural),
+                             body=body, **kw)
+
+    def get_cluster_custom_object(self, group: str, version: str, plural: str, name: str, **kw: Any) -> Any:
+        return self.api.call("GET", self.api.path(self._CLUSTER + "/{name}", group=group, version=version,
+                                                  plural=plural, name=name), **kw)
+
+    def patch_cluster_custom_object_status(self, group: str, version: str, plural: str, name: str, body: Any,
+                                           **kw: Any) -> Any:
+        return self.api.call("PATCH", self.api.path(self._CLUSTER + "/{name}/status", group=group, version=version,
+                                                    plural=plural, name=name), body=body, **kw)
+
+    def delete_cluster_custom_object(self, group: str, version: str, plural: str, name: str, body: Any = None,
+                                     **kw: Any) -> Any:
+        return self.api.call("DELETE", self.api.path(self._CLUSTER + "/{name}", group=group, version=version,
+                                                     plural=plural, name=name), body=body, **kw)
+
     def list_cluster_custom_object(self, group: str, version: str, plural: str, **kw: Any) -> Any:
         return self.api.call("GET", self.api.path("/apis/{group}/{version}/{plural}", group=group, version=version,
                                                   plural=plural), **kw)

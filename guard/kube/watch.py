@@ -169,13 +169,20 @@ class ReplicaClient:
     def serves_node(self, name: str) -> bool | None:
         """Whether this replica's watch cache serves the Node ``name`` (LIST resourceVersion=0, one name);
         None when it gives no answer."""
+        uid = self.node_uid(name)
+        return None if uid is None else bool(uid)
+
+    def node_uid(self, name: str) -> str | None:
+        """The UID of the Node ``name`` as this replica's watch cache serves it (LIST resourceVersion=0, one
+        name): "" when it serves none, None when it gives no answer."""
         try:
             resp = self.core.list_node(field_selector=f"metadata.name={name}", resource_version="0",
                                        _preload_content=False, _request_timeout=self.timeout)
             items = orjson.loads(resp.data).get("items") or []
         except (ApiError, urllib3.exceptions.HTTPError, OSError, ValueError, AttributeError):
             return None
-        return any((i.get("metadata") or {}).get("name") == name for i in items if isinstance(i, dict))
+        metas = [i.get("metadata") or {} for i in items if isinstance(i, dict)]
+        return next((str(m.get("uid") or "-") for m in metas if m.get("name") == name), "")
 
     def list_node_names(self) -> tuple[str, list[str]]:
         """LIST Nodes from this replica's cache (resourceVersion=0), metadata only where the apiserver

@@ -158,6 +158,7 @@ def emit_node_event(kube: Kube, node: str, reason: str, message: str) -> None:
 GHOSTPOD_GROUP = "kube-ghost-guard.io"
 GHOSTPOD_VERSION = "v1alpha1"
 GHOSTPOD_PLURAL = "ghostpods"
+GHOSTNODE_PLURAL = "ghostnodes"  # cluster-scoped: one per ghost Node identity (guard/core/ghostpod_mapping.py)
 
 
 class GhostPodError(Exception):
@@ -181,13 +182,17 @@ class GhostPodError(Exception):
 
 
 class GhostPods:
-    """Raw calls on GhostPod objects; every client error becomes a :class:`GhostPodError`."""
+    """Raw calls on GhostPod objects; every client error becomes a :class:`GhostPodError`.
+    ``GhostPods(kube, nodes=True)``: the same calls on the cluster-scoped GhostNode objects (``namespace``
+    is then ignored)."""
 
-    def __init__(self, kube: Kube, *, timeout: float = 5.0, list_timeout: float = 60.0) -> None:
+    def __init__(self, kube: Kube, *, timeout: float = 5.0, list_timeout: float = 60.0, nodes: bool = False) -> None:
         self.kube = kube
         self.timeout = timeout
         self.list_timeout = list_timeout  # a page of a LIST (an apiserver may not paginate, as the lab does not)
         self.objects = kube.api.CustomObjectsApi()
+        self.nodes = nodes
+        self.plural = GHOSTNODE_PLURAL if nodes else GHOSTPOD_PLURAL
 
     def _call(self, what: str, fn, *args, timeout: float | None = None, **kwargs) -> dict:
         timeout = self.timeout if timeout is None else timeout
@@ -202,7 +207,7 @@ class GhostPods:
             details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
             message = str(body.get("message") or e.reason or "")[:300]
             raise GhostPodError(e.status, reason, f"{what}: HTTP {e.status} {reason}: {message}",
-                                missing=e.status == 404 and details.get("kind") == GHOSTPOD_PLURAL,
+                                missing=e.status == 404 and details.get("kind") == self.plural,
                                 kind=str(details.get("kind") or "")) from e
         except urllib3.exceptions.NewConnectionError as e:
             raise GhostPodError(0, "", f"{what}: connection error: {type(e).__name__}") from e
@@ -214,17 +219,27 @@ class GhostPods:
             raise GhostPodError(0, "", f"{what}: undecodable apiserver reply: {type(e).__name__}") from e
 
     def create(self, namespace: str, body: dict) -> dict:
+        if self.nodes:
+            return self._call("create ghostnode", self.objects.create_cluster_custom_object,
+                              GHOSTPOD_GROUP, GHOSTPOD_VERSION, GHOSTNODE_PLURAL, body)
         return self._call(f"create ghostpod in {namespace}", self.objects.create_namespaced_custom_object,
                           GHOSTPOD_GROUP, GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, body)
 
     def get(self, namespace: str, name: str) -> dict:
         """A quorum read (no resourceVersion): the newest object, to retry a write after a conflict."""
+        if self.nodes:
+            return self._call(f"get ghostnode {name}", self.objects.get_cluster_custom_object,
+                              GHOSTPOD_GROUP, GHOSTPOD_VERSION, GHOSTNODE_PLURAL, name)
         return self._call(f"get ghostpod {namespace}/{name}", self.objects.get_namespaced_custom_object,
                           GHOSTPOD_GROUP, GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, name)
 
     def patch_status(self, namespace: str, name: str, patch: dict) -> dict:
         """A JSON merge patch of the status subresource (``patch`` may carry metadata.resourceVersion:
         then the apiserver applies it only to that version, else 409 Conflict)."""
+        if self.nodes:
+            return self._call(f"patch ghostnode {name} status", self.objects.patch_cluster_custom_object_status,
+                              GHOSTPOD_GROUP, GHOSTPOD_VERSION, GHOSTNODE_PLURAL, name, patch,
+                              _content_type="application/merge-patch+json")
         return self._call(f"patch ghostpod {namespace}/{name} status", self.objects.patch_namespaced_custom_object_status,
                           GHOSTPOD_GROUP, GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, name, patch,
                           _content_type="application/merge-patch+json")
@@ -234,9 +249,9 @@ class GhostPods:
         kwargs: dict = {"limit": limit, "timeout": self.list_timeout}
         if cont:
             kwargs["_continue"] = cont
-        if namespace is None:
-            doc = self._call("list ghostpods", self.objects.list_cluster_custom_object, GHOSTPOD_GROUP, GHOSTPOD_VERSION,
-                             GHOSTPOD_PLURAL, **kwargs)
+        if namespace is None or self.nodes:
+            doc = self._call(f"list {self.plural}", self.objects.list_cluster_custom_object, GHOSTPOD_GROUP,
+                             GHOSTPOD_VERSION, self.plural, **kwargs)
         else:
             doc = self._call(f"list ghostpods in {namespace}", self.objects.list_namespaced_custom_object, GHOSTPOD_GROUP,
                              GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, **kwargs)
@@ -246,7 +261,11 @@ class GhostPods:
 
     def delete(self, namespace: str, name: str, *, uid: str, resource_version: str) -> None:
         """Delete exactly this version of the object (preconditions): a record written since is kept."""
+        options = {"apiVersion": "v1", "kind": "DeleteOptions",
+                   "preconditions": {"uid": uid, "resourceVersion": resource_version}}
+        if self.nodes:
+            self._call(f"delete ghostnode {name}", self.objects.delete_cluster_custom_object, GHOSTPOD_GROUP,
+                       GHOSTPOD_VERSION, GHOSTNODE_PLURAL, name, body=options)
+            return
         self._call(f"delete ghostpod {namespace}/{name}", self.objects.delete_namespaced_custom_object,
-                   GHOSTPOD_GROUP, GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, name,
-                   body={"apiVersion": "v1", "kind": "DeleteOptions",
-                         "preconditions": {"uid": uid, "resourceVersion": resource_version}})
+                   GHOSTPOD_GROUP, GHOSTPOD_VERSION, namespace, GHOSTPOD_PLURAL, name, body=options)

@@ -84,6 +84,15 @@ RESOURCES: tuple[Resource, ...] = (
                               ("Times Blocked", "integer", ".status.timesBlocked"),
                               ("Last Seen", "date", ".status.lastSeen"),
                               ("Age", "date", ".metadata.creationTimestamp"))),
+    # manifests/crd/ghostnodes.yaml: the ghost Node records, cluster-scoped.
+    Resource("kube-ghost-guard.io", "v1alpha1", "ghostnodes", "GhostNode", False,
+             "/registry/kube-ghost-guard.io/ghostnodes/", ("metadata.name",), custom=True, short_names=("gn",),
+             categories=("ghost-guard",),
+             printer_columns=(("Node", "string", ".spec.nodeName"),
+                              ("Stale Replicas", "string", ".status.staleReplicas"),
+                              ("Times Detected", "integer", ".status.timesDetected"),
+                              ("Last Seen", "date", ".status.lastSeen"),
+                              ("Age", "date", ".metadata.creationTimestamp"))),
 )
 
 

@@ -524,7 +524,7 @@ def test_dry_run_review_records_nothing_and_a_forged_name_blocks_no_live_pod(lab
     no_replica_blamed(g)
 
 
-# --- known gaps (xfail, strict: the day they are fixed these fail as XPASS) ------------------------
+# --- the report names a stale replica whatever a caller sent before ------------------------------------
 
 
 def replica_address(lab, i: int) -> str:
@@ -579,12 +579,10 @@ def test_a_replica_that_only_lagged_is_never_named(lab, guarded):
     assert named == set(), f"report named {named} (the scheduler's replica, lagging: {replica_address(lab, 1)})"
 
 
-@pytest.mark.xfail(strict=True, reason="the SQLite store keys records by UID and a forged call's record is kept: a "
-                   "/filter naming does-not-exist with a live pod's UID records that UID under the forged "
-                   "name; when the pod later really becomes a ghost its own record is refused "
-                   "(IdentityConflictError) and its probes dropped, so `report` never names the stale replica. "
-                   "The GhostPod store keys records by identity: fixed there (the test below)")
 def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report(lab, guarded):
+    """F9, fixed: the SQLite store keys records by identity (namespace, name, UID) as the GhostPod store does, so
+    a /filter naming does-not-exist with a live pod's UID gets a record of its own, and the pod's own record,
+    when it really becomes a ghost, names the stale replica."""
     g, db, sched = guarded([])
     api = lab.core_v1(2)
     uid = create(api, pod_manifest("live-1"))["metadata"]["uid"]
@@ -594,14 +592,16 @@ def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report(lab, guard
     lab.replicas[1].faults.drop_deletes(namespace=NS, name="live-1")
     delete_pod(api, "live-1", uid)
     assert lab.wait_synced()
-    assert not filter_passes(g, "live-1", uid)
+    # the scheduler may have asked about live-1 while it was pending: that alive verdict answers for --alive-ttl
+    eventually(lambda: not filter_passes(g, "live-1", uid), 5, what="live-1 rejected as a ghost", process=g)
     stale = replica_address(lab, 1)
     eventually(lambda: g.metric("ghost_guard_stale_replica_detections_total", replica=stale) == 1, 10,
                what="replica 1 confirmed stale", process=g)
-    time.sleep(0.5)
+    assert eventually(lambda: [r["replica"] for r in report(db)["stale_replicas"]] or None, 10,
+                      what="report naming the stale replica", interval=0.2) == [stale]
     records = {(r["namespace"], r["name"]): r for r in audit_records(db)}
-    assert (NS, "live-1") in records, sorted(records)
-    assert [r["replica"] for r in report(db)["stale_replicas"]] == [stale]
+    assert records[(NS, "live-1")]["uid"] == uid and records[(NS, "live-1")]["stale_replicas"] == [stale]
+    assert records[(NS, "does-not-exist")]["uid"] == uid and records[(NS, "does-not-exist")]["stale_replicas"] == []
 
 
 def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report_with_ghostpods(lab, guarded):
@@ -616,7 +616,8 @@ def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report_with_ghost
     lab.replicas[1].faults.drop_deletes(namespace=NS, name="live-1")
     delete_pod(api, "live-1", uid)
     assert lab.wait_synced()
-    assert not filter_passes(g, "live-1", uid)
+    # the scheduler may have asked about live-1 while it was pending: that alive verdict answers for --alive-ttl
+    eventually(lambda: not filter_passes(g, "live-1", uid), 5, what="live-1 rejected as a ghost", process=g)
     stale = replica_address(lab, 1)
     eventually(lambda: g.metric("ghost_guard_stale_replica_detections_total", replica=stale) == 1, 10,
                what="replica 1 confirmed stale", process=g)

@@ -6,7 +6,9 @@ import sqlite3
 
 import pytest
 
-from guard.audit.sqlite import APPLICATION_ID, SCHEMA_VERSION, AuditStore
+from old_stores import write_old_store
+
+from guard.audit.sqlite import SCHEMA_VERSION, AuditStore
 from guard.core.records import MAX_HEALS_PER_GHOST, HealAttempt, UnknownGhostError
 
 
@@ -49,27 +51,16 @@ def test_bad_heals_are_refused(store, kwargs, error):
 
 def test_a_version_2_store_is_migrated_and_keeps_its_records(tmp_path):
     path = str(tmp_path / "v2.db")
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.executescript("""
-        CREATE TABLE ghosts (uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, verdict TEXT NOT NULL,
-            evidence TEXT NOT NULL, first_seen REAL NOT NULL, last_seen REAL NOT NULL, times_blocked INTEGER NOT NULL,
-            retracted_at REAL);
-        CREATE TABLE replica_observations (uid TEXT NOT NULL, replica TEXT NOT NULL, serves INTEGER,
-            cache_resource_version TEXT, error TEXT, last_checked REAL NOT NULL, first_seen_serving REAL, healed_at REAL,
-            PRIMARY KEY (uid, replica));
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    write_old_store(path, 2, """
         INSERT INTO ghosts VALUES ('u1', 'default', 'web-0', 'ghost-deleted', '{"reason": "r"}', 1.0, 2.0, 3, NULL);
     """)
-    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    conn.execute("PRAGMA user_version = 2")
-    conn.close()
     with AuditStore(path) as s:
         (rec,) = s.records()
         assert (rec.uid, rec.times_blocked, rec.heals) == ("u1", 3, ())
         s.record_heal(uid="u1", action="placeholder", outcome="healed", detail="ok", at=3.0)
         assert s.record("u1").heals == (HealAttempt(3.0, "placeholder", "healed", "ok"),)
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     conn.close()
 
 

@@ -6,7 +6,7 @@ it healed.
 Real etcd, real HTTPS replicas, and the objects one guard worker builds, wired as
 ``guard.engine.wiring.build_guard`` wires them: ``Checker.answer`` (what /filter, /preempt and
 /validate/binding call) -> ``IncidentRecorder`` (new ghost, sightings, block recorder) -> the store
-``open_audit_store`` opens, with the recorder's ``announce_new_ghost`` as its ``on_new`` hook (the new-ghost
+``guard.audit.backend.GuardAudit.open`` opens, with the recorder's ``announce_new_ghost`` as its ``on_new`` hook (the new-ghost
 line on stdout). The follow-ups run inline
 and the stale confirmation's timer only records the delay asked for: the test runs each step itself,
 no sleeping. The CLI runs as a subprocess.
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from guard.audit.backend import AuditBackend
+from guard.audit.backend import AuditBackend, GuardAudit
 from guard.engine.checker import Checker
-from guard.engine.incident import IncidentRecorder, open_audit_store
+from guard.engine.incident import IncidentRecorder, announce_new_ghost
 from guard.kube.config import load_configuration
 from guard.kube.reads import Kube
 from guard.lab.harness import make_ghost, pod_manifest
@@ -55,11 +55,12 @@ def worker(lab, tmp_path: Path) -> Iterator[Worker]:
                         probe_timeout=2.0, reprobe_interval=0.001)
     kube = Kube(load_configuration(settings.kubeconfig), timeout=2.0, pool_size=4)
     checker = Checker(settings, kube.quorum_get, background=False)
-    audit, error = open_audit_store(settings)
-    assert audit is not None, error
+    opened = GuardAudit.open(settings, on_new=announce_new_ghost)
+    assert opened.store is not None, opened.health.detail()
+    audit = opened.store
     pool = ReplicaPool(settings, kube)
     delays: list[tuple[float, object, tuple]] = []
-    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract,
+    incidents = IncidentRecorder(settings, kube, pool, opened, retract=checker.retract,
                                  later=lambda delay, fn, *args: delays.append((delay, fn, args)))
     incidents.attach(checker)  # as guard.engine.wiring.build_guard does
     yield Worker(settings, checker, incidents, audit, delays)

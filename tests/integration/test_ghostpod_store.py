@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from guard.audit.ghostpods import KubeAuditStore, object_name
+from guard.audit.ghostpods import KubeAuditStore
+from guard.core.ghostpod_mapping import object_name
 from guard.kube.config import load_configuration
 from guard.kube.reads import Kube
 from guard.kube.writes import GhostPods

@@ -438,8 +438,9 @@ def code_calls() -> set[tuple[str, str, str, str]]:
 
 def _custom_object_calls(tree: ast.AST, attrs: dict[str, str]) -> set[tuple[str, str, str, str]]:
     """CustomObjectsApi methods the code references (guard/kube/writes.py GhostPods passes them to one error-translating
-    wrapper). Their paths are generic (/apis/{group}/...): the group and plural are guard.kube.writes' GHOSTPOD_*."""
-    from guard.kube.writes import GHOSTPOD_GROUP, GHOSTPOD_PLURAL
+    wrapper). Their paths are generic (/apis/{group}/...): the group and plural are guard.kube.writes' GHOSTPOD_*; a
+    ``cluster`` method serves the cluster-scoped GhostNodes, and (a LIST across namespaces) the GhostPods too."""
+    from guard.kube.writes import GHOSTNODE_PLURAL, GHOSTPOD_GROUP, GHOSTPOD_PLURAL
 
     out = set()
     for node in ast.walk(tree):
@@ -450,7 +451,9 @@ def _custom_object_calls(tree: ast.AST, attrs: dict[str, str]) -> set[tuple[str,
                          node.attr)
         assert m, f"unknown CustomObjectsApi method {node.attr}"
         verb = {"read": "get", "get": "get"}.get(m.group(1)) or VERBS[m.group(1)]
-        out.add(("*", GHOSTPOD_GROUP, GHOSTPOD_PLURAL + ("/status" if m.group(3) else ""), verb))
+        plurals = (GHOSTPOD_PLURAL, GHOSTNODE_PLURAL) if m.group(2) == "cluster" else (GHOSTPOD_PLURAL,)
+        for plural in plurals:
+            out.add(("*", GHOSTPOD_GROUP, plural + ("/status" if m.group(3) else ""), verb))
     return out
 
 

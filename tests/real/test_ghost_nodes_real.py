@@ -5,16 +5,26 @@
 Without the guard the scheduler binds a Deployment's pods to the ghost Node (binding does not check
 the Node) and PodGC force-deletes them as orphans. With the guard (registered through the product's
 KubeSchedulerConfiguration, mTLS), once it has seen the ghost Node: 0 binds to it, the Deployment's
-5 replicas land on the real Node, each pod created once (no PodGC deletion, no replacement).
+5 replicas land on the real Node, each pod created once (no PodGC deletion, no replacement). The guard
+records the ghost Node once (its name and the UID B's cache serves, B as the replica serving it): in the
+SQLite store, and as a GhostNode object under the real CRD (manifests/crd/ghostnodes.yaml, installed with
+kubectl: the real apiserver validates and prunes what the guard writes against its structural schema).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
+from clirun import ghost_guard
 
 from guard.tools import certs as guard_certs
 from guard.lab.harness import create, eventually, node_manifest, tls_files
 
+ROOT = Path(__file__).resolve().parents[2]
 STALE = 1  # kube-scheduler reads replica B (127.0.0.2); kube-controller-manager reads A
 GHOST, REAL = "ghost-node", "real-node"
 
@@ -55,8 +65,11 @@ def node_lab(real_lab_module_factory):
     lab = real_lab_module_factory(2, controller_manager=True, controller_manager_replica=0)
     if lab.replicas[STALE].proxy is None:
         pytest.skip("real tier: no etcd fault proxy (guard.lab.real.etcdproxy)")
+    kubectl(lab, "apply", "-f", str(ROOT / "manifests/crd/ghostnodes.yaml"))
+    kubectl(lab, "wait", "--for=condition=Established", "--timeout=60s", "crd/ghostnodes.kube-ghost-guard.io")
     create(lab.core_v1(0), node_manifest(REAL, cpu="16"))
     create(lab.core_v1(0), node_manifest(GHOST, cpu="64"))  # preferred by the default scoring
+    lab.ghost_uid = lab.core_v1(0).read_node(GHOST, _request_timeout=10).metadata.uid
     lab.replicas[STALE].faults.drop_deletes(name=GHOST, resource="nodes")
     lab.core_v1(0).delete_node(GHOST, _request_timeout=10)
     eventually(lambda: GHOST not in _cached_nodes(lab, 0), 60, what="A drops the Node")
@@ -64,6 +77,13 @@ def node_lab(real_lab_module_factory):
     assert GHOST in _cached_nodes(lab, STALE)
     lab.replicas[STALE].faults.clear()  # one lost delete; the watch flows on
     return lab
+
+
+def kubectl(lab, *args: str) -> subprocess.CompletedProcess:
+    binary = str(lab.binaries.kubectl or shutil.which("kubectl") or "kubectl")
+    r = subprocess.run([binary, "--kubeconfig", lab.kubeconfig(0), *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"kubectl {' '.join(args)}: {r.stderr}"
+    return r
 
 
 def _cached_nodes(lab, i: int) -> set[str]:
@@ -92,8 +112,9 @@ def test_with_the_guard_no_pod_binds_to_the_ghost_node(node_lab, start_guard, tm
     lab = node_lab
     lab.ensure_namespace("guarded")
     bundle = guard_certs.generate(tmp_path / "certs", ips=["127.0.0.1"])
+    db = str(tmp_path / "audit.db")
     g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--apiserver-replicas", ",".join(lab.urls),
-                     "--audit-db", str(tmp_path / "audit.db"), "--no-access-log"],
+                     "--audit-db", db, "--no-access-log"],
                     tls=tls_files(bundle), clean_env=True, wait=None)
     g.wait("/readyz", timeout=120)
     stale = lab.urls[STALE].removeprefix("https://")
@@ -115,3 +136,34 @@ def test_with_the_guard_no_pod_binds_to_the_ghost_node(node_lab, start_guard, tm
     finally:
         lab.stop_scheduler()
     assert g.metric("ghost_guard_ghost_nodes", replica=lab.urls[0].removeprefix("https://")) == 0
+    # The audit record of the ghost Node: once, with its UID (as B's cache serves it) and B.
+    r = ghost_guard("audit", "--nodes", "--db", db, "-o", "json")
+    assert r.returncode == 0, r.stderr
+    (rec,) = json.loads(r.stdout)
+    assert (rec["node"], rec["uid"], rec["stale_replicas"], rec["times_detected"]) == (GHOST, lab.ghost_uid, [stale], 1)
+
+
+def test_the_ghost_node_is_a_ghostnode_object_under_the_real_crd(node_lab, start_guard):
+    """--audit-store kubernetes on the real apiserver: the GhostNode object is created, and its status survives
+    the CRD's structural schema (a field the schema lacks would be pruned)."""
+    lab = node_lab
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--apiserver-replicas", ",".join(lab.urls),
+                     "--audit-store", "kubernetes", "--audit-write-interval", "0.2", "--no-access-log"],
+                    clean_env=True, wait=None)
+    g.wait("/readyz", timeout=120)
+    stale = lab.urls[STALE].removeprefix("https://")
+    eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, 60, what="the guard sees the ghost Node",
+               process=g)
+
+    def ghostnode() -> dict | None:
+        items = json.loads(kubectl(lab, "get", "ghostnodes", "-o", "json").stdout)["items"]
+        return items[0] if items and (items[0].get("status") or {}).get("staleReplicas") else None
+
+    obj = eventually(ghostnode, 30, what="the GhostNode object", process=g, interval=0.5)
+    assert obj["kind"] == "GhostNode" and "namespace" not in obj["metadata"]
+    assert (obj["spec"]["nodeName"], obj["spec"]["nodeUID"]) == (GHOST, lab.ghost_uid)
+    status = obj["status"]
+    assert status["staleReplicas"] == stale and status["timesDetected"] >= 1 and status["firstSeen"]
+    assert [(r["replica"], r["serves"], bool(r["firstSeenServing"])) for r in status["replicas"]] == [(stale, True, True)]
+    table = kubectl(lab, "get", "ghostnodes").stdout
+    assert GHOST in table and "TIMES DETECTED" in table, table

@@ -67,6 +67,13 @@ CALLS = [
     ("CustomObjectsApi", "delete_namespaced_custom_object", (G, V, "ns", P, "g1"),
      {"body": {"apiVersion": "v1", "kind": "DeleteOptions",
                "preconditions": {"uid": "u", "resourceVersion": "9"}}}),
+    ("CustomObjectsApi", "create_cluster_custom_object", (G, V, "ghostnodes", {"kind": "GhostNode"}), {}),
+    ("CustomObjectsApi", "get_cluster_custom_object", (G, V, "ghostnodes", "n1"), {}),
+    ("CustomObjectsApi", "patch_cluster_custom_object_status", (G, V, "ghostnodes", "n1", {"status": {"x": 1}}),
+     {"_content_type": MERGE}),
+    ("CustomObjectsApi", "delete_cluster_custom_object", (G, V, "ghostnodes", "n1"),
+     {"body": {"apiVersion": "v1", "kind": "DeleteOptions",
+               "preconditions": {"uid": "u", "resourceVersion": "9"}}}),
     ("VersionApi", "get_code", (), {}),
 ]
 

@@ -185,12 +185,14 @@ EXPECTED = {
              ("Service", NAMESPACE, "ghost-guard"), ("NetworkPolicy", NAMESPACE, "ghost-guard"),
              ("ResourceQuota", NAMESPACE, "ghost-guard-critical-pods"),
              ("CustomResourceDefinition", "", "ghostpods.kube-ghost-guard.io"),
+             ("CustomResourceDefinition", "", "ghostnodes.kube-ghost-guard.io"),
              ("ClusterRole", "", "ghost-guard-ghostpods-view")},
     "webhook": {("ValidatingWebhookConfiguration", "", "ghost-guard")},
     "monitoring": {("ServiceMonitor", NAMESPACE, "ghost-guard"), ("PrometheusRule", NAMESPACE, "ghost-guard")},
 }
 EXPECTED["rbac"] = {i for i in EXPECTED["base"] if i[0] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")}
-EXPECTED["crd"] = {("CustomResourceDefinition", "", "ghostpods.kube-ghost-guard.io")}
+EXPECTED["crd"] = {("CustomResourceDefinition", "", "ghostpods.kube-ghost-guard.io"),
+                   ("CustomResourceDefinition", "", "ghostnodes.kube-ghost-guard.io")}
 EXPECTED["overlays/deployment"] = EXPECTED["base"]
 EXPECTED["overlays/deployment-webhook"] = EXPECTED["base"] | EXPECTED["webhook"]
 EXPECTED["heal"] = {("ClusterRole", "", "ghost-guard-heal"), ("ClusterRoleBinding", "", "ghost-guard-heal"),
@@ -260,6 +262,10 @@ EXPECTED_RULES = {
     ("*", "kube-ghost-guard.io", "ghostpods", "create"), ("*", "kube-ghost-guard.io", "ghostpods", "get"),
     ("*", "kube-ghost-guard.io", "ghostpods", "list"), ("*", "kube-ghost-guard.io", "ghostpods", "delete"),
     ("*", "kube-ghost-guard.io", "ghostpods/status", "patch"),
+    # the GhostNode audit records (cluster-scoped; the same writes)
+    ("*", "kube-ghost-guard.io", "ghostnodes", "create"), ("*", "kube-ghost-guard.io", "ghostnodes", "get"),
+    ("*", "kube-ghost-guard.io", "ghostnodes", "list"), ("*", "kube-ghost-guard.io", "ghostnodes", "delete"),
+    ("*", "kube-ghost-guard.io", "ghostnodes/status", "patch"),
 }
 VIEW_ROLE = "ghost-guard-ghostpods-view"  # for people, aggregated to `view`; bound to nobody here
 
@@ -842,7 +848,50 @@ def test_servicemonitor_scrapes_with_the_monitoring_cert(rendered, base):
 
 @pytest.fixture(scope="module")
 def crd(rendered) -> dict:
-    return one(rendered["crd"], "CustomResourceDefinition")
+    return named(rendered["crd"], "CustomResourceDefinition", "ghostpods.kube-ghost-guard.io")
+
+
+@pytest.fixture(scope="module")
+def node_crd(rendered) -> dict:
+    return named(rendered["crd"], "CustomResourceDefinition", "ghostnodes.kube-ghost-guard.io")
+
+
+def test_ghostnode_crd_names_scope_and_columns_match_the_client_and_the_lab(node_crd):
+    """GhostNode: cluster-scoped like Nodes, the group and version of GhostPod, the plural guard/kube/client.py
+    calls, and the printer columns the lab serves (guard/lab/api.py)."""
+    from guard.kube.writes import GHOSTNODE_PLURAL, GHOSTPOD_GROUP, GHOSTPOD_VERSION
+    from guard.lab.api import resource_for
+
+    spec = node_crd["spec"]
+    assert node_crd["metadata"]["name"] == f"{GHOSTNODE_PLURAL}.{GHOSTPOD_GROUP}"
+    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (
+        GHOSTPOD_GROUP, "Cluster", "GhostNode", GHOSTNODE_PLURAL)
+    (version,) = spec["versions"]
+    assert (version["name"], version["served"], version["storage"], version["subresources"]) == (
+        GHOSTPOD_VERSION, True, True, {"status": {}})
+    columns = [(c["name"], c["type"], c["jsonPath"]) for c in version["additionalPrinterColumns"]]
+    lab = resource_for(GHOSTPOD_GROUP, GHOSTPOD_VERSION, GHOSTNODE_PLURAL)
+    assert lab is not None and lab.custom and not lab.namespaced and list(lab.printer_columns) == columns
+
+
+def test_ghostnode_schema_holds_what_the_guard_writes(node_crd):
+    """Every field the GhostNode writer puts in spec and status (guard/audit/ghostpods.py record_node and
+    record_node_heal, through guard/core/ghostpod_mapping.py) is in the schema: a structural schema prunes the rest."""
+    from guard.core.ghostpod_mapping import MAX_HEALS, MAX_REPLICAS, apply_ops, node_spec
+
+    schema = node_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    spec, status = schema["spec"], schema["status"]["properties"]
+    assert set(node_spec("node-a", "u", {})) == set(spec["properties"]) and set(spec["required"]) == {"nodeName", "nodeUID"}
+    written = apply_ops({}, [
+        {"op": "block", "counter": "timesDetected", "count": 1, "first": 1.0, "last": 2.0},
+        {"op": "probe", "replica": "10.0.0.2:6443", "serves": True, "rv": None, "error": None, "at": 3.0},
+        {"op": "probe", "replica": "10.0.0.2:6443", "serves": False, "rv": None, "error": None, "at": 4.0},
+        {"op": "heal", "action": "placeholder", "outcome": "healed", "detail": "d", "at": 5.0},
+    ])
+    assert set(written) <= set(status), set(written) - set(status)
+    assert "timesBlocked" not in written and written["timesDetected"] == 1
+    assert status["replicas"]["maxItems"] == MAX_REPLICAS and status["heals"]["maxItems"] == MAX_HEALS
+    assert set(written["replicas"][0]) <= set(status["replicas"]["items"]["properties"])
 
 
 def test_ghostpod_crd_names_and_scope(crd):
@@ -874,7 +923,7 @@ def test_ghostpod_crd_printer_columns_match_the_lab(crd):
 def test_ghostpod_schema_holds_what_the_guard_writes(crd):
     """Every field guard/audit/ghostpods.py writes is in the schema (structural schemas prune unknown fields),
     with the verdicts of guard/core/verdict.py and the store's bounds."""
-    from guard.audit.ghostpods import MAX_HEALS, MAX_REPLICAS, apply_ops
+    from guard.core.ghostpod_mapping import MAX_HEALS, MAX_REPLICAS, apply_ops
 
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
     spec, status = schema["spec"], schema["status"]["properties"]
@@ -898,7 +947,7 @@ def test_ghostpod_view_role_is_read_only_and_aggregated_to_view(rendered):
     for kustomization in ("base", "overlays/sidecar"):
         (role,) = [r for r in by_kind(rendered[kustomization], "ClusterRole") if r["metadata"]["name"] == VIEW_ROLE]
         assert role["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
-        assert role["rules"] == [{"apiGroups": ["kube-ghost-guard.io"], "resources": ["ghostpods"],
+        assert role["rules"] == [{"apiGroups": ["kube-ghost-guard.io"], "resources": ["ghostpods", "ghostnodes"],
                                   "verbs": ["get", "list", "watch"]}]
         bound = [b for b in by_kind(rendered[kustomization], "ClusterRoleBinding") + by_kind(rendered[kustomization], "RoleBinding")
                  if b["roleRef"]["name"] == VIEW_ROLE]

@@ -125,3 +125,28 @@ def test_block_evidence_keeps_the_reason_and_what_the_quorum_get_answered(read: 
     assert evidence_json(evidence) is not None  # storable as it is
     # a later sighting carries the reason only (the store keeps the first read's quorum_get)
     assert block_evidence(decision, None) == {"reason": decision.reason}
+
+
+def test_identities_key_pods_and_nodes_apart():
+    from guard.core.records import identity, node_identity
+
+    assert identity("default", "web-0", "u1") == ("default", "web-0", "u1")
+    assert node_identity("node-a", "u1") == ("", "node-a", "u1") != identity("default", "node-a", "u1")
+    assert node_identity("node-a", "") == ("", "node-a", "")  # no replica told the UID: the name's record
+    with pytest.raises(ValueError, match="namespace must be 1 to 63"):
+        identity("", "web-0", "u1")
+    with pytest.raises(ValueError, match="node name must not contain control"):
+        node_identity("a\nb", "u1")
+
+
+@pytest.mark.parametrize(("outcome", "recorded"), [
+    ("healed", ("placeholder", "healed")), ("timeout", ("placeholder", "timeout")),
+    ("failed", ("placeholder", "failed")), ("refused", ("placeholder", "refused")),
+    ("etcd-has-it", ("none", "alive")), ("consistent", None), ("unreadable", None), ("needs-heal", None),
+])
+def test_node_heal_outcomes_are_recorded_in_the_heal_vocabulary(outcome, recorded):
+    from guard.core.records import HEAL_ACTIONS, HEAL_OUTCOMES, node_heal_attempt
+
+    got = node_heal_attempt(outcome)
+    assert got == recorded
+    assert got is None or (got[0] in HEAL_ACTIONS and got[1] in HEAL_OUTCOMES)

@@ -1,4 +1,4 @@
-"""The pure parts of the GhostPod store (guard/audit/ghostpods.py): object names, the operations applied to a
+"""The pure GhostPod mapping (guard/core/ghostpod_mapping.py): object names, the operations applied to a
 status (the same rules as the SQLite store), the merge patch, and the record read back."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from guard.audit.ghostpods import apply_ops, from_time, object_name, record_status, status_patch, to_record, to_time
+from guard.core.ghostpod_mapping import apply_ops, from_time, object_name, record_status, status_patch, to_record, to_time
 from guard.core.records import AuditRecord, ReplicaState
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -83,3 +83,39 @@ def test_a_record_round_trips_through_the_object():
     assert to_record(obj) == rec
     assert obj["status"]["staleReplicas"] == "r1"
     assert to_record({"metadata": {}, "spec": {}}) is None  # not one of ours
+
+
+# --- GhostNode: the ghost Node records of the Kubernetes store -------------------------------------
+
+
+def test_a_ghost_nodes_object_name_depends_on_name_and_uid_and_never_meets_a_pods():
+    from guard.core.ghostpod_mapping import is_node, node_object_name
+
+    n = node_object_name("node-a", "u1")
+    assert DNS_SUBDOMAIN.match(n) and n == node_object_name("node-a", "u1")
+    assert len({n, node_object_name("node-a", "u2"), node_object_name("node-b", "u1"), object_name("ns", "node-a", "u1")}) == 4
+    assert is_node(("", "node-a", "u1")) and not is_node(("default", "node-a", "u1"))
+
+
+def test_a_ghostnode_reads_back_as_a_node_record_with_its_detections_replicas_and_heals():
+    from guard.core.ghostpod_mapping import node_spec, node_to_record
+    from guard.core.records import HealAttempt, NodeRecord
+
+    status = apply_ops({}, [
+        {"op": "block", "counter": "timesDetected", "count": 1, "first": 10.0, "last": 10.0},
+        {"op": "probe", "replica": "r2", "serves": True, "rv": None, "error": None, "at": 10.0},
+        {"op": "block", "counter": "timesDetected", "count": 1, "first": 20.0, "last": 20.0},
+        {"op": "probe", "replica": "r2", "serves": False, "rv": None, "error": None, "at": 30.0},
+        {"op": "heal", "action": "placeholder", "outcome": "healed", "detail": "ok", "at": 29.0},
+    ])
+    assert "timesBlocked" not in status and status["timesDetected"] == 2 and status["staleReplicas"] == ""
+    obj = {"metadata": {"name": "node-a-0123456789", "creationTimestamp": to_time(5.0)},
+           "spec": node_spec("node-a", "u1", {"quorum_get": {"outcome": "not-found"}}), "status": status}
+    rec = node_to_record(obj)
+    assert isinstance(rec, NodeRecord)
+    assert (rec.name, rec.uid, rec.times_detected, rec.first_seen, rec.last_seen) == ("node-a", "u1", 2, 10.0, 20.0)
+    assert [(r.replica, r.first_seen_serving, r.healed_at) for r in rec.replicas] == [("r2", 10.0, 30.0)]
+    assert rec.stale_replicas == [] and rec.heals == (HealAttempt(29.0, "placeholder", "healed", "ok"),)
+    assert rec.evidence == {"quorum_get": {"outcome": "not-found"}}
+    assert node_to_record({"metadata": {}, "spec": {"podUID": "x"}, "status": {}}) is None  # a GhostPod is not one
+    assert to_record(obj) is None  # nor the other way round
