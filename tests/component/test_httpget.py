@@ -3,7 +3,7 @@
 Each server answers in one way that the apiserver, a proxy or a broken peer may answer:
 Content-Length or chunked, keep-alive or close, an idle close, a drip, garbage, too much.
 Over TLS and against the lab's apiserver it is tested through ``Kube.quorum_get``
-(tests/integration/test_quorum_get.py).
+(tests/component/test_quorum_get.py).
 """
 
 from __future__ import annotations
