@@ -134,14 +134,15 @@ def test_two_guards_on_one_store_record_each_ghost_once(shared_lab, lab_namespac
         assert set(pool.map(block, [(g, i) for i in range(total) for g in (0, 1)])) == {200}
     session.close()
 
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def written() -> tuple[list, list[dict]] | None:
         with AuditStore(db) as store:
             records = store.records(namespace=ns)
         lines = announced(guards[0]) + announced(guards[1])
         if len(records) == total and all(r.times_blocked == 2 for r in records) and len(lines) >= total:
-            break
-        time.sleep(0.1)
+            return records, lines
+        return None
+
+    records, lines = eventually(written, 30, what="every ghost recorded, blocked twice, announced", interval=0.1)
     assert sorted(r.name for r in records) == sorted(f"ghost-{i}" for i in range(total))
     assert {r.times_blocked for r in records} == {2}
     # One announcement per ghost across both processes: the store decides which write was first.

@@ -174,7 +174,7 @@ class Scenario:
 
     def during(self, label: str, *, rounds: int = 3, concurrent: int = 24) -> None:
         g, ns = self.guard, self.ns
-        time.sleep(0.6)  # past --alive-ttl: no quorum read from before the fault is reused
+        time.sleep(0.6)  # the behaviour: past --alive-ttl (a TTL running out), no read from before the fault is reused
         for _ in range(rounds):
             assert_passes(filter_once(g, ns, "live", self.live_uid, label))
             assert_passes(filter_once(g, ns, "during", self.fresh["during"], label))  # undecidable: fail open

@@ -54,7 +54,7 @@ def test_a_rollout_of_both_guards_mid_flood_loses_no_record(lab_factory, start_g
             try:
                 out = session.post(g.url("/filter"), json=filter_body(ns, name, uid), timeout=5).json()
             except (requests.RequestException, ValueError):
-                time.sleep(0.05)
+                time.sleep(0.05)  # the behaviour: a caller's retry delay while a guard is replaced
                 continue
             if out.get("FailedAndUnresolvableNodes"):
                 with lock:
