@@ -31,7 +31,7 @@ from pathlib import Path
 
 import orjson
 
-from guard.certs import generate
+from guard.tools.certs import generate
 from guard.lab.harness import GuardProcess, tls_files
 
 DEAD = ("apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: 'http://127.0.0.1:9'}\n"

@@ -2,7 +2,7 @@
 
 On a lab (real etcd, 3 apiserver replicas): for each round, a *deleted* ghost (replica 1 lost the pod's
 delete, its watch flows on) and a *replaced* ghost (replica 1 lost the delete and the re-creation under
-the same name) are made, then healed in-process by :class:`guard.heal.Healer` with the CLI's clients
+the same name) are made, then healed in-process by :class:`guard.engine.healer.Healer` with the CLI's clients
 (one ``Kube`` on replica 0, one client per replica). Reported per kind: the heal's own time (first read
 to the last replica agreeing; what the CLI prints), the time from the first write until the stale
 replica agreed, the writes per heal (from replica 0's request log: POST, PATCH, DELETE on pods) and the
@@ -26,12 +26,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
 
-    from guard.heal import Healer
-    from guard.kube import Kube, load_configuration
+    from guard.engine.healer import Healer
+    from guard.kube.client import Kube, load_configuration
     from guard.lab import Lab
     from guard.lab.harness import pod_manifest
-    from guard.replicas import ReplicaPool
-    from guard.settings import Settings
+    from guard.engine.replicas import ReplicaPool
+    from guard.core.settings import Settings
 
     results: dict[str, list] = {"deleted": [], "replaced": []}
     with Lab(replicas=3) as lab:

@@ -27,7 +27,7 @@ ACTIVITIES = [
     ("background verification, apart from the GET (verify_next, Checker.verify)",
      ("Preparer.verify_next ", "Checker.verify ")),
     ("sweep, discovery, connection sampling", ("Preparer._sweep_loop ",)),
-    ("serving loop (GuardWorker, gunicorn)", ("guard/worker.py", "gunicorn/")),
+    ("serving loop (GuardWorker, gunicorn)", ("guard/serving/worker.py", "gunicorn/")),
 ]
 
 # (layer, path fragments of the innermost frame), first match wins
@@ -41,11 +41,11 @@ LAYERS = [
     ("TLS and socket I/O (ssl, socket, selectors)", ("ssl.py", "socket.py", "selectors.py")),
     ("Flask / werkzeug", ("flask/", "werkzeug/")),
     ("metrics (prometheus_client)", ("prometheus_client/",)),
-    ("verdict cache (guard/cache.py, cachetools)", ("guard/cache.py", "cachetools/")),
-    ("watch decoding and views (guard/kube.py watch, guard/prepare.py, attribution)",
-     ("guard/prepare.py", "guard/attribution.py", "ReplicaClient.watch_pending")),
-    ("quorum GET decoding (guard/kube.py)", ("guard/kube.py",)),
-    ("serving loop (guard/worker.py, gunicorn)", ("guard/worker.py", "gunicorn/")),
+    ("verdict cache (guard/engine/cache.py, cachetools)", ("guard/engine/cache.py", "cachetools/")),
+    ("watch decoding and views (guard/kube/client.py watch, guard/engine/prepare.py, attribution)",
+     ("guard/engine/prepare.py", "guard/core/attribution.py", "ReplicaClient.watch_pending")),
+    ("quorum GET decoding (guard/kube/client.py)", ("guard/kube/client.py",)),
+    ("serving loop (guard/serving/worker.py, gunicorn)", ("guard/serving/worker.py", "gunicorn/")),
     ("request path (guard/http, extender, check, verdict)", ("guard/",)),
     ("threads and queues (threading, concurrent.futures, queue)", ("threading.py", "concurrent/", "queue.py")),
     ("JSON logging, other stdlib", ("",)),

@@ -9,7 +9,7 @@ work and the machine's other load stay out of the figure. Blocks of GETs alterna
 - ``urllib3``: the same GET through the client's urllib3 pool with its auth settings, no per-call
   validation or wrapping (what ``Kube.quorum_get`` did from issue 15's first cut until its own
   transport, and what it still does through a proxy);
-- ``guard``: ``Kube.quorum_get`` (guard/httpget.py: kept-alive connections opened by urllib3 with
+- ``guard``: ``Kube.quorum_get`` (guard/kube/transport.py: kept-alive connections opened by urllib3 with
   the client's TLS settings, the reply parsed by httptools).
 
 Run from the repository root: ``python -m benchmarks.quorum_get_cpu [--gets 2000]``.
@@ -27,7 +27,7 @@ import orjson
 import urllib3
 
 from benchmarks.soak_lab import LabProcess
-from guard.kube import Kube, load_configuration
+from guard.kube.client import Kube, load_configuration
 from guard.lab.harness import pod_manifest
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import orjson
 
 from guard.lab.harness import GuardProcess
-from guard.settings import Settings
+from guard.core.settings import Settings
 
 CAP = Settings().max_body_bytes
 MAX_NODES = Settings().max_nodes
@@ -86,7 +86,7 @@ def shapes() -> dict[str, tuple[list[str], str, bytes]]:
     out[f"nodes, {MAX_NODES} nodes x {per} B (at both caps)"] = ([], "/filter", body)
     out[f"nodes, {MAX_NODES} nodes x {per} B, --fail-closed"] = (["--fail-closed"], "/filter", body)
     # Built to amplify memory: Python objects per JSON byte are largest for short strings
-    # (4 bytes -> ~58) and empty arrays (2-3 bytes -> ~64-80), as dense as guard.extender.decode allows.
+    # (4 bytes -> ~58) and empty arrays (2-3 bytes -> ~64-80), as dense as guard.core.extender.decode allows.
     head = orjson.dumps({"Pod": realistic_pod(), "Nodes": {"items": [{}] * MAX_NODES}, "NodeNames": None})[:-1]
     unit = b'[],"abc"'  # one array per 9 bytes with its separator: just within the limit (8)
     count = (CAP - len(head) - len(b',"x":[]}')) // (len(unit) + 1)

@@ -3,7 +3,7 @@
 Every option has an environment variable ``GHOST_GUARD_<OPTION>`` (shown in
 ``--help``); precedence is flag, then environment, then default. The defaults of
 ``serve`` (and of the options other commands share with it) are the ``Settings``
-fields' (guard/settings.py), never written here.
+fields' (guard/core/settings.py), never written here.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import sys
 import click
 
 from guard import __version__
-from guard.names import pod_identity_problem, pod_name_problem, visible
-from guard.settings import DEFAULT_AUDIT_DB, Settings
+from guard.core.names import pod_identity_problem, pod_name_problem, visible
+from guard.core.settings import DEFAULT_AUDIT_DB, Settings
 
 # The default of every `serve` option, and of the options other commands share with it: the Settings
-# field's (guard/settings.py is the one place a default is written).
+# field's (guard/core/settings.py is the one place a default is written).
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 
 
 
 def _check_pod_arg(namespace: str, name: str, hint: str) -> None:
-    """A pod named on the command line is one the apiserver could hold (guard.names), else a usage error."""
+    """A pod named on the command line is one the apiserver could hold (guard.core.names), else a usage error."""
     problem = pod_identity_problem(namespace, name, "")
     if problem is not None:
         raise click.BadParameter(problem, param_hint=hint)
@@ -48,7 +48,7 @@ def main() -> None:
     """kube-ghost-guard: keeps kube-scheduler from looping forever on ghost Pods."""
 
 
-# --- serve (guard/server.py) -------------------------------------------------
+# --- serve (guard/serving/server.py) -------------------------------------------------
 
 
 @main.command(short_help="Serve the scheduler extender, probes and metrics.")
@@ -144,7 +144,7 @@ def main() -> None:
 @setting("--frozen-after", type=float,
          help="Seconds a replica's cache revision may stand still behind etcd's before the replica is named frozen "
               "(revisions are read every third of this, at most every 20s).")
-# --- serving: connection deadlines and limits, TLS, caller identities (guard/worker.py, guard/identity.py)
+# --- serving: connection deadlines and limits, TLS, caller identities (guard/serving/worker.py, guard/core/identity.py)
 @setting("--tls-handshake-timeout", type=float,
          help="Seconds a client has to complete the TLS handshake; then the connection is closed.")
 @setting("--header-timeout", type=float,
@@ -195,8 +195,8 @@ def main() -> None:
 @setting("--heal-timeout", type=float, help="Seconds one automatic heal may take until every replica agrees with etcd.")
 def serve(**kwargs) -> None:
     """Serve the extender (/filter, /preempt), probes and metrics under gunicorn."""
-    from guard.server import StartupError, preflight, serve as run
-    from guard.settings import SettingsError
+    from guard.serving.server import StartupError, preflight, serve as run
+    from guard.core.settings import SettingsError
 
     try:
         settings = Settings(**kwargs).validate()
@@ -205,7 +205,7 @@ def serve(**kwargs) -> None:
         click.echo(f"ghost-guard serve: {e}", err=True)
         sys.exit(2)
     if settings.audit_db == DEFAULT_AUDIT_DB and settings.audit_store in (None, "sqlite"):
-        from guard.auditstore import writable_default
+        from guard.audit.backend import writable_default
 
         path, note = writable_default(DEFAULT_AUDIT_DB)  # said once, here, before the workers start
         if note:
@@ -214,7 +214,7 @@ def serve(**kwargs) -> None:
     sys.exit(run(settings))
 
 
-# --- certs (guard/certs.py) --------------------------------------------------
+# --- certs (guard/tools/certs.py) --------------------------------------------------
 
 
 @main.command("certs", short_help="Write a CA, serving and client certificates.")
@@ -244,7 +244,7 @@ def certs(out: str, namespace: str, service: str, dns: tuple[str, ...], ips: tup
 
     Prints the files written and, last, `caBundle: <base64 CA>` for the webhook configuration.
     """
-    from guard.certs import CertError, certs_command
+    from guard.tools.certs import CertError, certs_command
 
     try:
         click.echo(certs_command(out, namespace=namespace, service=service, dns=dns, ips=ips, days=days,
@@ -253,11 +253,11 @@ def certs(out: str, namespace: str, service: str, dns: tuple[str, ...], ips: tup
         raise click.ClickException(str(e)) from e
 
 
-# --- audit, report, diagnose (guard/audit.py, guard/attribution.py) ----------
+# --- audit, report, diagnose (guard/audit/sqlite.py, guard/core/attribution.py) ----------
 
-# guard.verdict is pure and tiny (and on the serving path anyway): the --verdict
+# guard.core.verdict is pure and tiny (and on the serving path anyway): the --verdict
 # choices come from it. The store itself (sqlite3) is imported inside the commands.
-from guard.verdict import Verdict as _Verdict  # noqa: E402
+from guard.core.verdict import Verdict as _Verdict  # noqa: E402
 
 def _audit_db_option(func):
     # Shared with `serve` through the environment: one GHOST_GUARD_AUDIT_DB / GHOST_GUARD_AUDIT_STORE for the
@@ -280,11 +280,11 @@ def _open_audit_store(command: str, db: str | None, store: str | None = None, ku
     line if it is missing or unusable."""
     import os
 
-    from guard.audit import AuditPathError, AuditStore
-    from guard.auditstore import StoreSpecError, open_store, parse_store
-    from guard.records import AuditError
+    from guard.audit.sqlite import AuditPathError, AuditStore
+    from guard.audit.backend import StoreSpecError, open_store, parse_store
+    from guard.core.records import AuditError
 
-    from guard.auditstore import readable_default
+    from guard.audit.backend import readable_default
 
     try:
         kind, path = parse_store(store, db or readable_default(DEFAULT_AUDIT_DB))
@@ -313,8 +313,8 @@ def _open_audit_store(command: str, db: str | None, store: str | None = None, ku
 def _audit_records(command: str, store, *, namespace, verdict, replica, since, limit, retracted=False):
     import time
 
-    from guard.records import AuditError
-    from guard.report import parse_since
+    from guard.core.records import AuditError
+    from guard.core.rendering import parse_since
 
     try:
         since_at = parse_since(since, now=time.time()) if since is not None else None
@@ -354,11 +354,11 @@ def audit(ctx: click.Context, db: str | None, store: str | None, kubeconfig: str
     `ghost-guard audit export` copies one store into another."""
     if ctx.invoked_subcommand is not None:
         return
-    from guard.report import render_records
+    from guard.core.rendering import render_records
 
     host = _host_only(replica)
     if host is not None:
-        from guard.records import MAX_REPLICA, check_text
+        from guard.core.records import MAX_REPLICA, check_text
 
         try:
             check_text("replica", replica, MAX_REPLICA)
@@ -408,8 +408,8 @@ def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
 
     Safe to run again: an existing object is only widened (larger count, wider time span, newer probes),
     never counted twice. Prints how many objects were created and updated; exit 1 if any record failed."""
-    from guard.auditstore import StoreSpecError, parse_store
-    from guard.records import AuditError
+    from guard.audit.backend import StoreSpecError, parse_store
+    from guard.core.records import AuditError
 
     try:
         src_kind, _ = parse_store(source, DEFAULT_AUDIT_DB)
@@ -465,8 +465,8 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
     """
     import os
 
-    from guard.auditstore import readable_default
-    from guard.report import build_report, render_report
+    from guard.audit.backend import readable_default
+    from guard.core.rendering import build_report, render_report
 
     db = db or readable_default(DEFAULT_AUDIT_DB)
     text, records = "", None
@@ -484,7 +484,7 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
         sys.exit(1 if serving else 0)
     progress = _progress("report", output)
     if output != "json":  # what is ready first: the audit store's part, then the replicas' caches
-        from guard.cache_health import LIVE_WINDOW_SECONDS
+        from guard.engine.cache_health import LIVE_WINDOW_SECONDS
 
         if not text:
             text = f"No audit store at {db}: ghosts not reported.\n"
@@ -501,7 +501,7 @@ def report(db: str | None, store: str | None, kubeconfig: str | None, namespace:
         doc["ghost_node_errors"] = node_errors
         click.echo(json.dumps(doc, indent=2))
     else:
-        from guard.report import render_ghost_nodes, render_replica_caches
+        from guard.core.rendering import render_ghost_nodes, render_replica_caches
 
         nodes_text = render_ghost_nodes(ghost_nodes, node_errors)
         click.echo(render_replica_caches(caches, window=LIVE_WINDOW_SECONDS) + ("\n" + nodes_text if nodes_text else ""),
@@ -520,9 +520,9 @@ def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | Non
              timeout: float, pool_size: int):
     """(Kube, ReplicaPool) for a command that reads every apiserver replica; exit 2 with one line when the
     credentials, the flags or replica discovery fail."""
-    from guard.kube import Kube, KubeConfigError, load_configuration
-    from guard.replicas import ReplicaPool
-    from guard.settings import SettingsError
+    from guard.kube.client import Kube, KubeConfigError, load_configuration
+    from guard.engine.replicas import ReplicaPool
+    from guard.core.settings import SettingsError
 
     try:
         settings = Settings(apiserver_replicas=apiserver_replicas, apiserver_server_name=server_name,
@@ -543,11 +543,11 @@ def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | Non
 
 def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_name: str,
                  progress=lambda line: None) -> tuple[list[dict], tuple[list[dict[str, object]], list[str]]]:
-    """guard.cache_health.check_now and guard.ghostnodes.check_nodes_now over every replica; exit 2 with
+    """guard.engine.cache_health.check_now and guard.engine.ghost_nodes.check_nodes_now over every replica; exit 2 with
     one line when they cannot run."""
     progress("loading the Kubernetes client and finding the apiserver replicas")
-    from guard.cache_health import check_now  # imports the Kubernetes client
-    from guard.ghostnodes import check_nodes_now
+    from guard.engine.cache_health import check_now  # imports the Kubernetes client
+    from guard.engine.ghost_nodes import check_nodes_now
 
     kube, pool = _cluster("report", kubeconfig, apiserver_replicas, server_name, 2.0, 8)
     try:
@@ -584,7 +584,7 @@ def diagnose(pod: str, kubeconfig: str | None, apiserver_replicas: str | None, a
     --etcd-endpoint, a direct etcd read. Exit status: 0 consistent, 1 stale replicas
     found (named in the verdict line), 2 the checks could not run.
     """
-    from guard.diagnose import EtcdAccess, diagnose as run
+    from guard.tools.diagnose import EtcdAccess, diagnose as run
 
     namespace, sep, name = pod.partition("/")
     if not sep or not namespace or not name or "/" in name:
@@ -638,14 +638,14 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     Exit status: 0 every replica agrees with etcd, 1 some pod or Node is not healed (frozen replica, refused
     write, timeout), 2 bad arguments or no cluster access, 130 interrupted (nothing left behind).
     """
-    from guard.healing import render
+    from guard.core.heal_plan import render
 
     if all_ == bool(pods):
         raise click.UsageError("give NAMESPACE/NAME arguments or --all (not both)")
     targets = []
     nodes = []
     for pod in pods:
-        if pod.startswith("node/"):  # a ghost Node (guard/nodeheal.py)
+        if pod.startswith("node/"):  # a ghost Node (guard/engine/node_healer.py)
             if not pod[5:] or "/" in pod[5:] or pod_name_problem(pod[5:]):
                 raise click.BadParameter(f"expected node/NAME with a valid Node name, got {visible(pod)!r}",
                                          param_hint="NAMESPACE/NAME")
@@ -664,9 +664,9 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
         raise click.BadParameter("must be positive", param_hint="--probe-timeout")
     progress = _progress("heal", output)
     progress("loading the Kubernetes client and finding the apiserver replicas")
-    from guard.heal import Healer
-    from guard.nodeheal import heal_node
-    from guard.nodeheal import render as render_nodes
+    from guard.engine.healer import Healer
+    from guard.engine.node_healer import heal_node
+    from guard.engine.node_healer import render as render_nodes
 
     kube, pool = _cluster("heal", kubeconfig, apiserver_replicas, apiserver_server_name, probe_timeout, 8)
     healer = Healer(kube, pool.clients, timeout=timeout, progress=progress)

@@ -91,7 +91,7 @@ AUDIT_STORE_HEALTHY = Gauge("ghost_guard_audit_store_healthy", "1 while the audi
                             multiprocess_mode="livemin")
 AUDIT_WRITE_ERRORS = Counter("ghost_guard_audit_write_errors", "Audit store writes that failed, by operation "
                              "(block, probe, check: the /readyz write test).", ["operation"])
-# The GhostPod store (--audit-store kubernetes, guard/ghostpods.py): writes happen in the background.
+# The GhostPod store (--audit-store kubernetes, guard/audit/ghostpods.py): writes happen in the background.
 AUDIT_PENDING = Gauge("ghost_guard_audit_pending_records", "Audit records (pod identities) waiting to be written to "
                       "the Kubernetes API, summed over the live workers.", multiprocess_mode="livesum")
 AUDIT_WRITES = Counter("ghost_guard_audit_writes", "GhostPod writes (one identity's pending operations), by outcome "
@@ -106,7 +106,7 @@ FLOOD_SHED = Counter("ghost_guard_flood_shed", "Ghost first sightings that got n
                      "follow-up (still blocked), and follow-ups dropped, for ghosts no apiserver replica ever listed "
                      "(forged names, mostly), by reason (namespace-budget, global-budget: --unsighted-ghost-rate and "
                      "--unsighted-ghost-burst; queue-full). Ghosts a replica listed or served are never shed.", ["reason"])
-for _reason in ("namespace-budget", "global-budget", "queue-full"):  # guard.flood.SHED_REASONS, shown from 0
+for _reason in ("namespace-budget", "global-budget", "queue-full"):  # guard.core.flood.SHED_REASONS, shown from 0
     FLOOD_SHED.labels(_reason)
 FOLLOWUPS_COALESCED = Counter("ghost_guard_followups_coalesced", "Ghost follow-ups merged into one already waiting "
                               "for the same pod identity because more than 1,000 were pending (a repeated sighting "
@@ -120,7 +120,7 @@ REPLICA_PROBE_ERRORS = Counter("ghost_guard_replica_probe_errors", "Cache probes
                                "no answer, by replica and kind (unreachable: timeout or refused, not-ready: 429, error).",
                                ["replica", "kind"])
 
-# Replica caches that miss pods or stopped (guard/cache_health.py). "Ghosts served" per replica is
+# Replica caches that miss pods or stopped (guard/engine/cache_health.py). "Ghosts served" per replica is
 # ghost_guard_stale_replica above.
 REPLICA_PODS_MISSING = Gauge("ghost_guard_replica_pods_missing", "Pods pending in etcd (quorum read) that an "
                              "apiserver replica's watch cache lacks although its revision is past theirs (its "
@@ -135,7 +135,7 @@ REPLICA_FROZEN = Gauge("ghost_guard_replica_frozen", "1 while an apiserver repli
                        ["replica"], multiprocess_mode="livemax")
 
 
-# Ghost Nodes (guard/ghostnodes.py, guard/nodeverdict.py): Nodes etcd lacks that a replica's cache serves.
+# Ghost Nodes (guard/engine/ghost_nodes.py, guard/core/node_verdict.py): Nodes etcd lacks that a replica's cache serves.
 GHOST_NODES = Gauge("ghost_guard_ghost_nodes", "Ghost Nodes (deleted in etcd, confirmed by a quorum read) an "
                     "apiserver replica's watch cache still serves, by replica.", ["replica"],
                     multiprocess_mode="livemax")
@@ -181,7 +181,7 @@ def exposition() -> bytes:
 
 # Every labelled counter starts at 0 for the label values known ahead, so that an alert rule "should stay 0"
 # (rate(...) > 0, increase(...) > 0) sees a series from the start, not only after the first event. Per-replica
-# series start when the replica is known (guard.cache_health).
+# series start when the replica is known (guard.engine.cache_health).
 KNOWN_LABELS: tuple[tuple[Counter, tuple[tuple[str, ...], ...]], ...] = (
     (FAIL_OPEN, (("apiserver",), ("budget",), ("internal-error",))),
     (FAIL_CLOSED, (("apiserver",), ("budget",), ("internal-error",))),

@@ -1,4 +1,4 @@
-"""The Flask application factory: the worker's guard (guard.wiring) -> routes, JSON errors, access log.
+"""The Flask application factory: the worker's guard (guard.engine.wiring) -> routes, JSON errors, access log.
 
 The factory imports the routes (filter.py, binding.py, probes.py), each a blueprint closed over the
 worker's Guard and BodyBudget; what they share about a request is guard.http.exchange. No route
@@ -18,15 +18,15 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from guard import metrics
-from guard.extender import ProtocolError
+from guard.core.extender import ProtocolError
 from guard.http import binding, probes
 from guard.http import filter as filter_routes
 from guard.http.exchange import BodyBudget, json_error, record_request
-from guard.identity import ROLE_OF_ENDPOINT, ROLE_OF_PATH, RolePolicy, exact_route
-from guard.names import visible
-from guard.settings import Settings
-from guard.wiring import build_guard
-from guard.worker import DIRECT_LANE, PEER_CERT
+from guard.core.identity import ROLE_OF_ENDPOINT, ROLE_OF_PATH, RolePolicy, exact_route
+from guard.core.names import visible
+from guard.core.settings import Settings
+from guard.engine.wiring import build_guard
+from guard.http.lane import DIRECT_LANE, PEER_CERT
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
     # Bodies over SMALL_BODY_BYTES in flight: at most two of the largest accepted.
     bodies = BodyBudget.for_settings(settings)
     app = Flask("guard", static_folder=None)  # no /static route: every route has a role (check_routes)
-    app.extensions["ghost_guard"] = guard  # guard.server's worker_exit hook closes it
+    app.extensions["ghost_guard"] = guard  # guard.serving.server's worker_exit hook closes it
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.register_blueprint(filter_routes.blueprint(guard, bodies))
     app.register_blueprint(binding.blueprint(guard, bodies))
@@ -98,7 +98,7 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
         return resp
 
     # /filter and /preempt as kube-scheduler sends them skip Flask (guard.http.filter.FastLane), and
-    # skip WSGI altogether when the worker can hand them over whole (guard.worker.DIRECT_LANE).
+    # skip WSGI altogether when the worker can hand them over whole (guard.http.lane.DIRECT_LANE).
     fast = filter_routes.FastLane(app.wsgi_app, guard, bodies)
     app.wsgi_app = fast  # type: ignore[method-assign]
     # Outermost: with mTLS, each endpoint answers only its role's client certificates (every lane).
@@ -109,7 +109,7 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
     # Outermost of all, in every setup: a path that is not exactly a route is a 404 before anything
     # else (the role check, the fast lane, Flask's router, which would merge "//filter" into /filter).
     app.wsgi_app = RouteGate(app.wsgi_app, settings)  # type: ignore[method-assign]
-    # The direct lane (guard.worker.plain_call) takes only the exact bytes "/filter" and "/preempt".
+    # The direct lane (guard.serving.worker.plain_call) takes only the exact bytes "/filter" and "/preempt".
     app.extensions[DIRECT_LANE] = filter_routes.DirectLane(fast, roles.refusal if roles is not None else None,
                                                            roles.allowed if roles is not None else None)
     return app
@@ -117,11 +117,11 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
 
 def check_routes(app: Flask) -> None:
     """Start-up check that the role checked is the role of the view that runs: Flask's URL map has
-    exactly the routes of guard.identity.ROLE_OF_PATH, and each path, spelled exactly, is routed to
-    the endpoint guard.identity.ROLE_OF_ENDPOINT gives that same role. Raises RuntimeError."""
+    exactly the routes of guard.core.identity.ROLE_OF_PATH, and each path, spelled exactly, is routed to
+    the endpoint guard.core.identity.ROLE_OF_ENDPOINT gives that same role. Raises RuntimeError."""
     rules = {rule.rule: rule for rule in app.url_map.iter_rules()}
     if set(rules) != set(ROLE_OF_PATH):
-        raise RuntimeError(f"the app's routes {sorted(rules)} are not guard.identity's {sorted(ROLE_OF_PATH)}")
+        raise RuntimeError(f"the app's routes {sorted(rules)} are not guard.core.identity's {sorted(ROLE_OF_PATH)}")
     adapter = app.url_map.bind("guard")
     for path, rule in rules.items():
         for method in sorted(rule.methods or ()):
@@ -132,7 +132,7 @@ def check_routes(app: Flask) -> None:
 
 class RouteGate:
     """WSGI middleware, outermost: a request whose path is not exactly one of the routes is answered
-    404 (guard.identity.exact_route), before the role check, the fast lane or Flask's router see it.
+    404 (guard.core.identity.exact_route), before the role check, the fast lane or Flask's router see it.
 
     Routers normalize: werkzeug merges duplicate slashes, gunicorn decodes percent-escapes, so a
     role check by the spelling would let ``//filter`` or ``/%66ilter`` reach /filter unchecked
@@ -164,8 +164,8 @@ class RouteGate:
 class RoleCheck:
     """WSGI middleware: a 403 with the reason when the client certificate is not of the endpoint's role.
 
-    The certificate comes from the worker (``environ["ghost_guard.peer_cert"]``, guard.worker);
-    the matching is guard.identity's. Installed only with ``--client-ca``.
+    The certificate comes from the worker (``environ["ghost_guard.peer_cert"]``, guard.serving.worker);
+    the matching is guard.core.identity's. Installed only with ``--client-ca``.
     """
 
     def __init__(self, app: Callable, settings: Settings) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, g
 
-from guard import admission
+from guard.core import admission
 from guard.http.exchange import BodyBudget, read_json_body
-from guard.wiring import Guard
+from guard.engine.wiring import Guard
 
 
 def blueprint(guard: Guard, bodies: BodyBudget) -> Blueprint:

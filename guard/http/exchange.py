@@ -17,9 +17,9 @@ import orjson
 from flask import Response, g, request
 
 from guard import metrics
-from guard.extender import ProtocolError
-from guard.settings import Settings
-from guard.verdict import PodRef
+from guard.core.extender import ProtocolError
+from guard.core.settings import Settings
+from guard.core.verdict import PodRef
 
 access_log = logging.getLogger("guard.access")
 
@@ -41,7 +41,7 @@ class BodyBudget:
     for room, else 503 before its body is read.
 
     Room is taken before the body is read and given back once the reply is written, so the raw
-    body, its decoded document (bounded per byte by guard.extender.decode) and the reply are all
+    body, its decoded document (bounded per byte by guard.core.extender.decode) and the reply are all
     covered: about ``threads x small + limit`` bytes of request at once (docs/RELIABILITY.md).
     kube-scheduler's names-mode bodies up to ``small`` never wait.
     """

@@ -1,13 +1,13 @@
 """The extender verbs: ``POST /filter`` and ``POST /preempt``.
 
-Each decodes (guard.extender), checks (guard.check), and encodes. A ghost is
+Each decodes (guard.core.extender), checks (guard.engine.checker), and encodes. A ghost is
 rejected on every node as *unresolvable*, and vetoed as a preemptor: without
 the preempt verb a ghost that only fits by eviction makes the scheduler evict
 real pods (it never reaches /filter, the built-in plugins already failed it).
 
 Three lanes, one answer (:func:`answer`):
 
-- :class:`DirectLane`, below WSGI: the worker (guard.worker, ``plain_call``)
+- :class:`DirectLane`, below WSGI: the worker (guard.serving.worker, ``plain_call``)
   hands it the calls exactly as kube-scheduler makes them (``POST`` over
   HTTP/1.1, ``application/json``, a Content-Length body; in the worker's event
   loop at most the BodyBudget's small size, from a pool thread up to
@@ -37,13 +37,14 @@ import orjson
 from flask import Blueprint, Response, g, request
 from werkzeug.wsgi import ClosingIterator
 
-from guard import extender, metrics
-from guard.check import Joined
-from guard.extender import ProtocolError
+from guard import metrics
+from guard.core import extender
+from guard.engine.checker import Joined
+from guard.core.extender import ProtocolError
 from guard.http.exchange import BodyBudget, acquire_room, read_json_body, record_request
-from guard.nodeverdict import ghost_candidates
-from guard.verdict import Decision, PodRef
-from guard.wiring import Guard
+from guard.core.node_verdict import ghost_candidates
+from guard.core.verdict import Decision, PodRef
+from guard.engine.wiring import Guard
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def _encode(guard: Guard, path: str, args: Any, decision: Decision) -> bytes:
 
 
 def _allow(guard: Guard, path: str, args: Any) -> bytes:
-    """A live pod's answer: every candidate, except ghost Nodes (guard/nodeverdict.py). With no ghost
+    """A live pod's answer: every candidate, except ghost Nodes (guard/core/node_verdict.py). With no ghost
     Node known (the normal case) that is one attribute test, no work per node name."""
     nodes = guard.nodes
     if nodes is not None and nodes.knowledge.ghosts:
@@ -193,7 +194,7 @@ class Waiting:
 
 
 class DirectLane:
-    """The verb calls the worker hands over without WSGI (guard.worker.plain_call): the same answers
+    """The verb calls the worker hands over without WSGI (guard.serving.worker.plain_call): the same answers
     as :class:`FastLane`, and with mTLS the same role check as the WSGI lanes (``refuse``, and
     ``allowed`` to ask without counting or logging).
 

@@ -11,7 +11,7 @@ from flask import Blueprint, Response
 
 from guard import metrics
 from guard.http.exchange import json_response
-from guard.wiring import Guard
+from guard.engine.wiring import Guard
 
 
 def blueprint(guard: Guard) -> Blueprint:

@@ -11,7 +11,7 @@ Everything runs on this machine and is cleaned up on exit:
    loops on the ghost (every Binding POST answers 404), while a live pod still
    schedules;
 4. **with the guard**: ``ghost-guard serve`` starts as a child process over
-   HTTPS with mTLS (certificates from :mod:`guard.certs`), and a new scheduler
+   HTTPS with mTLS (certificates from :mod:`guard.tools.certs`), and a new scheduler
    on replica 1 registers it as extender (``filter`` + ``preempt`` verbs,
    ``nodeCacheCapable``): the ghost is rejected on every node, the loop stops.
 
@@ -50,11 +50,11 @@ PHASE_SECONDS = 6.0
 
 def start_guard_process(kubeconfig: str, workdir: Path, extra_args: list[str] | None = None, *,
                         scaled: bool = True, timeout: float = 30.0) -> GuardProcess:
-    """Write certificates into ``workdir`` (guard.certs) and start ``ghost-guard serve`` over HTTPS with
+    """Write certificates into ``workdir`` (guard.tools.certs) and start ``ghost-guard serve`` over HTTPS with
     mTLS, none of the caller's ``GHOST_GUARD_*``, its logs and audit DB in ``workdir``; waits for /readyz.
     ``scaled``: the guard's windows scaled to the simulator's 10x faster backoff (False: the real
     kube-scheduler's, i.e. the guard's defaults)."""
-    from guard import certs as guard_certs
+    from guard.tools import certs as guard_certs
 
     bundle = guard_certs.generate(workdir / "certs", ips=["127.0.0.1"])
     # The demo's scheduler backs off 10x faster than kube-scheduler (0.1 s, not 1 s):
@@ -163,7 +163,7 @@ def _scenario(lab: Any, workdir: Path, say: Callable[[str], None], out: IO[str],
         live_after = _phase(lab, scheduler, "web-3", out, seconds)
         after = scheduler.stats().get("default/web-1", PodStats())
 
-    incident = [r.get("msg", "") for r in guard.log_records("guard.incident")]
+    incident = [r.get("msg", "") for r in guard.log_records("guard.engine.incident")]
     if incident:
         say("      guard: " + incident[0])
     rows = [

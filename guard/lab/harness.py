@@ -30,7 +30,7 @@ import requests
 from guard.lab.etcd import free_port
 
 if TYPE_CHECKING:
-    from guard.certs import CertBundle
+    from guard.tools.certs import CertBundle
     from guard.lab.backend import LabBackend
     from guard.lab.scheduler import ExtenderConfig
 
@@ -125,7 +125,7 @@ def metric_sum(samples: Samples, name: str, **labels: str) -> float:
 
 
 def tls_files(bundle: CertBundle, *, client_ca: bool = True) -> dict[str, str]:
-    """:class:`GuardProcess`'s ``tls`` for a :func:`guard.certs.generate` bundle: serving certificate,
+    """:class:`GuardProcess`'s ``tls`` for a :func:`guard.tools.certs.generate` bundle: serving certificate,
     ``--client-ca`` (mTLS; ``client_ca=False``: server-only TLS), and the scheduler's and the
     monitoring role's client certificates."""
     tls = {"cert": str(bundle.tls_cert), "key": str(bundle.tls_key), "ca": str(bundle.ca_cert),
@@ -183,7 +183,7 @@ class GuardProcess:
         self.session = requests.Session()
         # requests lets REQUESTS_CA_BUNDLE override a Session's verify (psf/requests#3829): ignore the environment.
         self.session.trust_env = False
-        # With --client-ca each endpoint answers only its role's certificate (guard.identity): the verbs
+        # With --client-ca each endpoint answers only its role's certificate (guard.core.identity): the verbs
         # go out with ``client_cert`` (kube-scheduler's), the probes and /metrics with the monitoring
         # certificate (``monitoring_cert``, default: monitoring.crt next to client_cert when present).
         self.monitoring_cert: tuple[str, str] | None = None

@@ -273,7 +273,7 @@ def _int(q: dict[str, str], key: str) -> int | None:
 class ApiserverReplica:
     """One lab kube-apiserver replica: an HTTPS server over its own watch cache (``guard.lab.watchcache``).
     Created and started by ``Lab``; ``stop()``/``start()``/``restart()`` for faults. (The guard's own
-    record of a replica's address is ``guard.settings.Replica``.)"""
+    record of a replica's address is ``guard.core.settings.Replica``.)"""
 
     def __init__(self, index: int, ip: str, port: int, etcd_url: str, token: str, serving: KeyPair, *,
                  bookmark_interval: float = 1.0, history_size: int = 10000, consistent_read_timeout: float = 3.0,

@@ -6,8 +6,8 @@ import sqlite3
 
 import pytest
 
-from guard.audit import APPLICATION_ID, SCHEMA_VERSION, AuditStore
-from guard.records import MAX_HEALS_PER_GHOST, HealAttempt, UnknownGhostError
+from guard.audit.sqlite import APPLICATION_ID, SCHEMA_VERSION, AuditStore
+from guard.core.records import MAX_HEALS_PER_GHOST, HealAttempt, UnknownGhostError
 
 
 @pytest.fixture

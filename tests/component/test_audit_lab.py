@@ -4,7 +4,7 @@ the probes name exactly that replica, `report` says what to do, and after a rest
 it healed.
 
 Real etcd, real HTTPS replicas, and the objects one guard worker builds, wired as
-``guard.wiring.build_guard`` wires them: ``Checker.check`` (what /filter, /preempt and
+``guard.engine.wiring.build_guard`` wires them: ``Checker.check`` (what /filter, /preempt and
 /validate/binding call) -> ``IncidentRecorder`` (new ghost, sightings, block recorder) -> the store
 ``open_audit_store`` opens, with the recorder's ``announce_new_ghost`` as its ``on_new`` hook (the new-ghost
 line on stdout). The follow-ups run inline
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from guard.auditstore import AuditBackend
-from guard.check import Checker
-from guard.incident import IncidentRecorder, open_audit_store
-from guard.kube import Kube, load_configuration
+from guard.audit.backend import AuditBackend
+from guard.engine.checker import Checker
+from guard.engine.incident import IncidentRecorder, open_audit_store
+from guard.kube.client import Kube, load_configuration
 from guard.lab.harness import make_ghost, pod_manifest
-from guard.replicas import ReplicaPool
-from guard.settings import Settings
-from guard.verdict import PodRef
+from guard.engine.replicas import ReplicaPool
+from guard.core.settings import Settings
+from guard.core.verdict import PodRef
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,7 +60,7 @@ def worker(lab, tmp_path: Path) -> Iterator[Worker]:
     delays: list[tuple[float, object, tuple]] = []
     incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract,
                                  later=lambda delay, fn, *args: delays.append((delay, fn, args)))
-    incidents.attach(checker)  # as guard.wiring.build_guard does
+    incidents.attach(checker)  # as guard.engine.wiring.build_guard does
     yield Worker(settings, checker, incidents, audit, delays)
     incidents.close()
     audit.close()

@@ -1,4 +1,4 @@
-"""guard/audit.py on real files with real processes: kill -9, concurrent writers, fork, retention, validation."""
+"""guard/audit/sqlite.py on real files with real processes: kill -9, concurrent writers, fork, retention, validation."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from guard.audit import (
+from guard.audit.sqlite import (
     SCHEMA_VERSION,
     AuditPathError,
     AuditStore,
 )
-from guard.records import AuditError, AuditRecord, UnknownGhostError
+from guard.core.records import AuditError, AuditRecord, UnknownGhostError
 
 T0 = 1_780_000_000.0
 R1, R2, R3 = "https://127.0.0.1:6443", "https://127.0.0.2:6443", "https://127.0.0.3:6443"
@@ -30,7 +30,7 @@ R1, R2, R3 = "https://127.0.0.1:6443", "https://127.0.0.2:6443", "https://127.0.
 WRITER = textwrap.dedent(
     """
     import sys, threading
-    from guard.audit import AuditStore
+    from guard.audit.sqlite import AuditStore
     db, prefix, count, threads, shared, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     T0 = 1_780_000_000.0
     def announce(record):

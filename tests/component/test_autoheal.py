@@ -1,17 +1,17 @@
-"""guard.autoheal.AutoHealer on the lab: one heal at a time, a name queued once, the rate bound, every
+"""guard.engine.autoheal.AutoHealer on the lab: one heal at a time, a name queued once, the rate bound, every
 outcome in the audit store. Real etcd and replicas; the heals' writes are read from replica 0's request log."""
 
 from __future__ import annotations
 
 import threading
 
-from guard.audit import AuditStore
-from guard.autoheal import AutoHealer
-from guard.kube import Kube, load_configuration
+from guard.audit.sqlite import AuditStore
+from guard.engine.autoheal import AutoHealer
+from guard.kube.client import Kube, load_configuration
 from guard.lab.harness import make_ghost
-from guard.replicas import ReplicaPool
-from guard.settings import Settings
-from guard.verdict import PodRef
+from guard.engine.replicas import ReplicaPool
+from guard.core.settings import Settings
+from guard.core.verdict import PodRef
 
 PODS = "/api/v1/namespaces/default/pods"
 

@@ -1,4 +1,4 @@
-"""guard.cache_health.CacheHealthMonitor driven tick by tick on a fake clock, against the real lab
+"""guard.engine.cache_health.CacheHealthMonitor driven tick by tick on a fake clock, against the real lab
 (etcd, three replicas, their caches and request logs): when it asks, what it asks, and whom it names.
 The replicas' views are read synchronously from their caches (LIST of pending pods, resourceVersion=0),
 so no watch timing is involved."""
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from guard.cache_health import CacheHealthMonitor
-from guard.kube import Kube, load_configuration
+from guard.engine.cache_health import CacheHealthMonitor
+from guard.kube.client import Kube, load_configuration
 from guard.lab.harness import pod_manifest
-from guard.prepare import _pod_of
-from guard.replicas import ReplicaPool
-from guard.settings import Settings
+from guard.engine.prepare import _pod_of
+from guard.engine.replicas import ReplicaPool
+from guard.core.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
 

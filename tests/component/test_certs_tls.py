@@ -1,7 +1,7 @@
 """ReloadingTLS on a real TLS server: mTLS, protocol floor, and renewal under load.
 
 The server is the stdlib ``http.server`` over real sockets in a thread. Two
-ways of using :class:`guard.tls.ReloadingTLS` are exercised:
+ways of using :class:`guard.serving.tls.ReloadingTLS` are exercised:
 
 * ``fixed``: the listening socket is wrapped once with ``context()``; only the
   handshake callback can move connections to a renewed certificate;
@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from guard import tls as tls_module
-from guard.certs import generate
+from guard.serving import tls as tls_module
+from guard.tools.certs import generate
 from guard.lab.harness import eventually
-from guard.tls import ReloadingTLS, TLSError
+from guard.serving.tls import ReloadingTLS, TLSError
 
 pytestmark = pytest.mark.timeout(120)
 

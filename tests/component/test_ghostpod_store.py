@@ -1,4 +1,4 @@
-"""The GhostPod audit store (guard/ghostpods.py) against the lab's apiserver replicas, in process:
+"""The GhostPod audit store (guard/audit/ghostpods.py) against the lab's apiserver replicas, in process:
 replicas converge on one object, a looping ghost costs one write per interval, records wait while
 the apiserver is unreachable and are written when it returns, a flood of distinct ghosts ends with
 every record, retention deletes are safe to repeat."""
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from guard.ghostpods import KubeAuditStore, object_name
-from guard.kube import GhostPods, Kube, load_configuration
+from guard.audit.ghostpods import KubeAuditStore, object_name
+from guard.kube.client import GhostPods, Kube, load_configuration
 from guard.lab.harness import eventually
 
 pytestmark = pytest.mark.timeout(180)

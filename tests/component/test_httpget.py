@@ -1,4 +1,4 @@
-"""guard/httpget.py, the quorum GET's transport, against scripted servers on real sockets.
+"""guard/kube/transport.py, the quorum GET's transport, against scripted servers on real sockets.
 
 Each server answers in one way that the apiserver, a proxy or a broken peer may answer:
 Content-Length or chunked, keep-alive or close, an idle close, a drip, garbage, too much.
@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from guard import httpget
-from guard.httpget import Connections, GetError
+from guard.kube import transport as httpget
+from guard.kube.transport import Connections, GetError
 from guard.lab.harness import eventually
 
 POD = b'{"kind":"Pod","metadata":{"name":"p","uid":"u-1"}}'

@@ -41,7 +41,7 @@ def test_help_and_offline_commands_never_import_the_kubernetes_client(tmp_path):
         held, _ = imported_after(args)
         assert not held, (args, held)
     db = str(tmp_path / "audit.db")
-    from guard.audit import AuditStore
+    from guard.audit.sqlite import AuditStore
 
     AuditStore(db).close()
     for args in (["report", "--db", db], ["audit", "--db", db]):

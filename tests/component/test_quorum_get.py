@@ -15,10 +15,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from guard.kube import Kube, load_configuration
+from guard.kube.client import Kube, load_configuration
 from guard.lab.harness import free_port, make_ghost, pod_manifest
 from guard.lab.pki import CA
-from guard.verdict import QuorumRead, ReadStatus
+from guard.core.verdict import QuorumRead, ReadStatus
 
 
 def kube_for(cfg, timeout: float = 2.0) -> Kube:

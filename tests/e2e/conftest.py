@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from guard import certs as guard_certs
+from guard.tools import certs as guard_certs
 from guard.lab.harness import GuardProcess, tls_files
 from guard.lab.scheduler import ExtenderConfig
 

@@ -561,8 +561,8 @@ def replica_address(lab, i: int) -> str:
 
 
 def test_a_replica_that_only_lagged_is_never_named(lab, guarded):
-    from guard.audit import AuditStore
-    from guard.report import build_report
+    from guard.audit.sqlite import AuditStore
+    from guard.core.rendering import build_report
 
     g, db, sched = guarded(["node-a"])
     api = lab.core_v1(2)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from guard.audit import AuditStore
-from guard.settings import DEFAULT_AUDIT_DB
+from guard.audit.sqlite import AuditStore
+from guard.core.settings import DEFAULT_AUDIT_DB
 
 R1, R2, R3 = "https://127.0.0.1:6443", "https://127.0.0.2:6443", "https://127.0.0.3:6443"
 GHOST_GUARD = [sys.executable, "-m", "guard"]  # `python -m guard` is `ghost-guard`, wherever pip put the script

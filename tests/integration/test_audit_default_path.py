@@ -14,7 +14,7 @@ import pytest
 
 from clirun import ghost_guard
 from guard.lab.harness import eventually
-from guard.settings import DEFAULT_AUDIT_DB
+from guard.core.settings import DEFAULT_AUDIT_DB
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(os.path.isdir(os.path.dirname(DEFAULT_AUDIT_DB)),

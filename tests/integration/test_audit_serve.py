@@ -2,7 +2,7 @@
 worker in the middle of a burst of blocks loses no acknowledged record and tears none.
 
 "Acknowledged" is the guard's stdout line for a new ghost: the store calls the guard's on_new hook
-(guard.incident.announce_new_ghost) only after the record's commit returned. Ghosts here are pods etcd never had (the quorum GET answers 404).
+(guard.engine.incident.announce_new_ghost) only after the record's commit returned. Ghosts here are pods etcd never had (the quorum GET answers 404).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from guard.audit import AuditStore
+from guard.audit.sqlite import AuditStore
 from guard.lab.harness import eventually
 
 pytestmark = pytest.mark.timeout(120)

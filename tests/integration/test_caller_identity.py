@@ -1,4 +1,4 @@
-"""Callers authorized by client certificate, per role, on a real ``ghost-guard serve`` (guard.identity).
+"""Callers authorized by client certificate, per role, on a real ``ghost-guard serve`` (guard.core.identity).
 
 With ``--client-ca``: ``/filter`` and ``/preempt`` answer only kube-scheduler's
 certificate, ``/validate/binding`` only kube-apiserver's, ``/metrics`` and the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from guard.certs import generate
+from guard.tools.certs import generate
 from guard.lab.harness import GuardProcess, tls_files
 from role_calls import CALLS, OWNER
 

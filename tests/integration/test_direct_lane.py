@@ -1,4 +1,4 @@
-"""The direct lane (guard.worker.plain_call -> guard.http.filter.DirectLane) over real HTTP.
+"""The direct lane (guard.serving.worker.plain_call -> guard.http.filter.DirectLane) over real HTTP.
 
 kube-scheduler's calls skip gunicorn's parser and WSGI; they must get the same answers, the
 same metrics and the same connection handling as the WSGI lanes, which still take every
@@ -129,7 +129,7 @@ def test_a_prepared_verdict_is_answered_while_every_pool_thread_waits_on_etcd(st
 # --- parked calls -----------------------------------------------------------------------------------
 # A scheduler call whose pod's quorum GET is already in flight (the guard's background verification
 # of a pod it has just seen) is parked in the worker's event loop, without a pool thread, and answered
-# there when the GET lands (guard.worker._landed; Checker.join_flight / answer_joined). The GET is
+# there when the GET lands (guard.serving.worker._landed; Checker.join_flight / answer_joined). The GET is
 # held in the lab replica (a "latency" fault) until the test lets it land. With --threads 1, the one
 # pool thread still answers /metrics while the call is parked, and /metrics shows it parked.
 

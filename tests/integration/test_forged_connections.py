@@ -23,7 +23,7 @@ import threading
 import orjson
 import pytest
 
-from guard.certs import generate
+from guard.tools.certs import generate
 from guard.lab.harness import eventually, tls_files
 from test_serving_deadlines import METRICS, client_ctx, dial, metric_in, read_reply, request_on
 

@@ -4,7 +4,7 @@ A ``/filter`` for ``<live-pod>,metadata.namespace=default`` used to get a 404 fr
 (no pod has that literal name), be judged a ghost, and then every replica's probe (a field selector
 built from the name) returned the live pod: every replica confirmed stale, StaleWatchCache Events,
 and with ``--heal`` a heal. Now every pod identity a caller sends is validated as the apiserver
-validates it (guard.names) and refused with a 400 and the reason, on ``/filter``, ``/preempt`` and
+validates it (guard.core.names) and refused with a 400 and the reason, on ``/filter``, ``/preempt`` and
 the binding review, whatever the UID (the live pod's or none).
 
 To show that nothing happens *later* either (the attribution runs after the reply), a real ghost is
@@ -24,7 +24,7 @@ import pytest
 from clirun import ghost_guard
 
 from guard.lab.harness import create, eventually, make_ghost, pod_manifest
-from guard.names import pod_identity_problem
+from guard.core.names import pod_identity_problem
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -90,7 +90,7 @@ def test_forged_names_are_refused_and_no_replica_is_named(lab, start_guard, tmp_
                 assert set(resp.json()) == {"error"}
                 reason = resp.json()["error"]
                 assert "DNS-1123" in reason, reason
-                assert "\u202e" not in reason  # escaped in the reason (guard.names.visible)
+                assert "\u202e" not in reason  # escaped in the reason (guard.core.names.visible)
     # a forged UID too
     for uid in ("x,y", "a b", "\u202eu", "u" * 129, "-u"):
         resp = g.post("/filter", orjson.dumps(filter_doc("default", "live", uid)))

@@ -14,7 +14,7 @@ import pytest
 from kubernetes import client
 
 from clirun import ghost_guard
-from guard.audit import AuditStore
+from guard.audit.sqlite import AuditStore
 from guard.lab.harness import eventually, make_ghost
 
 pytestmark = pytest.mark.timeout(180)

@@ -12,7 +12,7 @@ import pytest
 import requests
 from cryptography import x509
 
-from guard.certs import generate
+from guard.tools.certs import generate
 from guard.lab.harness import eventually
 
 BODY = b'{"Pod":{"metadata":{"name":"p","namespace":"d","uid":"u"}},"Nodes":null,"NodeNames":["n1"]}'

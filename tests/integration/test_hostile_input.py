@@ -383,7 +383,7 @@ def test_longest_legal_names_pass(guard):
                                   "live,metadata.namespace=default", "UPPER", "a_b", "-a", "a-"])
 @pytest.mark.parametrize("field", ["name", "namespace"])
 def test_names_the_apiserver_refuses_are_refused(guard, name, field):
-    """No pod can have such a name (guard.names, as the apiserver validates): a 400 with the reason,
+    """No pod can have such a name (guard.core.names, as the apiserver validates): a 400 with the reason,
     no control or bidirectional character in it, before any read or selector is built."""
     doc = valid_filter_doc()
     doc["Pod"]["metadata"][field] = name
@@ -409,7 +409,7 @@ def test_deep_nesting(guard, path, shape, depth):
         body = orjson.dumps(valid_filter_doc())[:-1] + b',"x":' + b"[" * depth + b"]" * depth + b"}"
     resp = guard.post(path, body)
     assert_error_reply(resp)
-    if len(body) > 64 * 1024:  # mostly brackets: refused before decoding (guard.extender.decode)
+    if len(body) > 64 * 1024:  # mostly brackets: refused before decoding (guard.core.extender.decode)
         assert resp.status_code == 413, resp.text[:300]
         assert " JSON objects or arrays in " in resp.json()["error"], resp.text[:300]
     else:  # decoded, and refused past orjson's depth limit

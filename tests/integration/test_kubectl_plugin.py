@@ -43,7 +43,7 @@ def test_kubectl_runs_the_plugin(tmp_path: Path) -> None:
     assert helped.stdout.startswith("Usage: kubectl ghost-guard [OPTIONS] COMMAND [ARGS]..."), helped.stdout
 
     db = tmp_path / "audit.db"
-    from guard.audit import AuditStore
+    from guard.audit.sqlite import AuditStore
 
     AuditStore(str(db)).close()
     report = subprocess.run([KUBECTL, "ghost-guard", "report", "--db", str(db)], capture_output=True, text=True,

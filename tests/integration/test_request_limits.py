@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from guard.lab.harness import GuardProcess
-from guard.settings import Settings
+from guard.core.settings import Settings
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -21,7 +21,7 @@ from collections import Counter
 import orjson
 import pytest
 
-from guard.certs import generate
+from guard.tools.certs import generate
 from guard.lab.harness import GuardProcess, tls_files
 from role_calls import CALLS, OWNER
 

@@ -34,7 +34,7 @@ import requests
 import yaml
 from clirun import ghost_guard
 
-from guard.certs import generate
+from guard.tools.certs import generate
 from guard.lab.harness import GuardProcess, eventually, make_ghost, tls_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -379,7 +379,7 @@ def _rule_of(path: str) -> tuple[str, str]:
 def code_calls() -> set[tuple[str, str, str, str]]:
     """Every (namespace or '*', apiGroup, resource, verb) the guard's code can call on the API."""
     calls = set()
-    for path in sorted((REPO / "guard").glob("*.py")) + sorted((REPO / "guard" / "http").glob("*.py")):
+    for path in sorted(p for p in (REPO / "guard").rglob("*.py") if "lab" not in p.relative_to(REPO / "guard").parts):
         text = path.read_text()
         if "kubernetes" not in text:
             continue
@@ -391,7 +391,7 @@ def code_calls() -> set[tuple[str, str, str, str]]:
             recv, method = node.func.value, node.func.attr
             if any(isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) and a.func.attr == "_pod_path"
                    for a in ast.walk(node) if a is not node):
-                # Kube.quorum_get: GET of one pod on its own connections (guard/httpget.py), or through
+                # Kube.quorum_get: GET of one pod on its own connections (guard/kube/transport.py), or through
                 # the client's urllib3 pool behind a proxy (no CoreV1Api call)
                 assert method in ("get", "request"), f"{path.name}: unknown use of _pod_path in {method}()"
                 verb = node.args[0].value.lower() if method == "request" else "get"
@@ -422,9 +422,9 @@ def code_calls() -> set[tuple[str, str, str, str]]:
 
 
 def _custom_object_calls(tree: ast.AST, attrs: dict[str, str]) -> set[tuple[str, str, str, str]]:
-    """CustomObjectsApi methods the code references (guard/kube.py GhostPods passes them to one error-translating
-    wrapper). Their paths are generic (/apis/{group}/...): the group and plural are guard.kube's GHOSTPOD_*."""
-    from guard.kube import GHOSTPOD_GROUP, GHOSTPOD_PLURAL
+    """CustomObjectsApi methods the code references (guard/kube/client.py GhostPods passes them to one error-translating
+    wrapper). Their paths are generic (/apis/{group}/...): the group and plural are guard.kube.client's GHOSTPOD_*."""
+    from guard.kube.client import GHOSTPOD_GROUP, GHOSTPOD_PLURAL
 
     out = set()
     for node in ast.walk(tree):

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from guard import certs as guard_certs
+from guard.tools import certs as guard_certs
 from guard.lab.harness import node_manifest, pod_manifest
 from guard.lab.scheduler import ExtenderConfig, PodStats, Scheduler, Timings, TLSConfig
 

@@ -20,7 +20,7 @@ Fixture API (stable; scenario branches build on it):
 - ``real_lab_factory`` (function) / ``real_lab_module_factory`` (module):
   ``factory(replicas=2, scheduler=False, controller_manager=False, proxies=None, **RealLab options)``
   -> a started RealLab, closed when the test (module) ends. ``scheduler=True`` starts kube-scheduler
-  without an extender; ``lab.start_scheduler(guard.extender(), replica=0)`` (re)starts it with the
+  without an extender; ``lab.start_scheduler(running_guard.extender(), replica=0)`` (re)starts it with the
   product's KubeSchedulerConfiguration pointing at a guard. ``lab.binding_404s(i)`` counts
   ``apiserver_request_total{resource="pods",subresource="binding",code="404"}``.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from guard import certs as guard_certs
+from guard.tools import certs as guard_certs
 from guard.lab.harness import create, eventually, node_manifest, tls_files
 
 STALE = 1  # kube-scheduler reads replica B (127.0.0.2); kube-controller-manager reads A

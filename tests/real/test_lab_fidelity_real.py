@@ -8,7 +8,7 @@ import pytest
 
 import fidelity_cases
 
-from guard import healing
+from guard.core import heal_plan as healing
 
 
 @pytest.mark.parametrize("replica", [0, 1])

@@ -21,8 +21,8 @@ import yaml
 
 from clirun import ghost_guard
 
-from guard import healing
-from guard.kube import Kube, KubeWriteError, load_configuration
+from guard.core import heal_plan as healing
+from guard.kube.client import Kube, KubeWriteError, load_configuration
 from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest, quorum_pod
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,7 +176,7 @@ def test_heal_node_heals_a_ghost_node_through_the_policy_and_touches_no_real_nod
     policy refuses deleting a real Node and creating any other Node (issue 27)."""
     from kubernetes.client.exceptions import ApiException
 
-    from guard import nodeheal
+    from guard.engine import node_healer as nodeheal
 
     api = real_lab.core_v1(0)
     sa = sa_kube(heal_installed).core

@@ -30,7 +30,7 @@ import pytest
 import yaml
 from clirun import ghost_guard
 
-from guard import certs as guard_certs
+from guard.tools import certs as guard_certs
 from guard.lab.harness import (GuardProcess, create, eventually, free_port, make_ghost, metric_sum, node_manifest,
                                parse_metrics, pod_manifest, quorum_pod, tls_files)
 

@@ -1,5 +1,7 @@
-"""The layers of pyproject.toml's [tool.importlinter]: pure modules do no I/O, only guard.kube
-imports kubernetes, the serving path never imports the lab or certificate generation.
+"""The layers of pyproject.toml's [tool.importlinter]: the folders of guard/ are the layers (one
+``layers`` contract, bottom up core, metrics, kube, audit, engine, http, serving, tools, lab, cli),
+guard.core does no I/O, only the guard/kube package (and the lab) imports kubernetes, nothing below guard.http
+imports a web library.
 
 Each contract of pyproject.toml must be reported kept, by name; and the same
 checker, given the same configuration plus one contract the code breaks, must
@@ -63,23 +65,43 @@ def module_names() -> list[str]:
     return names
 
 
-def test_every_module_is_registered_as_pure_or_io():
-    """A new module is named in the first contract: a source there (pure) or, itself or its package,
-    a forbidden module there (I/O), so the pure modules cannot start importing it unnoticed."""
-    pure = next(c for c in CONFIG["contracts"] if c["name"].startswith("Pure modules"))
-    io = [m for m in pure["forbidden_modules"] if m.startswith("guard.")]
+def layers() -> list[str]:
+    (contract,) = [c for c in CONFIG["contracts"] if c["type"] == "layers"]
+    return contract["layers"]
 
-    def registered(name: str) -> bool:
-        return name in pure["source_modules"] or any(name == m or name.startswith(m + ".") for m in io)
 
-    assert registered("guard.lab.harness") and "guard.lab.harness" not in pure["source_modules"]
-    unregistered = [n for n in module_names() if n not in ("guard", "guard.__main__") and not registered(n)]
-    assert unregistered == [], f"add them to pyproject.toml's first import contract: {unregistered}"
+def test_every_module_lives_in_a_layer():
+    """A new module goes into a layer's folder (or is one of the layers), so the one layers contract covers it."""
+    assert "guard.core" in layers() and layers()[-1] == "guard.core", layers()
+
+    def placed(name: str) -> bool:
+        return any(name == layer or name.startswith(layer + ".") for layer in layers())
+
+    unplaced = [n for n in module_names() if n not in ("guard", "guard.__main__") and not placed(n)]
+    assert unplaced == [], f"put them in a layer's folder (or add a layer to pyproject.toml): {unplaced}"
+
+
+def test_a_planted_upward_import_fails_the_layers_contract(tmp_path):
+    """A copy of the package with one upward import (a pure rule importing the running guard) breaks the
+    layers contract and only it: the contract is read and checked, not merely declared."""
+    shutil.copytree(REPO / "guard", tmp_path / "guard", ignore=shutil.ignore_patterns("__pycache__"))
+    verdict = tmp_path / "guard" / "core" / "verdict.py"
+    verdict.write_text(verdict.read_text() + "\nfrom guard.engine import checker  # planted upward import\n")
+    config = tmp_path / "importlinter.toml"
+    write_config(config, CONFIG["contracts"])
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    r = subprocess.run([exe, "--no-cache", "--config", str(config)], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "COLUMNS": "200", "PYTHONPATH": str(tmp_path)})
+    out = " ".join((r.stdout + r.stderr).split())
+    (contract,) = [c for c in CONFIG["contracts"] if c["type"] == "layers"]
+    assert r.returncode != 0, out
+    assert f"{contract['name']} BROKEN" in out, out
+    assert "guard.core.verdict -> guard.engine.checker" in out, out
 
 
 def test_a_broken_contract_fails_the_check(tmp_path):
     broken = {"name": "The server never reads its settings (false on purpose)", "type": "forbidden",
-              "source_modules": ["guard.server"], "forbidden_modules": ["guard.settings"]}
+              "source_modules": ["guard.serving.server"], "forbidden_modules": ["guard.core.settings"]}
     config = tmp_path / "importlinter.toml"
     write_config(config, [*CONFIG["contracts"], broken])
     code, out = lint_imports("--config", str(config))

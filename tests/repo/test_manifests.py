@@ -24,8 +24,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from guard.settings import SCHEDULER_HTTP_TIMEOUT, WEBHOOK_TIMEOUT_SECONDS, Settings
-from guard.verdict import Verdict
+from guard.core.settings import SCHEDULER_HTTP_TIMEOUT, WEBHOOK_TIMEOUT_SECONDS, Settings
+from guard.core.verdict import Verdict
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
@@ -155,9 +155,9 @@ def named(objs: list[dict], kind: str, name: str) -> dict:
 
 
 def test_heal_nodes_policy_names_the_placeholder_node_heal_makes(rendered):
-    """manifests/heal's ghost-guard-heal-nodes policy spells guard/nodeheal.py's placeholder Node (labels,
+    """manifests/heal's ghost-guard-heal-nodes policy spells guard/engine/node_healer.py's placeholder Node (labels,
     taint) and allows only CREATE and DELETE of it; the heal role may create and delete nodes."""
-    from guard import nodeheal
+    from guard.engine import node_healer as nodeheal
 
     policy = named(rendered["heal"], "ValidatingAdmissionPolicy", "ghost-guard-heal-nodes")
     binding = named(rendered["heal"], "ValidatingAdmissionPolicyBinding", "ghost-guard-heal-nodes")
@@ -256,7 +256,7 @@ EXPECTED_RULES = {
     ("default", "", "endpoints", "get"),
     ("default", "discovery.k8s.io", "endpointslices", "list"),
     ("kube-system", "coordination.k8s.io", "leases", "list"),
-    # the GhostPod audit records (--audit-store kubernetes, guard/ghostpods.py)
+    # the GhostPod audit records (--audit-store kubernetes, guard/audit/ghostpods.py)
     ("*", "kube-ghost-guard.io", "ghostpods", "create"), ("*", "kube-ghost-guard.io", "ghostpods", "get"),
     ("*", "kube-ghost-guard.io", "ghostpods", "list"), ("*", "kube-ghost-guard.io", "ghostpods", "delete"),
     ("*", "kube-ghost-guard.io", "ghostpods/status", "patch"),
@@ -311,7 +311,7 @@ def test_heal_admission_policy_names_what_heal_writes(rendered):
     """The ValidatingAdmissionPolicy (manifests/heal) spells the placeholder the code makes, the one annotation it
     patches, and the identities heal runs as; it ships with the heal overlay. Its behaviour is tested on a real
     apiserver (tests/real/test_manifests_real.py)."""
-    from guard import healing
+    from guard.core import heal_plan as healing
 
     for k in ("heal", "overlays/deployment-heal"):
         policy, binding = named(rendered[k], "ValidatingAdmissionPolicy", "ghost-guard-heal"), \
@@ -409,10 +409,10 @@ def test_deployment_args_are_valid_guard_settings_and_files_are_mounted(pod):
     assert "emptyDir" in volumes[mounts["/tmp"]]
     assert "emptyDir" in volumes[mounts["/var/lib/ghost-guard"]]
     env = {e["name"]: e["value"] for e in c["env"]}
-    from guard.settings import DEFAULT_AUDIT_DB
+    from guard.core.settings import DEFAULT_AUDIT_DB
 
     assert env["GHOST_GUARD_AUDIT_DB"] == DEFAULT_AUDIT_DB and DEFAULT_AUDIT_DB.startswith("/var/lib/ghost-guard/")
-    # The probes call /healthz and /readyz: the monitoring role's certificate (guard.identity).
+    # The probes call /healthz and /readyz: the monitoring role's certificate (guard.core.identity).
     assert {env["GHOST_GUARD_PROBE_CERT"], env["GHOST_GUARD_PROBE_KEY"]} == {f"{tls_dir}/monitoring.crt",
                                                                              f"{tls_dir}/monitoring.key"}
     assert (s.client_ca, s.monitoring_identities) == (f"{tls_dir}/ca.crt", "ghost-guard-monitoring")
@@ -578,11 +578,11 @@ def test_apiserver_admission_files_agree():
     kc = yaml.safe_load((MANIFESTS / "webhook/apiserver-webhook-kubeconfig.yaml").read_text())
     (user,) = kc["users"]
     assert user["name"] == f"ghost-guard.{NAMESPACE}.svc"  # the Service's DNS name, port 443 omitted
-    # kube-apiserver's own certificate: /validate/binding answers only the apiserver role (guard.identity).
+    # kube-apiserver's own certificate: /validate/binding answers only the apiserver role (guard.core.identity).
     assert user["user"] == {"client-certificate": "/etc/kubernetes/ghost-guard/apiserver.crt",
                             "client-key": "/etc/kubernetes/ghost-guard/apiserver.key"}
-    from guard.certs import APISERVER_COMMON_NAME
-    from guard.settings import Settings
+    from guard.tools.certs import APISERVER_COMMON_NAME
+    from guard.core.settings import Settings
 
     assert APISERVER_COMMON_NAME in Settings().apiserver_identities.split(",")
 
@@ -758,7 +758,7 @@ def test_callers_timeouts_are_the_guards_constants():
     assert len(timeouts) == len(SCHEDULER_CONFIGS) + 1
     for where, seconds in timeouts.items():
         expected = WEBHOOK_TIMEOUT_SECONDS if where.startswith("webhook") else SCHEDULER_HTTP_TIMEOUT
-        assert seconds == expected, f"{where} is {seconds:g}s; guard.settings says {expected:g}s"
+        assert seconds == expected, f"{where} is {seconds:g}s; guard.core.settings says {expected:g}s"
 
 
 def test_default_budget_fits_every_caller():
@@ -846,7 +846,7 @@ def crd(rendered) -> dict:
 
 
 def test_ghostpod_crd_names_and_scope(crd):
-    from guard.kube import GHOSTPOD_GROUP, GHOSTPOD_PLURAL, GHOSTPOD_VERSION
+    from guard.kube.client import GHOSTPOD_GROUP, GHOSTPOD_PLURAL, GHOSTPOD_VERSION
 
     spec = crd["spec"]
     assert crd["metadata"]["name"] == f"{GHOSTPOD_PLURAL}.{GHOSTPOD_GROUP}"
@@ -872,9 +872,9 @@ def test_ghostpod_crd_printer_columns_match_the_lab(crd):
 
 
 def test_ghostpod_schema_holds_what_the_guard_writes(crd):
-    """Every field guard/ghostpods.py writes is in the schema (structural schemas prune unknown fields),
-    with the verdicts of guard/verdict.py and the store's bounds."""
-    from guard.ghostpods import MAX_HEALS, MAX_REPLICAS, apply_ops
+    """Every field guard/audit/ghostpods.py writes is in the schema (structural schemas prune unknown fields),
+    with the verdicts of guard/core/verdict.py and the store's bounds."""
+    from guard.audit.ghostpods import MAX_HEALS, MAX_REPLICAS, apply_ops
 
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
     spec, status = schema["spec"], schema["status"]["properties"]

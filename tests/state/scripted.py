@@ -17,9 +17,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from guard.attribution import ReplicaObservation
-from guard.settings import Replica, Settings
-from guard.verdict import Decision, PodRef, QuorumRead, shows_pending
+from guard.core.attribution import ReplicaObservation
+from guard.core.settings import Replica, Settings
+from guard.core.verdict import Decision, PodRef, QuorumRead, shows_pending
 
 NS = "default"
 

@@ -1,4 +1,4 @@
-"""The flood budget on the checker (guard/check.py, guard/flood.py): first sightings of ghosts no replica
+"""The flood budget on the checker (guard/engine/checker.py, guard/core/flood.py): first sightings of ghosts no replica
 ever listed ("unsighted": forged names) get a record, an Event and a follow-up only within
 --unsighted-ghost-rate/-burst, per namespace and in all; the rest are still blocked, counted in
 ghost_guard_flood_shed_total and asked again at their next call; a real ("sighted") ghost's follow-up
@@ -11,10 +11,10 @@ import threading
 from prometheus_client import REGISTRY
 from scripted import Etcd, FakeClock, ScriptedGets, settings
 
-from guard import flood
-from guard.check import Checker
+from guard.core import flood
+from guard.engine.checker import Checker
 from guard.lab.harness import eventually
-from guard.verdict import PodRef
+from guard.core.verdict import PodRef
 
 
 def shed(reason: str) -> float:

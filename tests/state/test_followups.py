@@ -1,4 +1,4 @@
-"""The follow-up queue (guard/check.py): beyond the 1,000 running or queued, follow-ups wait keyed by
+"""The follow-up queue (guard/engine/checker.py): beyond the 1,000 running or queued, follow-ups wait keyed by
 pod identity. A flood of distinct ghosts loses none; a looping ghost's repeated sightings are
 coalesced into one waiting entry and counted (ghost_guard_followups_coalesced_total)."""
 
@@ -9,7 +9,7 @@ import threading
 from prometheus_client import REGISTRY
 from scripted import Etcd, ScriptedGets, pod, settings
 
-from guard.check import FOLLOWUP_BACKLOG, Checker
+from guard.engine.checker import FOLLOWUP_BACKLOG, Checker
 from guard.lab.harness import eventually
 
 

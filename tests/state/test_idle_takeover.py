@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import REGISTRY
 from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
-from guard.check import Checker
-from guard.prepare import Preparer, ReplicaView
-from guard.verdict import Verdict
+from guard.engine.checker import Checker
+from guard.engine.prepare import Preparer, ReplicaView
+from guard.core.verdict import Verdict
 
 IDLE_AFTER = 60.0
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
-from guard.check import Checker
-from guard.prepare import Preparer, ReplicaView
-from guard.verdict import Verdict
+from guard.engine.checker import Checker
+from guard.engine.prepare import Preparer, ReplicaView
+from guard.core.verdict import Verdict
 
 
 def test_a_live_pod_costs_one_quorum_get_whatever_the_number_of_watches():

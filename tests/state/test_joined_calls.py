@@ -14,9 +14,9 @@ import pytest
 from prometheus_client import REGISTRY
 from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings, settle
 
-from guard.check import Checker
-from guard.prepare import Preparer, ReplicaView
-from guard.verdict import QuorumRead, Verdict
+from guard.engine.checker import Checker
+from guard.engine.prepare import Preparer, ReplicaView
+from guard.core.verdict import QuorumRead, Verdict
 
 FAR = 60.0
 

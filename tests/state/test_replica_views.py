@@ -1,4 +1,4 @@
-"""The per-replica views kept by listing (guard.prepare): what a listing may conclude, in process.
+"""The per-replica views kept by listing (guard.engine.prepare): what a listing may conclude, in process.
 
 Every replica but the watched one is *listed* (its cache's unscheduled pods, ``resourceVersion=0``)
 every few seconds instead of watched. A listing replaces the view: new pods are seen (queued for
@@ -15,10 +15,10 @@ import queue
 import pytest
 from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
-from guard.check import Checker
+from guard.engine.checker import Checker
 from guard.lab.harness import eventually
-from guard.prepare import LIST_OBJECTS_PER_SECOND, Preparer, ReplicaView
-from guard.verdict import Verdict
+from guard.engine.prepare import LIST_OBJECTS_PER_SECOND, Preparer, ReplicaView
+from guard.core.verdict import Verdict
 
 
 @pytest.fixture

@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, settings as hsettings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from scripted import Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settle, settings
 
-from guard.audit import AuditStore
-from guard.check import Checker
-from guard.incident import IncidentRecorder
-from guard.prepare import Preparer
+from guard.audit.sqlite import AuditStore
+from guard.engine.checker import Checker
+from guard.engine.incident import IncidentRecorder
+from guard.engine.prepare import Preparer
 
 NAMES = ("web-0", "web-1")
 # Rule steps taken by every example, in this process; loop calls parked on a GET in flight, and those
@@ -141,7 +141,7 @@ class VerdictMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.etcd.history)
     @rule(data=st.data(), cross=st.booleans())
     def loop_call(self, data, cross):
-        """A /filter or /preempt as the worker's event loop takes it (guard.worker._answer_now): a
+        """A /filter or /preempt as the worker's event loop takes it (guard.serving.worker._answer_now): a
         prepared verdict at once; else parked on the pod's GET in flight (answered when it lands,
         see ``land``); else handed to a pool thread, which calls ``Checker.check``."""
         p = self._draw_pod(data, cross)
@@ -167,7 +167,7 @@ class VerdictMachine(RuleBasedStateMachine):
             self._check_on_thread(entry[2])
 
     def land(self):
-        """The loop's side of a landed GET (guard.worker._landed): answer, or hand to a pool thread."""
+        """The loop's side of a landed GET (guard.serving.worker._landed): answer, or hand to a pool thread."""
         for entry in [e for e in self.parked if e[1]]:
             self.parked.remove(entry)
             joined, _, p = entry

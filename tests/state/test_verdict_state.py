@@ -13,11 +13,11 @@ import itertools
 import pytest
 from scripted import NS, Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
 
-from guard.audit import AuditStore
-from guard.check import Checker
-from guard.incident import IncidentRecorder
-from guard.prepare import Preparer, ReplicaView
-from guard.verdict import Decision, Verdict
+from guard.audit.sqlite import AuditStore
+from guard.engine.checker import Checker
+from guard.engine.incident import IncidentRecorder
+from guard.engine.prepare import Preparer, ReplicaView
+from guard.core.verdict import Decision, Verdict
 
 
 @pytest.fixture

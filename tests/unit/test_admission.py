@@ -1,9 +1,9 @@
 import orjson
 import pytest
 
-from guard.admission import build_response, parse_review
-from guard.extender import ProtocolError
-from guard.verdict import PodRef
+from guard.core.admission import build_response, parse_review
+from guard.core.extender import ProtocolError
+from guard.core.verdict import PodRef
 
 
 def review(**req) -> bytes:

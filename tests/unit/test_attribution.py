@@ -1,4 +1,4 @@
-"""guard/attribution.py: which replicas are stale, table-driven."""
+"""guard/core/attribution.py: which replicas are stale, table-driven."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from guard.attribution import (
+from guard.core.attribution import (
     CLASSES,
     ReplicaObservation,
     classify,

@@ -1,4 +1,4 @@
-"""guard/certs.py generation: files, modes, chains, SANs, lifetimes, overwrite rules, bad input.
+"""guard/tools/certs.py generation: files, modes, chains, SANs, lifetimes, overwrite rules, bad input.
 
 Chains are checked with cryptography's X.509 path validation (the same RFC 5280
 rules Go's crypto/x509 applies in kube-scheduler); the live TLS behaviour
@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509 import verification as v
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from guard.certs import CertError, certs_command, generate
+from guard.tools.certs import CertError, certs_command, generate
 
 FILES = ["ca.crt", "ca.key", "tls.crt", "tls.key", "client.crt", "client.key", "apiserver.crt", "apiserver.key",
          "monitoring.crt", "monitoring.key"]
@@ -114,8 +114,8 @@ def test_client_cert_is_for_kube_scheduler_client_auth(bundle):
                                               ("apiserver", "kube-apiserver-ghost-guard-client"),
                                               ("monitoring", "ghost-guard-monitoring")])
 def test_one_client_cert_per_role_named_as_the_identity_defaults(bundle, role, expected_cn):
-    from guard.identity import APISERVER, MONITORING, SCHEDULER, RolePolicy
-    from guard.settings import Settings
+    from guard.core.identity import APISERVER, MONITORING, SCHEDULER, RolePolicy
+    from guard.core.settings import Settings
 
     cert = load(getattr(bundle, f"{role}_cert"))
     assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == expected_cn

@@ -1,10 +1,10 @@
-"""Table tests for guard.extender: both protocol modes, exact keys, garbage input."""
+"""Table tests for guard.core.extender: both protocol modes, exact keys, garbage input."""
 
 import orjson
 import pytest
 
-from guard import extender
-from guard.extender import ProtocolError
+from guard.core import extender
+from guard.core.extender import ProtocolError
 
 # As kube-scheduler sends it: no apiVersion/kind on the embedded Pod.
 POD = {"metadata": {"name": "web-1", "namespace": "default", "uid": "uid-1"}, "spec": {}, "status": {"phase": "Pending"}}

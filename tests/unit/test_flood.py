@@ -1,4 +1,4 @@
-"""The flood rules (guard/flood.py), with a fake clock: the budget for first sightings of ghosts no
+"""The flood rules (guard/core/flood.py), with a fake clock: the budget for first sightings of ghosts no
 replica ever listed, per namespace and in all; the retention order (confirmed records kept over
 unconfirmed ones), as the rule says and as the SQLite store applies it at --audit-max-records."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from guard import flood
-from guard.audit import AuditStore
-from guard.records import AuditRecord, ReplicaState
+from guard.core import flood
+from guard.audit.sqlite import AuditStore
+from guard.core.records import AuditRecord, ReplicaState
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The pure parts of the GhostPod store (guard/ghostpods.py): object names, the operations applied to a
+"""The pure parts of the GhostPod store (guard/audit/ghostpods.py): object names, the operations applied to a
 status (the same rules as the SQLite store), the merge patch, and the record read back."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from guard.ghostpods import apply_ops, from_time, object_name, record_status, status_patch, to_record, to_time
-from guard.records import AuditRecord, ReplicaState
+from guard.audit.ghostpods import apply_ops, from_time, object_name, record_status, status_patch, to_record, to_time
+from guard.core.records import AuditRecord, ReplicaState
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 

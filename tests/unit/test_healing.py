@@ -1,4 +1,4 @@
-"""guard.healing: what a heal writes and when it worked, from etcd's answer and each replica's cache."""
+"""guard.core.heal_plan: what a heal writes and when it worked, from etcd's answer and each replica's cache."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from guard import healing
-from guard.healing import Action, CacheView, Copy, HealResult, Outcome, ReplicaResult
-from guard.verdict import QuorumRead
+from guard.core import heal_plan as healing
+from guard.core.heal_plan import Action, CacheView, Copy, HealResult, Outcome, ReplicaResult
+from guard.core.verdict import QuorumRead
 
 GHOST, LIVE = "uid-ghost", "uid-live"
 
@@ -185,7 +185,7 @@ def test_token_bucket_refuses_nonsense(rate, burst):
     pytest.param({"heal_timeout": 301}, "--heal-timeout must be between 0 and 300 seconds, got 301", id="timeout-long"),
 ])
 def test_heal_settings_are_validated(kwargs, message):
-    from guard.settings import Settings, SettingsError
+    from guard.core.settings import Settings, SettingsError
 
     with pytest.raises(SettingsError) as e:
         Settings(insecure_http=True, bind="127.0.0.1:8443", **kwargs).validate()
@@ -193,6 +193,6 @@ def test_heal_settings_are_validated(kwargs, message):
 
 
 def test_heal_is_off_by_default():
-    from guard.settings import Settings
+    from guard.core.settings import Settings
 
     assert Settings().heal is False

@@ -1,11 +1,11 @@
-"""guard.identity: which client certificate may call which endpoint (pure, no sockets)."""
+"""guard.core.identity: which client certificate may call which endpoint (pure, no sockets)."""
 
 from __future__ import annotations
 
 import pytest
 
-from guard.identity import ROLE_OF_ENDPOINT, ROLE_OF_PATH, RolePolicy, certificate_names, exact_route
-from guard.settings import Settings, SettingsError
+from guard.core.identity import ROLE_OF_ENDPOINT, ROLE_OF_PATH, RolePolicy, certificate_names, exact_route
+from guard.core.settings import Settings, SettingsError
 
 
 def peer(cn: str | None = None, dns: tuple[str, ...] = ()) -> dict:

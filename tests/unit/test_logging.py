@@ -1,4 +1,4 @@
-"""The guard's log lines (guard.server.configure_logging): one JSON object per line on stderr, an
+"""The guard's log lines (guard.serving.server.configure_logging): one JSON object per line on stderr, an
 access-log record's fields merged in, and records that collect nothing those lines do not use (the
 caller's frame, the thread, the process: about 8 us per record, once per scheduler call).
 
@@ -13,7 +13,7 @@ import sys
 
 SCRIPT = r"""
 import json, logging, sys
-from guard.server import configure_logging
+from guard.serving.server import configure_logging
 
 configure_logging("info")
 seen = []
@@ -44,11 +44,11 @@ def test_log_lines_are_json_and_records_collect_no_caller_thread_or_process():
 def test_bidi_and_control_characters_are_escaped_in_the_log_line():
     """A pod name a caller made up (U+202E, an isolate, a zero-width mark, a tag character, ESC) shows
     escaped in the raw line; the JSON value is unchanged (issue 25, hole 7)."""
-    from guard.server import JsonFormatter
+    from guard.serving.server import JsonFormatter
     import logging
 
     text = "pod a\u202eb \u2066c\u2069 d\u200be \U000e0001 \x1b[31m \x7f"
-    record = logging.LogRecord("guard.check", logging.WARNING, __file__, 1, "blocked %s", (text,), None)
+    record = logging.LogRecord("guard.engine.checker", logging.WARNING, __file__, 1, "blocked %s", (text,), None)
     line = JsonFormatter().format(record)
     assert line.isascii() and "\n" not in line, line
     assert json.loads(line)["msg"] == f"blocked {text}"

@@ -1,4 +1,4 @@
-"""The ghost-Node decision (guard/nodeverdict.py): pure, a fake clock, every interleaving of a Node
+"""The ghost-Node decision (guard/core/node_verdict.py): pure, a fake clock, every interleaving of a Node
 added, deleted, a lost delete, and a quorum read that lands before or after a change, or fails."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from guard.nodeverdict import GHOST_NODE_REASON, NodeKnowledge, ghost_candidates
-from guard.verdict import QuorumRead
+from guard.core.node_verdict import GHOST_NODE_REASON, NodeKnowledge, ghost_candidates
+from guard.core.verdict import QuorumRead
 
 GONE = QuorumRead.not_found()
 THERE = QuorumRead.found("uid-1")
@@ -179,11 +179,11 @@ def test_every_interleaving(order, read):
         assert [name for name, _ in k.due(t + 100)] == ["n1"]  # still disagree: one new read
 
 
-# --- the reply (guard/extender.py): only the ghost Nodes fail, in the request's own mode -------------
+# --- the reply (guard/core/extender.py): only the ghost Nodes fail, in the request's own mode -------------
 
 import orjson  # noqa: E402
 
-from guard import extender  # noqa: E402
+from guard.core import extender  # noqa: E402
 
 POD = {"metadata": {"name": "web-1", "namespace": "default", "uid": "u1"}}
 

@@ -1,11 +1,11 @@
-"""guard/records.py: the evidence a block records, the checks every audit field passes in both stores, and what a
+"""guard/core/records.py: the evidence a block records, the checks every audit field passes in both stores, and what a
 record derives."""
 
 from __future__ import annotations
 
 import pytest
 
-from guard.records import (
+from guard.core.records import (
     MAX_EVIDENCE_BYTES,
     AuditError,
     AuditRecord,
@@ -17,7 +17,7 @@ from guard.records import (
     check_time,
     evidence_json,
 )
-from guard.verdict import PodRef, QuorumRead, decide
+from guard.core.verdict import PodRef, QuorumRead, decide
 
 
 @pytest.mark.parametrize(("value", "error"), [

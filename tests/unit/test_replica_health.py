@@ -1,14 +1,14 @@
-"""guard.replica_health: missing pods and frozen watches, on a fake clock (every time is passed in)."""
+"""guard.core.cache_health: missing pods and frozen watches, on a fake clock (every time is passed in)."""
 
 from __future__ import annotations
 
 import pytest
 
-from guard.replica_health import (
+from guard.core.cache_health import (
     BEHIND, MISSING, NOT_PENDING, SHOWN, UNKNOWN, CacheTrack, RevisionSample, assess, confirm_missing,
     missing_suspects, round_etcd_revision,
 )
-from guard.verdict import QuorumRead
+from guard.core.verdict import QuorumRead
 
 A, B, C = "10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"
 

@@ -1,4 +1,4 @@
-"""guard/report.py: audit, report and diagnose output, table-driven where it is a table."""
+"""guard/core/rendering.py: audit, report and diagnose output, table-driven where it is a table."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guard.attribution import ReplicaObservation
-from guard.names import hidden, pastable, shell_line, visible
-from guard.records import AuditRecord, HealAttempt, ReplicaState
-from guard.report import (
+from guard.core.attribution import ReplicaObservation
+from guard.core.names import hidden, pastable, shell_line, visible
+from guard.core.records import AuditRecord, HealAttempt, ReplicaState
+from guard.core.rendering import (
     build_report,
     format_time,
     heal_advice,
@@ -192,7 +192,7 @@ def test_table_cells_cannot_break_lines_or_inject_escapes() -> None:
                        first_seen=T0, last_seen=T0, times_blocked=1, replicas=())
     out = render_records([evil], "table")
     assert "\x1b" not in out
-    # escaped, so what the table shows is what the record holds (guard.names.visible)
+    # escaped, so what the table shows is what the record holds (guard.core.names.visible)
     assert out.splitlines()[1] == ("2026-05-28T20:26:40Z  ns         a b   unknown  1        2026-05-28T20:26:40Z  -"
                                    "               u\\x1b[31m")
 
@@ -405,7 +405,7 @@ def _cache(replica, **kw):
 
 
 def test_replica_caches_section_names_missing_pods_and_frozen_replicas_with_the_steps():
-    from guard.report import render_replica_caches
+    from guard.core.rendering import render_replica_caches
 
     caches = [_cache("10.0.0.1:6443"),
               _cache("10.0.0.2:6443", missing=[{"namespace": "default", "name": "lost", "uid": "u1",
@@ -427,7 +427,7 @@ def test_replica_caches_section_names_missing_pods_and_frozen_replicas_with_the_
                  "No replica cache problem found among the replicas that answered.", id="one-did-not-answer"),
 ])
 def test_replica_caches_section_when_nothing_is_wrong(caches, last):
-    from guard.report import render_replica_caches
+    from guard.core.rendering import render_replica_caches
 
     assert render_replica_caches(caches).splitlines()[-1] == last
 
@@ -435,7 +435,7 @@ def test_replica_caches_section_when_nothing_is_wrong(caches, last):
 def test_replica_caches_section_json_is_the_list():
     import json
 
-    from guard.report import render_replica_caches
+    from guard.core.rendering import render_replica_caches
 
     assert json.loads(render_replica_caches([_cache("a")], "json")) == [_cache("a")]
 # -- heal attempts (serve --heal) ---------------------------------------------------------

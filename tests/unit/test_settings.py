@@ -3,7 +3,7 @@ import dataclasses
 import click
 import pytest
 
-from guard.settings import Settings, SettingsError
+from guard.core.settings import Settings, SettingsError
 
 
 @pytest.mark.parametrize("kw,reason", [
@@ -151,6 +151,6 @@ def test_revision_interval_is_a_third_of_frozen_after_within_bounds(frozen_after
     pytest.param("kubernetes", ("kubernetes", None), id="kubernetes"),
 ])
 def test_parse_store(spec, expect):
-    from guard.auditstore import parse_store
+    from guard.audit.backend import parse_store
 
     assert parse_store(spec, "/d.db") == expect

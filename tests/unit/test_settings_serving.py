@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from guard.settings import Settings, SettingsError
+from guard.core.settings import Settings, SettingsError
 
 BASE = {"insecure_http": True, "bind": "127.0.0.1:8443"}
 

@@ -1,4 +1,4 @@
-"""Table tests for guard.verdict: decide (every verdict, word for word), and the two meanings of
+"""Table tests for guard.core.verdict: decide (every verdict, word for word), and the two meanings of
 "is this copy stale?": etcd's copy makes an identity a ghost (verdict_for, pending_in_etcd), a
 replica's cached copy still shows a ghost as pending (is_pending, shows_pending, serves_ghost)."""
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from guard.verdict import (
+from guard.core.verdict import (
     GHOST_VERDICTS,
     PodRef,
     QuorumRead,
@@ -176,8 +176,8 @@ def test_a_heal_placeholder_is_never_a_replacement():
     """issue 26, finding 1: the quorum read finds ghost-guard's own heal placeholder under the ghost's name
     (heal keeps it while it waits on a frozen replica): the ghost is deleted, and the placeholder's UID is
     never named as its replacement."""
-    from guard.healing import is_placeholder, placeholder_pod
-    from guard.records import block_evidence
+    from guard.core.heal_plan import is_placeholder, placeholder_pod
+    from guard.core.records import block_evidence
 
     meta = placeholder_pod("web-5", ["uid-ghost"], at="2026-01-01T00:00:00Z")["metadata"]
     assert is_placeholder(meta) and not is_placeholder({"labels": {"app": "web"}}) and not is_placeholder(None)

@@ -1,10 +1,10 @@
-"""guard.worker.request_framing: where a request ends, decided from its head alone (no sockets)."""
+"""guard.serving.worker.request_framing: where a request ends, decided from its head alone (no sockets)."""
 
 from __future__ import annotations
 
 import pytest
 
-from guard.worker import FramingError, error_reply, framing_by_lines, request_framing
+from guard.serving.worker import FramingError, error_reply, framing_by_lines, request_framing
 
 
 def head(*lines: str) -> bytes:

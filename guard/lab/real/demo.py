@@ -144,7 +144,7 @@ def _scenario(lab: RealLab, workdir: Path, say: Callable[[str], None], seconds: 
     finally:
         lab.stop_scheduler()
     live_after = _bound(lab, "web-3")
-    incident = [r.get("msg", "") for r in guard.log_records("guard.incident")]
+    incident = [r.get("msg", "") for r in guard.log_records("guard.engine.incident")]
     if incident:
         say("      guard: " + incident[0])
 

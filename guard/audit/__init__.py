@@ -1,0 +1,1 @@
+"""The audit stores behind one backend contract: SQLite and GhostPod objects."""

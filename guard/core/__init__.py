@@ -1,0 +1,1 @@
+"""Pure rules: no flask, kubernetes, sockets, clock or files. Where a ghost is decided: `verdict.decide()`."""

@@ -1,0 +1,462 @@
+"""What happens once a ghost is found: the record, the attribution, the alerts.
+
+Runs on background threads, never on the scheduling path:
+
+1. the audit store gets the block (durable before it counts as recorded); a
+   ghost new to the store is also written to stdout as one JSON line for log
+   shippers (:func:`announce_new_ghost`, the store's ``on_new`` hook);
+2. etcd is asked first (a quorum GET of the name): a replica is only ever
+   blamed for serving the ghost's UID while etcd has no pending pod with that
+   UID. If etcd has it pending after all, the ghost verdict is withdrawn at
+   once, its audit record marked retracted, and no replica is named. Then
+   every apiserver replica's watch cache is probed in parallel (LIST
+   ``resourceVersion=0``, one name); replicas still serving the ghost are
+   probed again after ``--stale-confirm-delay``: a cache that still serves it
+   and whose revision moved on *missed the delete* (not mere lag) and is
+   reported stale (gauge, counter, ``StaleWatchCache`` Event, audit);
+3. a ``GhostPodBlocked`` Warning Event on the pod, aggregated;
+4. later sightings of the same ghost re-probe at most every
+   ``--reprobe-interval``, so a restarted replica is seen to have healed;
+5. with ``serve --heal``, a ghost confirmed stale on a replica is handed to
+   :class:`guard.engine.autoheal.AutoHealer` (``heal``), which probes again after
+   each heal (:meth:`IncidentRecorder.after_heal`).
+
+The pure rules (what counts as stale, healed, missed delete) are in
+:mod:`guard.core.attribution`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from guard import metrics
+from guard.core import attribution
+from guard.core.attribution import ReplicaObservation
+from guard.audit.backend import AuditBackend, describe, open_store
+from guard.engine.checker import Checker
+from guard.kube.client import Kube, ReplicaClient, emit_event
+from guard.core.records import AuditError, AuditRecord, IdentityConflictError, UnknownGhostError, block_evidence
+from guard.engine.replicas import ReplicaPool
+from guard.core.rendering import format_time, new_ghost_line
+from guard.core.settings import Settings
+from guard.core.verdict import Decision, PodRef, QuorumRead, ReadStatus, Verdict, pending_in_etcd
+
+log = logging.getLogger("guard.incident")
+
+# What etcd says instead, by verdict: the words of the StaleWatchCache alert.
+_TRUTH = {
+    Verdict.GHOST_DELETED: "no longer has it",
+    Verdict.GHOST_REPLACED: "has another pod (another UID) under that name",
+    Verdict.ALREADY_BOUND: "has it bound to a node",
+    Verdict.TERMINATING: "has it terminating",
+}
+
+
+def announce_new_ghost(record: AuditRecord) -> None:
+    """The new-ghost line: one JSON line on stdout (``guard.core.rendering.new_ghost_line``) for log shippers, once per
+    ghost across every process sharing the store (the store calls this for the write that created the record)."""
+    try:
+        sys.stdout.write(new_ghost_line(record) + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError) as e:
+        log.warning("cannot write new-ghost line: %s", e)
+
+
+def open_audit_store(settings: Settings) -> tuple[AuditBackend | None, str | None]:
+    """The audit store ``--audit-store`` names (announcing each new ghost on stdout), or None and why it cannot
+    be opened."""
+    try:
+        return open_store(settings.audit_store, settings.audit_db, kubeconfig=settings.kubeconfig,
+                          max_age_seconds=settings.audit_max_age, max_records=settings.audit_max_records,
+                          on_new=announce_new_ghost, write_qps=settings.audit_write_qps,
+                          queue_size=settings.audit_queue_size, write_interval=settings.audit_write_interval), None
+    except (AuditError, OSError, ValueError) as e:
+        named = f"audit store {describe(settings.audit_store, settings.audit_db)}: "  # AuditHealth names the store
+        return None, str(e)[len(named):] if str(e).startswith(named) else str(e)
+
+
+class AuditHealth:
+    """Whether the audit store takes writes, shown three ways and never as a readiness problem
+    (verdicts do not need the store): ``ghost_guard_audit_store_healthy``, one log line per
+    change of state (not per write), and a detail in ``/readyz``'s body."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self.healthy: bool | None = None
+        self.error: str | None = None
+        self.since = time.time()
+        self.failures = 0
+
+    def ok(self) -> None:
+        if self.healthy is True:  # the common case, without the lock
+            return
+        with self._lock:
+            was, self.healthy, self.error = self.healthy, True, None
+            if was is True:
+                return
+            self.since = time.time()
+        metrics.AUDIT_STORE_HEALTHY.set(1)
+        if was is False:
+            log.warning("audit store %s is writable again: ghosts are recorded again", self.path)
+
+    def failed(self, operation: str, error: str) -> None:
+        metrics.AUDIT_WRITE_ERRORS.labels(operation).inc()
+        with self._lock:
+            self.failures += 1
+            changed = self.healthy is not False
+            self.healthy, self.error = False, error[:500]
+            if changed:
+                self.since = time.time()
+        if changed:
+            metrics.AUDIT_STORE_HEALTHY.set(0)
+            log.error("audit store %s cannot be written (%s): ghosts are still blocked, but not recorded until it "
+                      "can; readiness is not affected", self.path, error[:500])
+
+    def detail(self) -> dict:
+        with self._lock:
+            return {"path": self.path, "writable": self.healthy, "error": self.error, "since": format_time(self.since),
+                    "failures": self.failures}
+
+
+class IncidentRecorder:
+    """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
+
+    ``retract(pod)`` withdraws a ghost verdict (the checker's); ``later(delay, fn, *args)`` runs
+    ``fn`` after ``delay`` seconds (default: a timer thread; tests pass one that records the delay).
+    """
+
+    def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditBackend | None, *,
+                 retract: Callable[[PodRef], bool] | None = None,
+                 later: Callable[..., None] | None = None, audit_error: str | None = None,
+                 heal: Callable[[PodRef], bool] | None = None) -> None:
+        self.settings = settings
+        self.kube = kube
+        self.pool = pool
+        self.audit = audit
+        self._retract = retract or (lambda pod: False)
+        self._schedule = later or self._timer_later
+        self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-probe")
+        self._lock = threading.Lock()
+        self._last_probe: dict[PodRef, float] = {}  # ghost -> monotonic time of the last probe round
+        self._stale: dict[str, set[PodRef]] = {}  # replica address -> ghosts it was confirmed to serve
+        self._stale_pods: set[PodRef] = set()  # ghosts some replica was confirmed to serve
+        self._verdicts: dict[PodRef, Verdict] = {}  # ghost -> its verdict, for the words of the alert
+        self.audit_health = AuditHealth(describe(settings.audit_store, settings.audit_db))
+        if audit is None:
+            self.audit_health.failed("open", audit_error or "not opened")
+        else:
+            self.audit_health.ok()
+        self._audit_lock = threading.Lock()
+        self._last_probes: dict[str, dict] = {}  # replica address -> its newest probe's outcome, for /readyz
+        self._timers: list[threading.Timer] = []
+        self._closed = False
+        self._heal = heal  # serve --heal: AutoHealer.submit
+        # Whether the guard's cache check names a replica's watch frozen (CacheHealthMonitor.frozen, set by
+        # guard.engine.wiring): then no advice says a write heals it.
+        self.frozen: Callable[[str], bool] = lambda replica: False
+
+    # -- entry points (Checker listeners) ----------------------------------------
+
+    @property
+    def records_inline(self) -> bool:
+        """Whether blocks are recorded on the request path (:meth:`record_block_now`, a
+        ``Checker.block_recorders`` entry): for a store that only queues them in memory (GhostPods), so
+        that a block is recorded even when its follow-up waits or the process exits first."""
+        return bool(getattr(self.audit, "writes_in_background", False))
+
+    def attach(self, checker: Checker) -> None:
+        """Hear the checker's ghosts: a first sighting (:meth:`new_ghost`), every later one
+        (:meth:`sighting`), and each block on the request path (:meth:`record_block_now`)."""
+        checker.listeners.append(self.new_ghost)
+        checker.sighting_listeners.append(self.sighting)
+        checker.block_recorders.append(self.record_block_now)
+
+    def record_block_now(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
+        if self.records_inline:
+            self._record_block(pod, decision, block_evidence(decision, read))
+
+    def new_ghost(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
+        if not self.records_inline:
+            self._record_block(pod, decision, block_evidence(decision, read))
+        with self._lock:
+            if len(self._verdicts) > 100_000:
+                self._verdicts.clear()
+            self._verdicts[pod] = decision.verdict
+        # etcd again, past every cache: a verdict that a wrong read made (a bug) must not name anyone.
+        # Ghosts are rare; one more GET each.
+        holds = self.truth(pod)
+        if holds is False:
+            return  # etcd has it pending: withdrawn, no Event, no replica named
+        if holds:
+            self._probe_round(pod, confirm=True)
+        if self.settings.events:
+            self._event(pod, "GhostPodBlocked", f"kube-ghost-guard blocked scheduling: {decision.reason}")
+
+    def sighting(self, pod: PodRef, decision: Decision) -> None:
+        if not self.records_inline:
+            self._record_block(pod, decision, block_evidence(decision, None))
+        with self._lock:
+            last = self._last_probe.get(pod, -1e18)
+        if attribution.should_reprobe(last, time.monotonic(), self.settings.reprobe_interval):
+            self.probe(pod)
+
+    # -- attribution ---------------------------------------------------------------
+
+    def truth(self, pod: PodRef) -> bool | None:
+        """Ask etcd whether ``pod`` may be called a ghost: True when etcd has no pending pod with its
+        UID, None when the read failed (no claim either way). When etcd has it pending after all,
+        the ghost verdict is withdrawn at once and its audit record marked retracted: False."""
+        if not pod.uid:
+            # A read of a name says nothing about a pod created under it a moment later (kubernetes-facts
+            # section 9): with no UID to compare, any replica could be blamed for a live pod. No claim.
+            log.info("attribution of %s skipped: the call named no UID, so no replica is named", pod)
+            return None
+        with self._lock:  # a round begins (bounds the re-probe rate, whatever etcd answers)
+            self._last_probe[pod] = time.monotonic()
+            if len(self._last_probe) > 100_000:
+                self._last_probe.clear()
+        read = self.kube.quorum_get(pod.namespace, pod.name)
+        if read.status is ReadStatus.ERROR:
+            log.info("attribution of %s uid %s postponed: the quorum read failed (%s)", pod, pod.uid, read.error)
+            return None
+        if not pending_in_etcd(read, pod.uid):
+            return True
+        self._withdraw(pod)
+        return False
+
+    def _withdraw(self, pod: PodRef) -> None:
+        self._retract(pod)
+        with self._lock:
+            for uids in self._stale.values():
+                uids.discard(pod)
+            self._stale_pods.discard(pod)
+            cleared = [r for r, uids in self._stale.items() if not uids]
+        for replica in cleared:
+            metrics.STALE_REPLICA.labels(replica).set(0)
+        if self.audit is not None:
+            try:
+                self.audit.retract(uid=pod.uid or f"{pod}", at=time.time(), namespace=pod.namespace, name=pod.name)
+            except (AuditError, ValueError, OSError) as e:
+                log.error("audit store: cannot mark the record of %s retracted: %s", pod, e)
+
+    def probe(self, pod: PodRef, *, confirm: bool = True) -> list[ReplicaObservation] | None:
+        """Probe every replica's cache for the ghost (in parallel); record and act on the result.
+
+        etcd is asked first: None (and no probe) when it has the pod pending (the verdict is
+        withdrawn) or cannot answer (a replica serving the truth must never be named)."""
+        if not self.truth(pod):
+            return None
+        return self._probe_round(pod, confirm=confirm)
+
+    def _probe_round(self, pod: PodRef, *, confirm: bool) -> list[ReplicaObservation]:
+        """One parallel probe of every replica, for a ghost etcd was just asked about."""
+        clients = self.pool.clients()
+        now = time.time()
+        observations = list(self._probes.map(lambda c: c.probe(pod.namespace, pod.name, pod.uid, at=now), clients))
+        with self._lock:
+            confirmed = {r for r, ghosts in self._stale.items() if pod in ghosts}
+        for obs in observations:
+            self._note_probe(obs)
+            # A replica seen serving the ghost once may only lag: it is written down (and so named by
+            # `report`) when the confirmation round still finds it serving, or if it was confirmed before.
+            if obs.serves_ghost is not True or obs.replica in confirmed:
+                self._record_probe(pod, obs)
+            if obs.serves_ghost is False:
+                self._healed(pod, obs.replica)
+        serving = [(c, o) for c, o in zip(clients, observations) if o.serves_ghost]
+        if serving and confirm:
+            self._later(self.settings.stale_confirm_delay, self._confirm, pod, serving)
+        return observations
+
+    def _confirm(self, pod: PodRef, first: list[tuple[ReplicaClient, ReplicaObservation]]) -> None:
+        if not self.truth(pod):  # etcd again: the verdict may have been withdrawn meanwhile
+            return
+        for client, before in first:
+            after = client.probe(pod.namespace, pod.name, pod.uid, at=time.time())
+            self._note_probe(after)
+            self._record_probe(pod, after)
+            if after.serves_ghost is False:
+                self._healed(pod, after.replica)
+                continue
+            if after.serves_ghost:
+                advanced = attribution.missed_delete(before.cache_resource_version, after.cache_resource_version, True)
+                # Still serving after the delay is what operators must know; say whether the cache moved on
+                # (it missed the delete for good) or stood still (a frozen watch, or an idle cluster).
+                self._stale_confirmed(pod, client, after, note="" if advanced else (
+                    " (its cache revision did not advance: watch frozen or cluster idle)"))
+
+    def _stale_confirmed(self, pod: PodRef, client: ReplicaClient, obs: ReplicaObservation, note: str = "") -> None:
+        replica = client.replica.address
+        with self._lock:
+            uids = self._stale.setdefault(replica, set())
+            new = pod not in uids
+            uids.add(pod)
+            self._stale_pods.add(pod)
+        metrics.STALE_REPLICA.labels(replica).set(1)
+        if not new:
+            return
+        metrics.STALE_REPLICA_DETECTIONS.labels(replica).inc()
+        with self._lock:
+            verdict = self._verdicts.get(pod, Verdict.GHOST_DELETED)
+        frozen = self.frozen(replica)
+        message = (f"apiserver replica {client.replica} still serves pod {pod} uid {pod.uid} from its watch cache as "
+                   f"waiting to be scheduled (cache resourceVersion {obs.cache_resource_version}) although etcd "
+                   f"{_TRUTH[verdict]}{note}; " + (
+                       "its watch is frozen; writes cannot heal it, restart that apiserver replica" if frozen else
+                       "healing it (serve --heal)" if self._heal is not None else
+                       f"heal it without a restart: ghost-guard heal {pod.namespace}/{pod.name} (restart that "
+                       "replica only if heal reports it frozen)"))
+        log.warning("%s", message)
+        if self.settings.events:
+            self._event(pod, "StaleWatchCache", message, key=replica)
+        if self._heal is not None and not frozen:
+            self._heal(pod)
+
+    def after_heal(self, pod: PodRef, result) -> None:
+        """After an automatic heal (serve --heal): probe the replicas again, so the stale gauge and the audit
+        show which replicas no longer serve the ghost."""
+        if result.ok:
+            self.probe(pod, confirm=False)
+
+    def _healed(self, pod: PodRef, replica: str) -> None:
+        with self._lock:
+            uids = self._stale.get(replica)
+            if not uids or pod not in uids:
+                return
+            uids.discard(pod)
+            clear = not uids
+            if not any(pod in u for u in self._stale.values()):
+                self._stale_pods.discard(pod)
+        log.info("apiserver replica %s no longer serves ghost %s uid %s: healed", replica, pod, pod.uid)
+        if clear:
+            metrics.STALE_REPLICA.labels(replica).set(0)
+
+    def reprobe_stale(self) -> None:
+        """Re-probe ghosts that some replica was confirmed to serve (bounded by --reprobe-interval),
+        so a restarted replica is seen to heal even when no scheduler asks about the ghost again."""
+        now = time.monotonic()
+        with self._lock:
+            due = [p for p in self._stale_pods
+                   if attribution.should_reprobe(self._last_probe.get(p, -1e18), now, self.settings.reprobe_interval)]
+        for pod in due:
+            self.probe(pod, confirm=False)
+
+    def _note_probe(self, obs: ReplicaObservation) -> None:
+        """The newest probe of each replica (for /readyz); a probe that got no answer is counted."""
+        outcome = attribution.classify(obs)
+        if obs.serves_ghost is None:
+            metrics.REPLICA_PROBE_ERRORS.labels(obs.replica, outcome).inc()
+        with self._lock:
+            self._last_probes[obs.replica] = {"outcome": outcome, "at": format_time(obs.checked_at), "error": obs.error}
+
+    def confirmed(self, pod: PodRef) -> bool:
+        """Whether a probe confirmed some replica serving this ghost (and no later probe saw it healed)."""
+        return pod in self._stale_pods
+
+    def probe_status(self) -> dict[str, dict]:
+        """Per replica, the newest cache probe's outcome (stale, consistent, not-ready, unreachable, error)."""
+        with self._lock:
+            return {replica: dict(v) for replica, v in sorted(self._last_probes.items())}
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def check_audit(self) -> dict:
+        """Test the store with a write (or open it again if it never opened); its health, for /readyz."""
+        with self._audit_lock:
+            if self.audit is None:
+                store, error = open_audit_store(self.settings)
+                if store is None:
+                    self.audit_health.failed("open", error or "not opened")
+                else:
+                    self.audit = store
+                    self.audit_health.ok()
+            else:
+                problem = self.audit.check()
+                if problem:
+                    self.audit_health.failed("check", problem)
+                else:
+                    self.audit_health.ok()
+        return self.audit_health.detail()
+
+    def _record_block(self, pod: PodRef, decision: Decision, evidence: dict) -> None:
+        if self.audit is None:
+            return
+        try:
+            self.audit.record_block(uid=pod.uid or f"{pod}", namespace=pod.namespace, name=pod.name,
+                                    verdict=decision.verdict.value, evidence=evidence, at=time.time())
+        except IdentityConflictError as e:  # this identity's trouble (a forged name came first), not the store's
+            log.warning("audit store: %s", e)
+        except (AuditError, OSError) as e:  # the store's trouble: its health says so, once
+            log.debug("audit store: cannot record block of %s: %s", pod, e)
+            self.audit_health.failed("block", str(e))
+        except ValueError as e:  # this record's trouble (a field the store refuses)
+            log.error("audit store: cannot record block of %s: %s", pod, e)
+        else:
+            self._written()
+
+    def _record_probe(self, pod: PodRef, obs: ReplicaObservation) -> None:
+        if self.audit is None:
+            return
+        try:
+            self.audit.record_probe(uid=pod.uid or f"{pod}", replica=obs.replica, serves=obs.serves_ghost,
+                                    cache_resource_version=obs.cache_resource_version, error=obs.error,
+                                    at=obs.checked_at, namespace=pod.namespace, name=pod.name)
+        except UnknownGhostError as e:  # its block was not recorded (the store failed then): nothing to attach to
+            log.debug("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
+        except (AuditError, OSError) as e:
+            log.debug("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
+            self.audit_health.failed("probe", str(e))
+        except ValueError as e:
+            log.error("audit store: cannot record probe of %s on %s: %s", pod, obs.replica, e)
+        else:
+            self._written()
+
+    def _written(self) -> None:
+        """A record call returned. The SQLite store returns once the write is durable: healthy. The GhostPod
+        store only queues it (written in the background): its health is what its writers last saw."""
+        problem = (self.audit.check() if self.audit is not None and getattr(self.audit, "writes_in_background", False)
+                   else None)
+        if problem:
+            self.audit_health.failed("block", problem)
+        else:
+            self.audit_health.ok()
+
+    def _event(self, pod: PodRef, reason: str, message: str, key: str = "") -> None:
+        try:
+            emit_event(self.kube, namespace=pod.namespace, pod_name=pod.name, pod_uid=pod.uid, reason=reason,
+                       message=message, key=key)
+        except Exception as e:  # Events are best effort
+            log.warning("cannot emit %s Event for %s: %s", reason, pod, str(e)[:200])
+
+    def _later(self, delay: float, fn, *args) -> None:
+        if self._closed:
+            return
+        self._schedule(delay, self._run_safely, fn, *args)
+
+    def _timer_later(self, delay: float, fn, *args) -> None:
+        timer = threading.Timer(delay, fn, args=args)
+        timer.daemon = True
+        with self._lock:
+            self._timers = [t for t in self._timers if t.is_alive()] + [timer]
+        timer.start()
+
+    @staticmethod
+    def _run_safely(fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("attribution step %s failed", getattr(fn, "__name__", fn))
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            timers = list(self._timers)
+        for t in timers:
+            t.cancel()
+        self._probes.shutdown(wait=False, cancel_futures=True)

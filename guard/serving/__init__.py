@@ -1,0 +1,1 @@
+"""The gunicorn worker, the server and TLS: connections, deadlines and bounds."""

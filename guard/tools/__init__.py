@@ -1,0 +1,1 @@
+"""Commands that only the CLI runs (certificates, diagnose)."""
