@@ -21,15 +21,14 @@ import contextlib
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
-import uuid
 from dataclasses import dataclass
 
-import orjson
+import clirun
 import pytest
+from clirun import ghost_guard
 from guardstate import probes_done, views_hold
+from payloads import binding_review, filter_body
 
 from guard.lab.harness import create, eventually, node_manifest, pod_manifest, quorum_pod
 from guard.lab.scheduler import ExtenderConfig, PodStats, Timings
@@ -55,19 +54,13 @@ def stat(stats: dict[str, PodStats], key: str) -> PodStats:
     return stats.get(key, PodStats())
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True, timeout=60)
-
-
 def audit_records(db: str) -> list[dict]:
     """Every audit record, retracted ones included."""
-    r = cli("audit", "--db", db, "--retracted", "-o", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    return clirun.audit_records(db, "--retracted")
 
 
 def report(db: str) -> dict:
-    r = cli("report", "--db", db, "-o", "json")
+    r = ghost_guard("report", "--db", db, "-o", "json")
     doc = json.loads(r.stdout)
     assert r.returncode == (1 if doc["stale_replicas"] else 0), r.stderr  # exit 1 when a replica serves a ghost
     return doc
@@ -82,21 +75,6 @@ def access_log(g) -> list[dict]:
 def guard_events(lab, namespace: str = NS) -> list:
     return [e for e in lab.core_v1(2).list_namespaced_event(namespace, _request_timeout=5).items
             if e.reason in ("GhostPodBlocked", "StaleWatchCache")]
-
-
-def filter_body(name: str, uid: str, nodes: list[str], namespace: str = NS) -> bytes:
-    return orjson.dumps({"Pod": {"metadata": {"name": name, "namespace": namespace, "uid": uid}},
-                         "Nodes": None, "NodeNames": nodes})
-
-
-def binding_review(name: str, uid: str, *, dry_run: bool, node: str = "node-a", namespace: str = NS) -> dict:
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-        "uid": str(uuid.uuid4()), "kind": {"group": "", "version": "v1", "kind": "Binding"},
-        "resource": {"group": "", "version": "v1", "resource": "pods"}, "subResource": "binding",
-        "name": name, "namespace": namespace, "operation": "CREATE", "dryRun": dry_run,
-        "object": {"apiVersion": "v1", "kind": "Binding",
-                   "metadata": {"name": name, "namespace": namespace, "uid": uid},
-                   "target": {"apiVersion": "v1", "kind": "Node", "name": node}}}}
 
 
 def delete_pod(api, name: str, uid: str) -> None:
@@ -346,7 +324,7 @@ def test_200_recreates_under_the_same_names_block_no_live_pod_and_blame_no_repli
 
 
 def filter_passes(g, name: str, uid: str) -> bool:
-    out = g.post("/filter", filter_body(name, uid, ["node-a"])).json()
+    out = g.post("/filter", filter_body(NS, name, uid, ["node-a"])).json()
     return out["NodeNames"] == ["node-a"] and out["FailedAndUnresolvableNodes"] == {}
 
 
@@ -491,7 +469,7 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
 
 
 def review(g, name: str, uid: str, *, dry_run: bool) -> dict:
-    r = g.post("/validate/binding", binding_review(name, uid, dry_run=dry_run))
+    r = g.post("/validate/binding", binding_review(NS, name, uid, node="node-a", dry_run=dry_run))
     assert r.status_code == 200, r.text
     return r.json()["response"]
 
@@ -535,7 +513,7 @@ def test_dry_run_review_records_nothing_and_a_forged_name_blocks_no_live_pod(lab
     # A caller names a pod that does not exist with a live pod's UID (a /filter and a dry-run
     # review): those calls are rejected, and the live pod is not: it passes and is bound.
     uid_live = create(api, pod_manifest("live-1"))["metadata"]["uid"]
-    forged = g.post("/filter", filter_body("does-not-exist", uid_live, ["node-a"])).json()
+    forged = g.post("/filter", filter_body(NS, "does-not-exist", uid_live, ["node-a"])).json()
     assert forged["NodeNames"] == [] and set(forged["FailedAndUnresolvableNodes"]) == {"node-a"}
     assert review(g, "does-not-exist", uid_live, dry_run=True)["allowed"] is False
     assert filter_passes(g, "live-1", uid_live)
@@ -654,13 +632,13 @@ def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report_with_ghost
                what="replica 1 confirmed stale", process=g)
 
     def named() -> list[str] | None:
-        r = cli("report", *store, "-o", "json")
+        r = ghost_guard("report", *store, "-o", "json")
         replicas = [x["replica"] for x in json.loads(r.stdout)["stale_replicas"]]
         assert r.returncode == (1 if replicas else 0), r.stderr
         return replicas or None
 
     assert eventually(named, 10, what="report naming the stale replica", interval=0.2) == [stale]
-    r = cli("audit", *store, "--retracted", "-o", "json")
+    r = ghost_guard("audit", *store, "--retracted", "-o", "json")
     records = {(x["namespace"], x["name"]): x for x in json.loads(r.stdout)}
     assert records[(NS, "live-1")]["uid"] == uid and records[(NS, "live-1")]["stale_replicas"] == [stale]
     assert records[(NS, "does-not-exist")]["uid"] == uid and records[(NS, "does-not-exist")]["stale_replicas"] == []

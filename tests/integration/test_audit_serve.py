@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from payloads import filter_body
 
 from guard.audit.sqlite import AuditStore
 from guard.lab.harness import eventually
@@ -27,12 +28,6 @@ pytestmark = pytest.mark.timeout(120)
 UNBUDGETED = ["--unsighted-ghost-rate", "1000", "--unsighted-ghost-burst", "100000"]
 
 NODES = ["node-a", "node-b"]
-
-
-def filter_body(namespace: str, name: str, uid: str) -> dict:
-    pod = {"metadata": {"name": name, "namespace": namespace, "uid": uid},
-           "spec": {"containers": [{"name": "app", "image": "pause"}]}, "status": {"phase": "Pending"}}
-    return {"Pod": pod, "Nodes": None, "NodeNames": NODES}
 
 
 def announced(guard) -> list[dict]:
@@ -64,7 +59,7 @@ def test_kill_9_of_a_worker_mid_burst_loses_no_acknowledged_record(shared_lab, l
     def block(i: int) -> tuple[str, int | None]:
         uid = f"00000000-0000-4000-8000-{i:012d}"
         try:
-            r = session.post(guard.url("/filter"), json=filter_body(ns, f"ghost-{i}", uid), timeout=10)
+            r = session.post(guard.url("/filter"), json=filter_body(ns, f"ghost-{i}", uid, NODES), timeout=10)
         except requests.RequestException:
             return uid, None  # in flight on the killed worker
         return uid, r.status_code
@@ -127,7 +122,7 @@ def test_two_guards_on_one_store_record_each_ghost_once(shared_lab, lab_namespac
     def block(job: tuple[int, int]) -> int:
         g, i = job
         uid = f"00000000-0000-4000-9000-{i:012d}"
-        return session.post(guards[g].url("/filter"), json=filter_body(ns, f"ghost-{i}", uid), timeout=10).status_code
+        return session.post(guards[g].url("/filter"), json=filter_body(ns, f"ghost-{i}", uid, NODES), timeout=10).status_code
 
     # Both guards block every ghost, at the same time.
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:

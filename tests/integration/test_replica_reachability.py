@@ -17,6 +17,7 @@ import time
 import orjson
 import pytest
 from clirun import ghost_guard
+from payloads import filter_body
 from guard.lab.harness import eventually, pod_manifest
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,8 +66,7 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
     eventually(lambda: lab.replicas[0].requests(method="GET", path=path, quorum=True), 10,
                what="the background quorum GET", process=g)
     asked = time.time()
-    body = orjson.dumps({"Pod": {"metadata": {"name": "fresh", "namespace": "default", "uid": uid}},
-                         "Nodes": None, "NodeNames": ["n1"]})
+    body = filter_body("default", "fresh", uid, spec=False)
     assert g.post("/filter", body).json()["NodeNames"] == ["n1"]
     quorum = [rec for r in lab.replicas for rec in r.requests(method="GET", path=path, quorum=True)]
     assert len(quorum) == 1 and quorum[0].time < asked, quorum  # one GET, before the call
@@ -85,8 +85,7 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
     assert log.count(FALLBACK) == 1 and log.count(RECOVERED) == 1, log[-3000:]
 
     # A ghost: every replica's cache is probed; the closed one's failure is counted and shown.
-    ghost = orjson.dumps({"Pod": {"metadata": {"name": "gone", "namespace": "default", "uid": "gone-uid"}},
-                          "Nodes": None, "NodeNames": ["n1"]})
+    ghost = filter_body("default", "gone", "gone-uid", spec=False)
     assert list(g.post("/filter", ghost).json()["FailedAndUnresolvableNodes"]) == ["n1"]
     eventually(lambda: g.metric("ghost_guard_replica_probe_errors_total", replica=closed, kind="unreachable") >= 1,
                10, what="the failed probe counted", process=g)
