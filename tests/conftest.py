@@ -52,6 +52,7 @@ def dead_kubeconfig(tmp_path_factory) -> str:
 # Every guard process the fixtures below started and have not stopped yet: a failing test's report carries
 # each one's log (pytest_runtest_makereport), whichever fixture scope started it.
 _RUNNING: list[GuardProcess] = []
+READY_TIMEOUT = 60.0  # seconds a started guard has to answer its first probe
 
 
 class _Guards:
@@ -66,7 +67,9 @@ class _Guards:
         self.started.append(g)
         _RUNNING.append(g)
         if wait:
-            g.wait(wait)
+            # A positive signal, so a generous deadline costs nothing when the guard is well: a guard's start
+            # (interpreter, imports, gunicorn, its first reads) took 15 s and more at a load average of 15.
+            g.wait(wait, timeout=READY_TIMEOUT)
         return g
 
     def stop(self, *guards: GuardProcess) -> None:
