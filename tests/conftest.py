@@ -2,8 +2,13 @@
 
 Layer fixtures: the lab (real etcd + apiserver replicas) comes from
 ``tests/fixtures_lab.py``; this file starts ``ghost-guard serve`` processes
-(``guard.lab.harness.GuardProcess``, shared with the demo and the benchmarks).
-Never mock or patch ``guard.*``: faults come from the lab.
+(``guard.lab.harness.GuardProcess``, shared with the demo and the benchmarks) through one launcher:
+``start_guard`` (stopped after the test) and ``module_guard`` (after the module). A failing test's
+report carries the log of every guard still running. Never mock or patch ``guard.*``: faults come
+from the lab.
+
+Helpers to import: ``payloads`` (what callers send), ``clirun`` (the CLI in-process),
+``guardstate`` (what a running guard says it has seen, to wait on), ``fixtures_lab.raw``.
 """
 
 from __future__ import annotations
