@@ -58,14 +58,14 @@ def machine() -> str:
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {pinning}")
 
 
-def start_passthrough() -> tuple[subprocess.Popen, str]:
-    """The minimal pass-through extender (benchmarks/passthrough_extender.py) under gunicorn like the
-    guard (gthread, 1 worker, 16 threads), on the extender's CPU; returns it once /healthz answers."""
+def start_passthrough(app: str = "benchmarks.passthrough_extender:app") -> tuple[subprocess.Popen, str]:
+    """The minimal pass-through extender (benchmarks/passthrough_extender.py; ``app``: another of its apps) under
+    gunicorn like the guard (gthread, 1 worker, 16 threads), on the extender's CPU; returns it once /healthz answers."""
     port = free_port()
     pin = (lambda: os.sched_setaffinity(0, EXTENDER_CPUS)) if EXTENDER_CPUS else None
     proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "16", "-w", "1",
                              "--no-control-socket", "--log-level", "warning", "-b", f"127.0.0.1:{port}",
-                             "benchmarks.passthrough_extender:app"],
+                             app],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
                             preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"

@@ -32,7 +32,7 @@ from pathlib import Path
 import orjson
 
 from guard.tools.certs import generate
-from guard.lab.harness import GuardProcess, tls_files
+from guard.lab.harness import GuardProcess, child_pids, tls_files
 
 DEAD = ("apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: 'http://127.0.0.1:9'}\n"
         "users:\n- name: u\n  user: {token: t}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\n"
@@ -317,6 +317,12 @@ def flood(tmp: Path, seconds: float) -> None:
                 t.join(20)
             print(f"| flood | {label} ({sent.value} forged calls answered) | legit kept-alive: {len(lat)} calls, "
                   f"{failed} failed, p50 {p(lat, 0.5):.1f} ms, **p99 {p(lat, 0.99):.1f} ms**, max {p(lat, 1):.1f} ms |")
+        worker = g.workers()[0]
+        helpers = [pid for pid in child_pids(worker) if b"guard.serving.offload" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        print(f"| flood | peak RSS (VmHWM) | worker {status_kb(worker, 'VmHWM') / 1024:.1f} MiB; helper processes: "
+              + (", ".join(f"{status_kb(h, 'VmHWM') / 1024:.1f} MiB" for h in helpers) or "none")
+              + f"; helper calls late (503) {g.logs(tail=None).count('missed its deadline')}, failed (answered by the "
+              f"worker) {g.logs(tail=None).count('the worker answers it itself')} |")
     finally:
         g.stop()
 

@@ -27,7 +27,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from guard.engine.healer import Healer
-    from guard.kube.client import Kube, load_configuration
+    from guard.kube.config import load_configuration
+    from guard.kube.reads import Kube
     from guard.lab import Lab
     from guard.lab.harness import pod_manifest
     from guard.engine.replicas import ReplicaPool

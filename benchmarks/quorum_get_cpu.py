@@ -27,7 +27,8 @@ import orjson
 import urllib3
 
 from benchmarks.soak_lab import LabProcess
-from guard.kube.client import Kube, load_configuration
+from guard.kube.config import load_configuration
+from guard.kube.reads import Kube
 from guard.lab.harness import pod_manifest
 
 

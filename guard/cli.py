@@ -144,7 +144,7 @@ def main() -> None:
 @setting("--frozen-after", type=float,
          help="Seconds a replica's cache revision may stand still behind etcd's before the replica is named frozen "
               "(revisions are read every third of this, at most every 20s).")
-# --- serving: connection deadlines and limits, TLS, caller identities (guard/serving/worker.py, guard/core/identity.py)
+# --- serving: connection deadlines and limits, TLS, caller identities (guard/serving/connection.py, guard/core/identity.py)
 @setting("--tls-handshake-timeout", type=float,
          help="Seconds a client has to complete the TLS handshake; then the connection is closed.")
 @setting("--header-timeout", type=float,
@@ -520,14 +520,15 @@ def _cluster(command: str, kubeconfig: str | None, apiserver_replicas: str | Non
              timeout: float, pool_size: int):
     """(Kube, ReplicaPool) for a command that reads every apiserver replica; exit 2 with one line when the
     credentials, the flags or replica discovery fail."""
-    from guard.kube.client import Kube, KubeConfigError, load_configuration
+    from guard.kube.config import KubeConfigError, load_cli_configuration
+    from guard.kube.reads import Kube
     from guard.engine.replicas import ReplicaPool
     from guard.core.settings import SettingsError
 
     try:
         settings = Settings(apiserver_replicas=apiserver_replicas, apiserver_server_name=server_name,
                             probe_timeout=timeout, get_timeout=timeout)
-        kube = Kube(load_configuration(kubeconfig), timeout=timeout, pool_size=pool_size)
+        kube = Kube(load_cli_configuration(kubeconfig), timeout=timeout, pool_size=pool_size)
         pool = ReplicaPool(settings, kube)
     except (KubeConfigError, SettingsError) as e:
         click.echo(f"ghost-guard {command}: {e}", err=True)
@@ -545,8 +546,8 @@ def _live_caches(kubeconfig: str | None, apiserver_replicas: str | None, server_
                  progress=lambda line: None) -> tuple[list[dict], tuple[list[dict[str, object]], list[str]]]:
     """guard.engine.cache_health.check_now and guard.engine.ghost_nodes.check_nodes_now over every replica; exit 2 with
     one line when they cannot run."""
-    progress("loading the Kubernetes client and finding the apiserver replicas")
-    from guard.engine.cache_health import check_now  # imports the Kubernetes client
+    progress("reading the cluster credentials and finding the apiserver replicas")
+    from guard.engine.cache_health import check_now
     from guard.engine.ghost_nodes import check_nodes_now
 
     kube, pool = _cluster("report", kubeconfig, apiserver_replicas, server_name, 2.0, 8)
@@ -663,7 +664,7 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
     if not probe_timeout > 0:
         raise click.BadParameter("must be positive", param_hint="--probe-timeout")
     progress = _progress("heal", output)
-    progress("loading the Kubernetes client and finding the apiserver replicas")
+    progress("reading the cluster credentials and finding the apiserver replicas")
     from guard.engine.healer import Healer
     from guard.engine.node_healer import heal_node
     from guard.engine.node_healer import render as render_nodes

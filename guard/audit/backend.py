@@ -106,7 +106,7 @@ def open_store(spec: str | None, default_path: str, *, kubeconfig: str | None = 
 
     ``on_new`` (:data:`guard.core.records.NewRecordHook`): called with each record new to the store, once per
     identity across every process sharing it. ``writer=False`` (the CLI's readers) starts no background
-    writer. ``kube``: a ``guard.kube.client.Kube`` to share (the guard's own); else one is built from ``kubeconfig``."""
+    writer. ``kube``: a ``guard.kube.reads.Kube`` to share (the guard's own); else one is built from ``kubeconfig``."""
     kind, path = parse_store(spec, default_path)
     if kind == "sqlite":
         from guard.audit.sqlite import AuditStore
@@ -114,11 +114,15 @@ def open_store(spec: str | None, default_path: str, *, kubeconfig: str | None = 
         assert path is not None
         return AuditStore(path, max_age_seconds=max_age_seconds, max_records=max_records, on_new=on_new)
     from guard.audit.ghostpods import KubeAuditStore
-    from guard.kube.client import GhostPods, Kube, KubeConfigError, load_configuration
+    from guard.kube.config import KubeConfigError, load_cli_configuration, load_configuration
+    from guard.kube.reads import Kube
+    from guard.kube.writes import GhostPods
 
     if kube is None:
         try:
-            kube = Kube(load_configuration(kubeconfig), timeout=5.0, pool_size=8)
+            # a reader (the CLI) starts without importing the kubernetes client where it can (guard/kube/config.py)
+            load = load_configuration if writer else load_cli_configuration
+            kube = Kube(load(kubeconfig), timeout=5.0, pool_size=8)
         except KubeConfigError as e:
             raise AuditError(str(e)) from e
     return KubeAuditStore(GhostPods(kube), max_age_seconds=max_age_seconds, max_records=max_records, on_new=on_new,

@@ -59,7 +59,8 @@ from typing import Any, Final
 
 from guard import metrics
 from guard.core import flood
-from guard.kube.client import GHOSTPOD_GROUP, GHOSTPOD_VERSION, GhostPodError, GhostPods
+from guard.core.token_bucket import TokenBucket
+from guard.kube.writes import GHOSTPOD_GROUP, GHOSTPOD_VERSION, GhostPodError, GhostPods
 from guard.core.records import (
     MAX_HEALS_PER_GHOST, MAX_NAME, MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, HealAttempt, NewRecordHook,
     ReplicaState, check_text, check_time, evidence_json,
@@ -281,26 +282,6 @@ def record_status(record: AuditRecord) -> dict:
 # --- the store ----------------------------------------------------------------------------
 
 
-class _RateLimit:
-    """A token bucket: at most ``qps`` takes per second, bursts of ``burst``."""
-
-    def __init__(self, qps: float, burst: int, clock: Callable[[], float]) -> None:
-        self.qps, self.burst, self.clock = qps, burst, clock
-        self.tokens, self.at = float(burst), clock()
-        self.lock = threading.Lock()
-
-    def wait_time(self) -> float:
-        """0 and a token taken, or the seconds to wait before asking again."""
-        with self.lock:
-            now = self.clock()
-            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.qps)
-            self.at = now
-            if self.tokens >= 1:
-                self.tokens -= 1
-                return 0.0
-            return (1 - self.tokens) / self.qps
-
-
 class KubeAuditStore:
     """The audit store on GhostPod objects (see the module docstring). Satisfies
     :class:`guard.audit.backend.AuditBackend`."""
@@ -326,7 +307,7 @@ class KubeAuditStore:
         self._on_new = on_new
         self._clock = clock
         self._mono = monotonic
-        self._rate = _RateLimit(write_qps, max(1, int(write_qps)), monotonic)
+        self._rate = TokenBucket(write_qps, max(1, int(write_qps)), monotonic)
         self._cond = threading.Condition()
         self._pending: dict[Key, _Pending] = {}
         self._heap: list[tuple[float, int, Key]] = []  # (due, seq, key): when each pending identity may be written
@@ -479,10 +460,10 @@ class KubeAuditStore:
             if entry is None:
                 self._prune_safely()
                 continue
-            delay = 0.0 if self._flushing else self._rate.wait_time()  # at exit: everything, at once
+            delay = 0.0 if self._flushing else self._rate.take()  # at exit: everything, at once
             while delay > 0:
                 time.sleep(delay)
-                delay = 0.0 if self._flushing else self._rate.wait_time()
+                delay = 0.0 if self._flushing else self._rate.take()
             self._write_one(entry)
 
     def _write_one(self, entry: _Pending) -> None:

@@ -9,12 +9,14 @@ NodeList): a reply in the wrong field means zero feasible nodes for *every* pod.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
 import orjson
 
 from guard.core.names import pod_identity_problem
+from guard.core.node_verdict import ghost_candidates
 from guard.core.verdict import PodRef, Verdict
 
 Mode = Literal["names", "nodes"]
@@ -377,3 +379,32 @@ def _item_name(item: Any) -> Any:
 def preempt_without(args: PreemptArgs, nodes: set[str] | frozenset[str]) -> bytes:
     """Every candidate except those on ``nodes``, as meta victims."""
     return orjson.dumps({"NodeNameToMetaVictims": {n: v for n, v in args.meta_victims.items() if n not in nodes}})
+
+
+# --- one verb call's bytes, both ends (guard.http.filter in the worker, guard.serving.offload in a helper) ----
+
+
+def parse_verb(path: str, body: bytes, max_nodes: int | None) -> FilterArgs | PreemptArgs:
+    """The arguments of a ``/filter`` or ``/preempt`` body. Raises ProtocolError."""
+    return parse_filter(body, max_nodes) if path == "/filter" else parse_preempt(body)
+
+
+def verb_reply(args: FilterArgs | PreemptArgs, block_reason: str | None,
+               ghosts: Mapping[str, object]) -> tuple[bytes, int]:
+    """(the verb's answer, candidates dropped as ghost Nodes). ``block_reason``: the pod is blocked
+    (:func:`node_reason`: every node fails with it, a preemptor is vetoed); None: allowed, every
+    candidate but the ghost Nodes in ``ghosts`` (guard/core/node_verdict.py; with none known that is
+    one test, no work per node name). Raises ProtocolError (a node name that is not a string)."""
+    if isinstance(args, FilterArgs):
+        if block_reason is not None:
+            return filter_reject(args, block_reason), 0
+        if not ghosts:
+            return filter_pass(args), 0
+        failed = ghost_candidates(candidate_names(args), ghosts)
+        return filter_some(args, failed), len(failed)
+    if block_reason is not None:
+        return preempt_veto(), 0
+    if not ghosts:
+        return preempt_allow(args), 0
+    dropped = {n for n in args.meta_victims if n in ghosts}
+    return preempt_without(args, dropped), len(dropped)

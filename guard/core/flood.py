@@ -31,7 +31,7 @@ import collections
 import threading
 from collections.abc import Callable, Iterable
 
-from guard.core.heal_plan import TokenBucket
+from guard.core.token_bucket import TokenBucket
 from guard.core.records import AuditRecord, ReplicaState
 
 CONFIRMED, SIGHTED, UNSIGHTED = "confirmed", "sighted", "unsighted"
@@ -63,25 +63,24 @@ class FloodBudget:
         self._clock = clock
         self._max = max_namespaces
         self._lock = threading.Lock()
-        self._shared = TokenBucket(rate * GLOBAL_FACTOR, burst * GLOBAL_FACTOR, clock())
+        self._shared = TokenBucket(rate * GLOBAL_FACTOR, burst * GLOBAL_FACTOR, clock)
         self._namespaces: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
 
     def admit(self, namespace: str) -> str | None:
         """None, with a token taken from the namespace's bucket and the shared one, or why not
         (``namespace-budget``, ``global-budget``; nothing taken)."""
         with self._lock:
-            now = self._clock()
             bucket = self._namespaces.get(namespace)
             if bucket is None:
-                bucket = TokenBucket(self.rate, self.burst, now)
+                bucket = TokenBucket(self.rate, self.burst, self._clock)
                 self._namespaces[namespace] = bucket
                 if len(self._namespaces) > self._max:
                     self._namespaces.popitem(last=False)
             else:
                 self._namespaces.move_to_end(namespace)
-            if bucket.take(now) > 0:
+            if bucket.take() > 0:
                 return NAMESPACE_BUDGET
-            if self._shared.take(now) > 0:
+            if self._shared.take() > 0:
                 bucket.give_back()
                 return GLOBAL_BUDGET
             return None

@@ -23,7 +23,7 @@ live pod did the same. So, for one pod name:
 A replica whose cache revision stays below the heal's own write while etcd moved past it has a
 *frozen* watch: no write can reach it; only restarting that replica helps.
 
-:mod:`guard.engine.healer` does the reads and writes (through :mod:`guard.kube.client`); this module plans,
+:mod:`guard.engine.healer` does the reads and writes (through :mod:`guard.kube.reads` and :mod:`guard.kube.writes`); this module plans,
 builds the objects it writes, judges what it sees, and renders the results.
 """
 
@@ -342,31 +342,3 @@ def render(results: Sequence[HealResult], output: str = "table") -> str:
     if not results:
         lines.append("nothing to heal: no replica serves a ghost")
     return "\n".join(lines) + "\n"
-
-
-# --- the rate of automatic heals (serve --heal) -------------------------------------------------------
-
-
-class TokenBucket:
-    """``rate`` heals per second on average, at most ``burst`` at once. The caller passes the clock."""
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        if not rate > 0 or burst < 1:
-            raise ValueError("rate must be positive and burst at least 1")
-        self.rate = rate
-        self.burst = burst
-        self._tokens = float(burst)
-        self._at = now
-
-    def take(self, now: float) -> float:
-        """0 and one token used if one is there, else the seconds until one will be (nothing used)."""
-        self._tokens = min(float(self.burst), self._tokens + max(0.0, now - self._at) * self.rate)
-        self._at = max(self._at, now)
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return 0.0
-        return (1.0 - self._tokens) / self.rate
-
-    def give_back(self) -> None:
-        """Return a token :meth:`take` took (the caller did not use it after all)."""
-        self._tokens = min(float(self.burst), self._tokens + 1.0)

@@ -89,7 +89,7 @@ class Settings:
     # replica caches that miss pods or froze (guard/engine/cache_health.py)
     missing_after: float = 30.0
     frozen_after: float = 30.0
-    # --- serving: connection deadlines and limits (guard/serving/worker.py), TLS, caller identities ---
+    # --- serving: connection deadlines and limits (guard/serving/connection.py), TLS, caller identities ---
     tls_handshake_timeout: float = 2.0
     header_timeout: float = 5.0
     body_timeout: float = 5.0

@@ -3,7 +3,7 @@
 Off the request path: the incident recorder submits a ghost (:meth:`AutoHealer.submit`) when a
 replica's confirmation round still finds it serving; one background thread heals one name at a
 time (a name already queued or being healed is not queued again), at most ``--heal-rate`` heals
-per second with a burst of ``--heal-burst`` (:class:`guard.core.heal_plan.TokenBucket`), each within
+per second with a burst of ``--heal-burst`` (:class:`guard.core.token_bucket.TokenBucket`), each within
 ``--heal-timeout`` seconds. Each attempt's outcome goes to the audit store
 (``record_heal``), to a ``GhostHealed`` (Normal) or ``GhostHealFailed`` (Warning) Event on the
 ghost, to ``ghost_guard_heals_total{action,outcome}`` and to the log. The heal itself
@@ -20,9 +20,12 @@ import time
 from collections.abc import Callable
 
 from guard import metrics
+from guard.engine.background import Background
 from guard.engine.healer import Healer
-from guard.core.heal_plan import HealResult, Outcome, TokenBucket
-from guard.kube.client import Kube, emit_event
+from guard.core.heal_plan import HealResult, Outcome
+from guard.core.token_bucket import TokenBucket
+from guard.kube.reads import Kube
+from guard.kube.writes import emit_event
 from guard.core.records import AuditError, UnknownGhostError
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings
@@ -41,13 +44,13 @@ class AutoHealer:
         self.kube = kube
         self.audit = audit
         self.done = done  # called with (pod, result) after each heal (the incident recorder re-probes)
-        self._clock = clock
         self._healer = Healer(kube, pool.clients, timeout=settings.heal_timeout)
-        self._bucket = TokenBucket(settings.heal_rate, settings.heal_burst, clock())
+        self._bucket = TokenBucket(settings.heal_rate, settings.heal_burst, clock)
         self._cond = threading.Condition()
         self._queue: collections.deque[PodRef] = collections.deque()
         self._names: set[tuple[str, str]] = set()  # queued or being healed
         self._stopping = False
+        self._bg = Background(log)
         self._thread: threading.Thread | None = None
 
     def submit(self, pod: PodRef) -> bool:
@@ -62,8 +65,7 @@ class AutoHealer:
             self._names.add(key)
             self._queue.append(pod)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ghost-heal", daemon=True)
-                self._thread.start()
+                self._thread = self._bg.thread("ghost-heal", self._run)
             self._cond.notify_all()
         return True
 
@@ -75,7 +77,7 @@ class AutoHealer:
                 if self._stopping:
                     return
                 pod = self._queue[0]
-                wait = self._bucket.take(self._clock())
+                wait = self._bucket.take()
                 if wait > 0:
                     self._cond.wait(wait)  # the rate bound; a new submit or close() wakes it early, then it re-checks
                     continue
@@ -120,4 +122,5 @@ class AutoHealer:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._bg.close()
         self._healer.close()

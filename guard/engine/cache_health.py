@@ -1,9 +1,9 @@
 """Replica caches that miss pods or stopped: the checks, their metrics, Events and /readyz detail.
 
 One background thread per guard worker, never on the scheduling path. Every
-second it compares the views the pre-verifier already holds of every replica
-(guard/engine/prepare.py: the pending pods each replica's cache shows, listed every
-few seconds, one replica watched while the guard is called); a
+second it compares the per-replica views (guard/engine/replica_views.py: the
+pending pods each replica's cache shows, listed every few seconds, one replica
+watched while the guard is called; kept with ``--no-prepare`` too); a
 pod other replicas have shown for ``--missing-after`` seconds but one synced
 replica has not is confirmed before anyone is named: a quorum GET (still
 pending, same UID?), a consistent read on that replica (a flowing cache
@@ -31,8 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from guard import metrics
 from guard.core import cache_health as replica_health
-from guard.kube.client import Kube, ReplicaClient, emit_event
+from guard.kube.reads import Kube
+from guard.kube.watch import ReplicaClient
+from guard.kube.writes import emit_event
 from guard.core.cache_health import CacheTrack, RevisionSample
+from guard.engine.background import Background
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings
 from guard.core.verdict import PodRef, QuorumRead, is_pending, pending_in_etcd
@@ -51,8 +54,8 @@ Views = Callable[[], dict[str, tuple[bool, dict[str, PodRef]]]]
 
 
 class CacheHealthMonitor:
-    """Missing pods and frozen watches, per replica. ``views`` is the pre-verifier's
-    ``pending_views`` (None with --no-prepare: then only frozen watches are looked for)."""
+    """Missing pods and frozen watches, per replica. ``views`` is the replica views' ``pending_views``
+    (guard.engine.replica_views; None: only frozen watches are looked for)."""
 
     def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, views: Views | None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -68,33 +71,17 @@ class CacheHealthMonitor:
         self._tracks: dict[str, CacheTrack] = {}
         self._errors: dict[str, str | None] = {}  # replica -> why its last revision read got no answer
         self._last_round = -1e18
-        self._reads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-cache-health")
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._bg = Background(log)
+        self._reads = self._bg.pool("ghost-cache-health", 8)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="ghost-cache-health", daemon=True)
-        self._thread.start()
+        self._bg.loop("ghost-cache-health", self.tick, 1.0, what="replica cache health check", join=True)
 
     def close(self, timeout: float = 3.0) -> None:
         """Stop: no new round, the one running (if any) given ``timeout`` seconds to end, then its
         read pool shut. Called on the worker's exit (guard.serving.server), before the interpreter's own exit
         shuts every pool under a running round."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-        self._reads.shutdown(wait=False, cancel_futures=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                self.tick()
-            except Exception:
-                if self._stop.is_set():  # stopping: the pool may be shut under the round; nothing is wrong
-                    log.debug("replica cache health round ended by the stop", exc_info=True)
-                else:
-                    log.exception("replica cache health check failed")
+        self._bg.close(timeout)
 
     def tick(self) -> None:
         now = self._clock()

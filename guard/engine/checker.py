@@ -1,26 +1,33 @@
 """One check of one pod: cache -> quorum GET -> verdict -> metrics and follow-ups.
 
-``/filter``, ``/preempt`` and ``/validate/binding`` all call
-:meth:`Checker.check`. It never raises: apiserver trouble and the guard's own
-bugs both come back as an ``unknown`` decision, which the routes turn into a
-pass (fail open, counted) unless ``--fail-closed``. Work that is not needed
-for the answer (recording a new ghost) runs on a background thread, after the
-answer.
+``/filter``, ``/preempt`` and ``/validate/binding`` all go through
+:meth:`Checker.answer`, the one entry: it answers now, joins the pod's quorum
+GET in flight (the worker's event loop, which never waits), or says that the
+answer needs a thread; a call is counted in one place (:meth:`Checker._count`)
+whichever way it was answered. It never raises: apiserver trouble and the
+guard's own bugs both come back as an ``unknown`` decision, which the routes
+turn into a pass (fail open, counted) unless ``--fail-closed``. Work that is
+not needed for the answer (recording a new ghost) runs on a background thread,
+after the answer.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal, overload
+
+from prometheus_client import Counter
 
 from guard import metrics
 from guard.core import flood
 from guard.engine.cache import Flight, Read, VerdictCache
+from guard.engine.followups import FollowUps
 from guard.core.settings import Settings
 from guard.core.verdict import Decision, PodRef, QuorumRead, Verdict, decide
 
@@ -40,12 +47,26 @@ SightingListener = Callable[[PodRef, Decision], None]
 BlockRecorder = Callable[[PodRef, Decision, "QuorumRead | None"], None]
 
 
-@dataclass(frozen=True, slots=True)
-class Joined:
-    """A call that joined its pod's quorum GET in flight instead of waiting for it (Checker.join_flight)."""
+class Pending(enum.Enum):
+    """What :meth:`Checker.answer` says when it cannot answer in the event loop (``now=True``)."""
+
+    # The call joined its pod's quorum GET in flight: ``wake`` is called, on the GET's thread, when
+    # it lands; then the same call is asked again (``now=True``).
+    JOINED = "joined"
+    # The answer may wait on the apiserver (a miss), or records a ghost: ask again from a thread.
+    THREAD = "thread"
+
+
+@dataclass(slots=True)
+class Call:
+    """One call's pod on its way through :meth:`Checker.answer`: the pod, the end of its budget (on
+    the checker's timer), whether a ghost's block is recorded (False for a dry-run review), and the
+    quorum GET in flight it joined, if it did (set by :meth:`Checker.answer`)."""
 
     pod: PodRef
-    flight: Flight
+    deadline: float
+    record: bool = True
+    flight: Flight | None = None
 
 
 class Checker:
@@ -59,28 +80,26 @@ class Checker:
                                   prepared_max_age=settings.prepared_max_age, prepared_grace=settings.prepared_grace,
                                   timer=timer)
         self.listeners: list[GhostListener] = []
-        # Called at the start of every scheduler call (check), before its verdict: the pre-verifier
+        # Called at the start of every scheduler call (answer), before its verdict: the pre-verifier
         # learns that this guard replica is the one being asked (guard.engine.prepare, --prepare-idle-after).
         self.call_hooks: list[Callable[[], None]] = []
         self.sighting_listeners: list[SightingListener] = []
         self.block_recorders: list[BlockRecorder] = []
-        # Follow-ups run on two background threads; background=False runs them inline (deterministic tests).
-        self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghost-followup") if background else None
-        # Follow-ups (audit, probes, Events) running or queued on the threads at most. Beyond, they wait
-        # in an overflow keyed by pod identity: a second follow-up of the same kind for the same pod is
-        # coalesced into the waiting one (counted), so a flood of distinct ghosts loses none and a looping
-        # ghost takes one entry. Past FOLLOWUP_OVERFLOW identities they are dropped (counted), so memory
-        # stays bounded. Verdicts are never affected.
-        self._followup_slots = threading.BoundedSemaphore(FOLLOWUP_BACKLOG)
-        self._overflow: collections.OrderedDict[tuple[str, PodRef], tuple[Sequence[Callable[..., None]], tuple[object, ...]]] = (
-            collections.OrderedDict())
-        self._overflow_lock = threading.Lock()
-        # Sighting follow-ups queued or running, by pod: for a ghost no replica ever listed, one at a time,
-        # the rest coalesced (counted), so a caller repeating a forged identity cannot fill the queue.
-        self._sightings_pending: set[PodRef] = set()
-        self._lanes: tuple[collections.deque[tuple[Sequence[Callable[..., None]], PodRef, tuple[object, ...]]], ...] = (
-            collections.deque(), collections.deque())
-        self._lanes_lock = threading.Lock()
+        # The counters of a call (_count, the one place a call is counted), bound once: the hot path
+        # looks no label up.
+        self._ghost_hit = metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "hit")
+        self._ghost_miss = metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "miss")
+        self._read_hit = metrics.labelled(metrics.CACHE_LOOKUPS, "reads", "hit")
+        self._read_miss = metrics.labelled(metrics.CACHE_LOOKUPS, "reads", "miss")
+        self._verdicts = {v: metrics.labelled(metrics.VERDICTS, v.value) for v in Verdict}
+        undecided = metrics.FAIL_CLOSED if settings.fail_closed else metrics.FAIL_OPEN
+        self._undecided = {r: metrics.labelled(undecided, r) for r in ("budget", "apiserver", "internal-error")}
+        # Follow-ups (audit, probes, Events) off the request path, bounded and coalesced by pod identity
+        # (guard/engine/followups.py); a ghost some replica listed or served goes ahead of every ghost
+        # none ever showed. background=False runs them inline (deterministic tests).
+        self.followups: FollowUps[PodRef] = FollowUps(
+            backlog=FOLLOWUP_BACKLOG, overflow=FOLLOWUP_OVERFLOW, background=background, low=self._unsighted,
+            shed=lambda: metrics.labelled(metrics.FLOOD_SHED, flood.QUEUE_FULL).inc())
         # What a first sighting costs besides the verdict (record, Event, follow-up), for ghosts no
         # replica ever listed (guard/core/flood.py). ``tier`` (set by guard.engine.wiring) says which tier a
         # ghost is in; None: every ghost is treated as sighted (nothing budgeted).
@@ -104,118 +123,91 @@ class Checker:
         """The time (on this checker's timer) by which a request that arrived at ``arrived`` must be answered."""
         return (self._timer() if arrived is None else arrived) + self.settings.request_budget
 
-    def check(self, pod: PodRef, *, deadline: float | None = None, record: bool = True) -> Decision:
-        """The verdict for ``pod``, ready before ``deadline`` (default: the request budget from now).
+    def call(self, pod: PodRef, arrived: float | None = None, *, record: bool = True) -> Call:
+        """A :class:`Call` for ``pod`` whose budget began at ``arrived`` (on this checker's timer; default now)."""
+        return Call(pod, (self._timer() if arrived is None else arrived) + self.settings.request_budget, record)
 
-        ``record=False`` (a dry-run admission review) has no side effects beyond the guard's own
-        caches: no audit record, no Event, no incident.
+    @overload
+    def answer(self, call: Call) -> Decision: ...
+
+    @overload
+    def answer(self, call: Call, *, now: Literal[True],
+               wake: Callable[[], None] | None = None) -> Decision | Pending: ...
+
+    def answer(self, call: Call, *, now: bool = False, wake: Callable[[], None] | None = None) -> Decision | Pending:
+        """The one way through the checker: the verdict for ``call.pod``, ready before ``call.deadline``.
+
+        From a thread (``now`` False): always a Decision; it may wait for a quorum GET. From the
+        worker's event loop (``now`` True), which must never wait: the Decision when it needs no
+        waiting (an ``alive`` verdict verified ahead; a joined GET that has landed and can answer
+        alone), else :attr:`Pending.JOINED` (``wake`` given and the pod's GET in flight: joined,
+        ``wake`` is called when it lands, then ask again with ``now``) or :attr:`Pending.THREAD`
+        (ask again from a thread, within the same deadline). Nothing is counted until a Decision
+        is handed out (:meth:`_count`).
+
+        Never raises: apiserver trouble and the guard's own bugs come back ``unknown`` (fail open,
+        counted, unless ``--fail-closed``). ``call.record`` False (a dry-run review) has no side
+        effects beyond the guard's own caches: no audit record, no Event, no incident.
         """
-        if deadline is None:
-            deadline = self.deadline()
+        pod = call.pod
         try:
+            if call.flight is not None:  # joined a GET in flight (the event loop), woken when it landed
+                read = call.flight.landed()
+                if read is None:
+                    return Pending.THREAD
+                decision, again = self._judge(pod, read, known_at=read.started)
+                # A ghost is condemned only by a read begun after the call (and its first sighting is
+                # recorded): a thread does both. So does a read that a watch contradicts.
+                if again or decision.is_ghost:
+                    return Pending.THREAD
+                return self._count(decision, call.deadline, self._ghost_miss, self._read_hit, metrics.VERDICTS_SHARED)
+            known_at = 0 if now else self.cache.tick()  # the guard knows this identity from here on
             for hook in self.call_hooks:
                 hook()
-            decision = self._check(pod, deadline, record)
+            cached = self.cache.ghost(pod)
+            if cached is not None:
+                if now:
+                    return Pending.THREAD
+                if call.record:
+                    self._scheduled_ghost(pod, cached)
+                return self._count(cached, call.deadline, self._ghost_hit)
+            prepared = self.cache.take_prepared(pod)
+            if prepared is not None:
+                return self._count(prepared, call.deadline, self._ghost_miss, metrics.VERDICTS_PREPARED)
+            if now:
+                flight = self.cache.join(pod.namespace, pod.name, wake) if wake is not None else None
+                if flight is None:
+                    return Pending.THREAD
+                self.cache.mark_asked(pod)
+                call.flight = flight
+                return Pending.JOINED
+            self.cache.mark_asked(pod)
+            decision, first, read = self._verify(pod, known_at, call.deadline)
+            if decision.is_ghost and call.record:
+                self._scheduled_ghost(pod, decision, read.read)
+            return self._count(decision, call.deadline, self._ghost_miss, self._read_miss if first else self._read_hit,
+                               metrics.VERDICTS_INLINE if read.own else metrics.VERDICTS_SHARED)
         except Exception:  # a bug of ours must never block a real pod
             log.exception("internal error while checking pod %s; failing open", pod)
-            decision = Decision(Verdict.UNKNOWN, f"internal error while checking pod {pod}")
-            metrics.labelled(metrics.VERDICTS, decision.verdict.value).inc()
-            self._count_undecided("internal-error")
-            return decision
-        return self._handed_out(decision, deadline)
+            self._verdicts[Verdict.UNKNOWN].inc()
+            self._undecided["internal-error"].inc()
+            return Decision(Verdict.UNKNOWN, f"internal error while checking pod {pod}")
 
-    def _handed_out(self, decision: Decision, deadline: float) -> Decision:
-        """Count (and for ``unknown``, log) a verdict handed to a caller whose budget ends at ``deadline``."""
-        metrics.labelled(metrics.VERDICTS, decision.verdict.value).inc()
+    def _count(self, decision: Decision, deadline: float, *counters: Counter) -> Decision:
+        """The one place a call is counted: how it was answered (``counters``), its verdict, and for
+        ``unknown`` why (fail open, or closed) and a log line. Returns ``decision``."""
+        for counter in counters:
+            counter.inc()
+        self._verdicts[decision.verdict].inc()
         if decision.verdict is Verdict.UNKNOWN:
-            self._count_undecided("budget" if self._timer() >= deadline else "apiserver")
+            self._undecided["budget" if self._timer() >= deadline else "apiserver"].inc()
             log.warning("%s; %s", decision.reason, "failing closed" if self.settings.fail_closed else "failing open")
         return decision
 
-    def answer_prepared(self, pod: PodRef) -> Decision | None:
-        """The verdict of a call that needs no waiting, or None with nothing done (the caller then
-        goes through :meth:`check`): the ``alive`` verdict verified ahead for this identity's first
-        attempt, as :meth:`check` would return it, counted the same way. For the worker's event loop,
-        which must never wait (guard.serving.worker: a ghost, a miss, anything else goes to a pool thread)."""
-        if self.cache.ghost(pod) is not None:
-            return None
-        prepared = self.cache.take_prepared(pod)
-        if prepared is None:
-            return None
-        for hook in self.call_hooks:
-            hook()
-        metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "miss").inc()
-        metrics.VERDICTS_PREPARED.inc()
-        metrics.labelled(metrics.VERDICTS, prepared.verdict.value).inc()
-        return prepared
-
-    def join_flight(self, pod: PodRef, wake: Callable[[], None]) -> Joined | None:
-        """For the worker's event loop, after :meth:`answer_prepared` found nothing: when this pod's
-        quorum GET is already in flight (a background verification's, or another call's), join it
-        without waiting. ``wake`` is called, on the GET's thread, when it lands; then
-        :meth:`answer_joined` gives the verdict. This is the start of :meth:`check` for a call that
-        would wait for that GET (the call hooks run, the pod is marked asked); nothing is counted
-        until the answer. None, with nothing done, when there is no such GET or a ghost is cached:
-        the caller goes through :meth:`check`."""
-        if self.cache.ghost(pod) is not None:
-            return None
-        flight = self.cache.join(pod.namespace, pod.name, wake)
-        if flight is None:
-            return None
-        for hook in self.call_hooks:
-            hook()
-        self.cache.mark_asked(pod)
-        return Joined(pod, flight)
-
-    def answer_joined(self, joined: Joined, deadline: float) -> Decision | None:
-        """The verdict of a call that joined a GET (:meth:`join_flight`), once it has landed, exactly
-        as :meth:`check` gives it to a call that waited for the same GET, counted the same way:
-        ``alive``, or ``unknown`` when the GET failed (fail open, or closed, as the settings say).
-        None, with nothing counted, when the read alone cannot answer: a ghost (only a read begun after
-        the call may condemn, and the first sighting is recorded; :meth:`check` does both), a pod a
-        watch showed gone since before the read began, or a GET that has not landed. The caller then
-        goes through :meth:`check`, within the same ``deadline``."""
-        read = joined.flight.landed()
-        if read is None:
-            return None
-        decision = decide(joined.pod, read.read)
-        if decision.verdict is Verdict.ALIVE:
-            gone_at = self.cache.gone_since(joined.pod)
-            if gone_at and read.started <= gone_at:
-                return None
-        elif decision.verdict is not Verdict.UNKNOWN:
-            return None
-        metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "miss").inc()
-        metrics.labelled(metrics.CACHE_LOOKUPS, "reads", "hit").inc()
-        metrics.VERDICTS_SHARED.inc()
-        return self._handed_out(decision, deadline)
-
     def blocks(self, decision: Decision) -> bool:
-        """Whether the scheduler must keep this pod off every node."""
-        return decision.is_ghost or (decision.verdict is Verdict.UNKNOWN and self.settings.fail_closed)
-
-    def _count_undecided(self, reason: str) -> None:
-        metrics.labelled(metrics.FAIL_CLOSED if self.settings.fail_closed else metrics.FAIL_OPEN, reason).inc()
-
-    def _check(self, pod: PodRef, deadline: float, record: bool) -> Decision:
-        known_at = self.cache.tick()  # the guard knows this identity from here on
-        cached = self.cache.ghost(pod)
-        if cached is not None:
-            metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "hit").inc()
-            if record:
-                self._scheduled_ghost(pod, cached)
-            return cached
-        metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "miss").inc()
-        prepared = self.cache.take_prepared(pod)
-        if prepared is not None:
-            metrics.VERDICTS_PREPARED.inc()
-            return prepared
-        self.cache.mark_asked(pod)
-        decision, read = self._verify(pod, known_at, deadline)
-        (metrics.VERDICTS_INLINE if read.own else metrics.VERDICTS_SHARED).inc()
-        if decision.is_ghost and record:
-            self._scheduled_ghost(pod, decision, read.read)
-        return decision
+        """Whether the scheduler must keep this pod off every node (a ghost, or unknown with --fail-closed)."""
+        verdict = decision.verdict
+        return verdict is not Verdict.ALIVE and (verdict is not Verdict.UNKNOWN or self.settings.fail_closed)
 
     def verify(self, pod: PodRef, known_at: int, *, prepare: bool = True) -> Decision | None:
         """Background verification (guard.engine.prepare) of a pod the guard has known since tick ``known_at``
@@ -233,35 +225,45 @@ class Checker:
             return known
         if prepare and self.cache.was_asked(pod):
             return None
-        decision, _ = self._verify(pod, known_at, self._timer() + self.settings.get_timeout)
+        decision, first, _ = self._verify(pod, known_at, self._timer() + self.settings.get_timeout)
+        (self._read_miss if first else self._read_hit).inc()
         metrics.labelled(metrics.PREPARE_VERIFIED, decision.verdict.value).inc()
         if prepare and decision.verdict is Verdict.ALIVE and pod.uid:
             self.cache.prepare(pod, decision)
         return decision
 
-    def _verify(self, pod: PodRef, known_at: int, deadline: float) -> tuple[Decision, Read]:
-        """The verdict and the read behind it. A ghost is only decided by a read that began after
-        ``known_at`` (the tick at which the guard knew this UID): a read cached or in flight from
-        before may pass the pod, never condemn it, so the name is read again past every cache."""
-        read = self.cache.read(pod.namespace, pod.name, timeout=self._left(deadline))
-        metrics.labelled(metrics.CACHE_LOOKUPS, "reads", "miss" if read.own else "hit").inc()
+    def _judge(self, pod: PodRef, read: Read, known_at: int) -> tuple[Decision, int]:
+        """decide() on ``read``, and 0 when the read may stand, else the tick a new read must begin
+        after: a pod a watch showed gone since before the read began may not be passed by it, and a
+        ghost may be condemned only by a read begun after ``known_at`` (the guard knew the UID)."""
         decision = decide(pod, read.read)
-        gone_at = self.cache.gone_since(pod) if decision.verdict is Verdict.ALIVE else 0
-        if gone_at and read.started <= gone_at:
-            # A read from before the delete (shared in flight or cached) contradicts what a watch
-            # already showed: ask etcd again with a read that began after the watch showed it.
-            read = self.cache.read(pod.namespace, pod.name, timeout=self._left(deadline), not_before=gone_at)
-            decision = decide(pod, read.read)
+        if decision.verdict is Verdict.ALIVE:
+            gone_at = self.cache.gone_since(pod)
+            if gone_at and read.started <= gone_at:
+                return decision, gone_at
         elif decision.is_ghost and read.started <= known_at:
-            # The read began before the guard knew this UID (a 404 of the pod that had this name
-            # before, a generation of another UID): it may not condemn. Ghosts are rare; one more GET.
-            read = self.cache.read(pod.namespace, pod.name, timeout=self._left(deadline), not_before=known_at)
+            return decision, known_at
+        return decision, 0
+
+    def _verify(self, pod: PodRef, known_at: int, deadline: float) -> tuple[Decision, bool, Read]:
+        """The verdict, whether its first read was this caller's own GET, and the read behind it.
+
+        A read cached or in flight from before ``known_at`` (a 404 of the pod that had this name
+        before, a generation of another UID) may pass the pod, never condemn it; and a read from
+        before a watch showed the pod gone contradicts what etcd's event stream already said. In
+        both cases etcd is asked again with a read that began after that tick (ghosts are rare:
+        one more GET)."""
+        read = self.cache.read(pod.namespace, pod.name, timeout=self._left(deadline))
+        first = read.own
+        decision, again = self._judge(pod, read, known_at)
+        if again:
+            read = self.cache.read(pod.namespace, pod.name, timeout=self._left(deadline), not_before=again)
             decision = decide(pod, read.read)
         if decision.is_ghost and not self.cache.remember_ghost(pod, decision, read, known_at):
             if pod.uid:  # cannot happen by construction; if it did, pass the pod rather than condemn it
                 log.error("ghost verdict for %s uid %s from a read older than the UID refused", pod, pod.uid)
                 decision = Decision(Verdict.UNKNOWN, f"internal error: stale read for pod {pod}")
-        return decision, read
+        return decision, first, read
 
     def _left(self, deadline: float) -> float:
         return deadline - self._timer()
@@ -330,93 +332,23 @@ class Checker:
                 log.exception("block recorder %s failed for %s", getattr(recorder, "__name__", recorder), pod)
 
     def _followup(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
-        """Call each of ``listeners`` (GhostListener or SightingListener) with ``pod, *args``, off the request path."""
+        """Call each of ``listeners`` (GhostListener or SightingListener) with ``pod, *args``, off the request
+        path. A ghost no replica ever listed has one sighting follow-up at a time, the rest coalesced
+        (counted), so a caller repeating a forged identity cannot fill the queue."""
         sighting = listeners is not self.listeners
-        if sighting:
-            with self._overflow_lock:
-                if pod in self._sightings_pending and self.tier is not None and self.tier(pod) == flood.UNSIGHTED:
-                    metrics.FOLLOWUPS_COALESCED.inc()
-                    return
-                self._sightings_pending.add(pod)
-        if self._followup_slots.acquire(blocking=False):
-            self._submit(listeners, pod, args)
-            return
-        key = ("sighting" if sighting else "new", pod)
-        with self._overflow_lock:
-            if key in self._overflow:
-                metrics.FOLLOWUPS_COALESCED.inc()
-                if key[0] == "sighting":  # the newest sighting's decision; a first sighting keeps its read
-                    self._overflow[key] = (listeners, args)
-                return
-            if len(self._overflow) >= FOLLOWUP_OVERFLOW and not self._make_room(pod):
-                metrics.FOLLOWUPS_DROPPED.inc()
-                if sighting:
-                    self._sightings_pending.discard(pod)
-                return
-            self._overflow[key] = (listeners, args)
-        self._drain()  # a slot may have been released since the acquire failed
+        self.followups.submit("sighting" if sighting else "new", pod, self._notify, listeners, pod, *args,
+                              once=sighting, newest=sighting)
 
-    def _make_room(self, pod: PodRef) -> bool:
-        """The overflow is full (under ``_overflow_lock``): drop the oldest waiting follow-up of a ghost
-        no replica ever listed to make room for ``pod``'s, unless ``pod`` is one too. True if room was made."""
-        if self.tier is None or self.tier(pod) == flood.UNSIGHTED:
-            if self.tier is not None:
-                metrics.labelled(metrics.FLOOD_SHED, flood.QUEUE_FULL).inc()
-            return False
-        for key in self._overflow:
-            if self.tier(key[1]) == flood.UNSIGHTED:
-                del self._overflow[key]
-                if key[0] == "sighting":
-                    self._sightings_pending.discard(key[1])
-                metrics.FOLLOWUPS_DROPPED.inc()
-                metrics.labelled(metrics.FLOOD_SHED, flood.QUEUE_FULL).inc()
-                return True
-        return False
-
-    def _submit(self, listeners: Sequence[Callable[..., None]], pod: PodRef, args: tuple[object, ...]) -> None:
-        """Run the follow-up on a slot already taken; the slot goes back (and the overflow moves) when done."""
-        if self._background is None:
-            try:
-                self._notify(listeners, pod, *args)
-            finally:
-                self._followup_slots.release()
-            self._drain()
-            return
-        # Two lanes: a ghost some replica listed or served goes ahead of every ghost none ever showed, so
-        # the follow-ups a flood of forged names was admitted for never delay a real ghost's.
-        lane = 1 if self.tier is not None and self.tier(pod) == flood.UNSIGHTED else 0
-        with self._lanes_lock:
-            self._lanes[lane].append((listeners, pod, args))
-        future = self._background.submit(self._run_next)
-        future.add_done_callback(self._followup_done)
-
-    def _run_next(self) -> None:
-        """One follow-up task: the oldest of the first lane, else of the second (one queued per task)."""
-        with self._lanes_lock:
-            listeners, pod, args = (self._lanes[0] or self._lanes[1]).popleft()
-        self._notify(listeners, pod, *args)
-
-    def _followup_done(self, _future: object) -> None:
-        self._followup_slots.release()
-        self._drain()
-
-    def _drain(self) -> None:
-        while True:
-            with self._overflow_lock:
-                if not self._overflow or not self._followup_slots.acquire(blocking=False):
-                    return
-                (_, pod), (listeners, args) = self._overflow.popitem(last=False)
-            self._submit(listeners, pod, args)
+    def _unsighted(self, pod: PodRef) -> bool | None:
+        """Whether no replica ever showed this ghost (None: no tiers, every ghost treated alike)."""
+        return None if self.tier is None else self.tier(pod) == flood.UNSIGHTED
 
     def followups_waiting(self) -> int:
         """Follow-ups waiting in the overflow (beyond the running and queued ones)."""
-        with self._overflow_lock:
-            return len(self._overflow)
+        return self.followups.waiting()
 
-    def _notify(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
-        if listeners is not self.listeners:
-            with self._overflow_lock:
-                self._sightings_pending.discard(pod)
+    @staticmethod
+    def _notify(listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
         for listener in listeners:
             try:
                 listener(pod, *args)

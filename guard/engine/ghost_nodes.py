@@ -21,8 +21,11 @@ import time
 from collections.abc import Callable, Mapping
 
 from guard import metrics
-from guard.kube.client import Kube, ReplicaClient, WatchExpired, emit_node_event
+from guard.kube.reads import Kube
+from guard.kube.watch import ReplicaClient, WatchExpired
+from guard.kube.writes import emit_node_event
 from guard.core.node_verdict import GhostNode, NodeKnowledge
+from guard.engine.background import Background
 from guard.engine.replicas import ReplicaPool
 
 log = logging.getLogger("guard.ghostnodes")
@@ -44,7 +47,8 @@ class GhostNodes:
         self._clock = clock
         self._events = events
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._bg = Background(log)
+        self._stop = self._bg.stop
         self._watchers: dict[str, tuple[ReplicaClient, threading.Thread, threading.Event]] = {}
         self._up: dict[str, bool] = {}
         self._reported: set[tuple[str, str]] = set()  # (name, replica) whose detection was counted
@@ -55,22 +59,15 @@ class GhostNodes:
         return self.knowledge.ghosts
 
     def start(self) -> None:
-        threading.Thread(target=self._loop, name="ghost-nodes", daemon=True).start()
+        self._bg.loop("ghost-nodes", self.tick, 1.0, what="ghost-Node check")
 
     def close(self) -> None:
-        self._stop.set()
+        self._bg.close()
         with self._lock:
             for _, _, stop in self._watchers.values():
                 stop.set()
 
     # --- the manager: one watcher per replica, the reads ------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                self.tick()
-            except Exception:
-                log.exception("ghost-Node check failed")
 
     def tick(self) -> None:
         clients = {c.replica.address: c for c in self.pool.clients()}
@@ -84,10 +81,8 @@ class GhostNodes:
             for address, client in clients.items():
                 if address not in self._watchers:
                     stop = threading.Event()
-                    thread = threading.Thread(target=self._watch_loop, args=(client, stop),
-                                              name=f"ghost-nodes-{address}", daemon=True)
+                    thread = self._bg.thread(f"ghost-nodes-{address}", self._watch_loop, client, stop)
                     self._watchers[address] = (client, thread, stop)
-                    thread.start()
             due = self.knowledge.due(self._clock(), MAX_READS_PER_TICK)
         for name, changes in due:
             read = self.kube.read_node(name)

@@ -1,7 +1,7 @@
 """``ghost-guard heal``: correct stale watch caches by writing to the ghost's name, without restarting anything.
 
 The plan (what to write, when it worked) is :mod:`guard.core.heal_plan`; this module reads and writes
-through :mod:`guard.kube.client`:
+through :mod:`guard.kube.reads` and :mod:`guard.kube.writes`:
 
 1. every replica's cache for the name (LIST ``resourceVersion=0``), then the quorum GET (it
    begins after the replicas were read: a UID is condemned only by a read that began after it
@@ -22,11 +22,13 @@ import datetime
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from guard.core import heal_plan as healing
 from guard.core.heal_plan import Action, CacheView, HealResult, Outcome, Plan, ReplicaResult
-from guard.kube.client import Kube, KubeWriteError, ReplicaClient
+from guard.engine.background import Background
+from guard.kube.reads import Kube
+from guard.kube.watch import ReplicaClient
+from guard.kube.writes import KubeWriteError
 from guard.core.names import pod_identity_problem
 from guard.core.verdict import QuorumRead, ReadStatus, pending_in_etcd
 
@@ -66,10 +68,11 @@ class Healer:
         self._replicas = replicas if callable(replicas) else (lambda: list(replicas))
         self.timeout = timeout
         self.poll = poll
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="heal-read")
+        self._bg = Background()
+        self._pool = self._bg.pool("heal-read", 8)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._bg.close()
 
     # --- reads ------------------------------------------------------------------------------------
 

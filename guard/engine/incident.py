@@ -32,14 +32,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from guard import metrics
 from guard.core import attribution
 from guard.core.attribution import ReplicaObservation
 from guard.audit.backend import AuditBackend, describe, open_store
+from guard.engine.background import Background
 from guard.engine.checker import Checker
-from guard.kube.client import Kube, ReplicaClient, emit_event
+from guard.kube.reads import Kube
+from guard.kube.watch import ReplicaClient
+from guard.kube.writes import emit_event
 from guard.core.records import AuditError, AuditRecord, IdentityConflictError, UnknownGhostError, block_evidence
 from guard.engine.replicas import ReplicaPool
 from guard.core.rendering import format_time, new_ghost_line
@@ -128,7 +130,8 @@ class IncidentRecorder:
     """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
 
     ``retract(pod)`` withdraws a ghost verdict (the checker's); ``later(delay, fn, *args)`` runs
-    ``fn`` after ``delay`` seconds (default: a timer thread; tests pass one that records the delay).
+    ``fn`` after ``delay`` seconds (default: the recorder's one timer, guard.engine.background; tests pass
+    one that records the delay).
     """
 
     def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: AuditBackend | None, *,
@@ -140,8 +143,9 @@ class IncidentRecorder:
         self.pool = pool
         self.audit = audit
         self._retract = retract or (lambda pod: False)
-        self._schedule = later or self._timer_later
-        self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-probe")
+        self._bg = Background(log)
+        self._schedule = later or self._bg.later
+        self._probes = self._bg.pool("ghost-probe", 8)
         self._lock = threading.Lock()
         self._last_probe: dict[PodRef, float] = {}  # ghost -> monotonic time of the last probe round
         self._stale: dict[str, set[PodRef]] = {}  # replica address -> ghosts it was confirmed to serve
@@ -154,7 +158,6 @@ class IncidentRecorder:
             self.audit_health.ok()
         self._audit_lock = threading.Lock()
         self._last_probes: dict[str, dict] = {}  # replica address -> its newest probe's outcome, for /readyz
-        self._timers: list[threading.Timer] = []
         self._closed = False
         self._heal = heal  # serve --heal: AutoHealer.submit
         # Whether the guard's cache check names a replica's watch frozen (CacheHealthMonitor.frozen, set by
@@ -439,13 +442,6 @@ class IncidentRecorder:
             return
         self._schedule(delay, self._run_safely, fn, *args)
 
-    def _timer_later(self, delay: float, fn, *args) -> None:
-        timer = threading.Timer(delay, fn, args=args)
-        timer.daemon = True
-        with self._lock:
-            self._timers = [t for t in self._timers if t.is_alive()] + [timer]
-        timer.start()
-
     @staticmethod
     def _run_safely(fn, *args) -> None:
         try:
@@ -455,8 +451,4 @@ class IncidentRecorder:
 
     def close(self) -> None:
         self._closed = True
-        with self._lock:
-            timers = list(self._timers)
-        for t in timers:
-            t.cancel()
-        self._probes.shutdown(wait=False, cancel_futures=True)
+        self._bg.close()

@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from guard.kube.client import Kube, KubeWriteError, ReplicaClient
+from guard.kube.reads import Kube
+
+from guard.kube.watch import ReplicaClient
+
+from guard.kube.writes import KubeWriteError
 from guard.core.names import pod_name_problem, visible
 from guard.core.verdict import ReadStatus
 

@@ -3,7 +3,7 @@
 Either the static ``--apiserver-replicas`` list (nothing else is dialled) or
 discovery from ``default/kubernetes`` EndpointSlices/Endpoints, refreshed every
 ``--discovery-interval`` seconds. Each replica gets its own client
-(:class:`guard.kube.client.ReplicaClient`), created once and kept while the replica
+(:class:`guard.kube.watch.ReplicaClient`), created once and kept while the replica
 is listed.
 """
 
@@ -14,7 +14,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from guard.kube.client import Kube, ReplicaClient, discover_replicas
+from guard.kube.discovery import discover_replicas
+
+from guard.kube.reads import Kube
+
+from guard.kube.watch import ReplicaClient
 from guard.core.settings import Replica, Settings, parse_replicas
 
 #: Called with (added, removed) after each refresh that changed the set of replicas.

@@ -19,8 +19,10 @@ from guard.engine.cache_health import CacheHealthMonitor
 from guard.engine.checker import Checker
 from guard.engine.ghost_nodes import GhostNodes
 from guard.engine.incident import IncidentRecorder, open_audit_store
-from guard.kube.client import Kube, load_configuration
+from guard.kube.config import load_configuration
+from guard.kube.reads import Kube
 from guard.engine.prepare import Preparer
+from guard.engine.replica_views import ReplicaViews
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings
 from guard.core.verdict import PodRef
@@ -104,13 +106,19 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
     if healer is not None:
         healer.done = incidents.after_heal
     incidents.attach(checker)
+    # Every replica's view of its unscheduled pods (guard/engine/replica_views.py), the pre-verifier's when on.
     preparer = None
     if settings.prepare:
         preparer = Preparer(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
+        views, stop_views = preparer.views, preparer.close
         preparer.start()
+    else:
+        views = ReplicaViews(settings, pool, checker.cache.tick)
+        stop_views = views.close
+        views.start()
     # Replica caches that miss pods or froze: metrics, Events, a /readyz detail (guard/engine/cache_health.py).
     checker.tier = lambda pod: ghost_tier(pod, incidents, preparer)
-    cache_health = CacheHealthMonitor(settings, kube, pool, preparer.pending_views if preparer else None)
+    cache_health = CacheHealthMonitor(settings, kube, pool, views.pending_views)
     incidents.frozen = cache_health.frozen  # advice for a frozen replica: a restart, never a write
     cache_health.start()
     nodes = None
@@ -124,7 +132,9 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
                      "replicas": lambda: replica_details(incidents, preparer),
                      "replica_caches": cache_health.status,
                      "prepare": lambda: prepare_details(preparer)},
-                 closers=[cache_health.close])
+                 closers=[cache_health.close, stop_views,
+                          *([nodes.close] if nodes is not None else []),
+                          *([healer.close] if healer is not None else [])])
 
 
 def ghost_tier(pod: PodRef, incidents: IncidentRecorder, preparer: Preparer | None) -> str:
@@ -132,7 +142,7 @@ def ghost_tier(pod: PodRef, incidents: IncidentRecorder, preparer: Preparer | No
     listed it (sighted, known only with pre-verification on), or neither (unsighted: budgeted)."""
     if incidents.confirmed(pod):
         return flood.CONFIRMED
-    if preparer is not None and preparer.knows(pod):
+    if preparer is not None and preparer.views.knows(pod):
         return flood.SIGHTED
     return flood.UNSIGHTED
 
@@ -141,7 +151,7 @@ def replica_details(incidents: IncidentRecorder, preparer: Preparer | None) -> d
     """Per apiserver replica, the guard's view of its unscheduled pods (watched or listed; None with
     --no-prepare) and its newest cache
     probe (None before any ghost was probed). Information, never a reason for 503."""
-    watches = preparer.watch_status()["replicas"] if preparer else {}
+    watches = preparer.views.watch_status()["replicas"] if preparer else {}
     probes = incidents.probe_status()
     return {address: {"watch": watches.get(address), "last_probe": probes.get(address)}
             for address in sorted(set(watches) | set(probes))}
@@ -151,4 +161,4 @@ def prepare_details(preparer: Preparer | None) -> dict[str, object]:
     """Whether pods are verified ahead, the watch fallback in use, and the idle state (--prepare-idle-after)."""
     if preparer is None:
         return {"enabled": False, "fallback": None}
-    return {"enabled": True, "fallback": preparer.watch_status()["fallback"], **preparer.idle_status()}
+    return {"enabled": True, "fallback": preparer.views.watch_status()["fallback"], **preparer.idle_status()}

@@ -26,7 +26,7 @@ from guard.core.identity import ROLE_OF_ENDPOINT, ROLE_OF_PATH, RolePolicy, exac
 from guard.core.names import visible
 from guard.core.settings import Settings
 from guard.engine.wiring import build_guard
-from guard.http.lane import DIRECT_LANE, PEER_CERT
+from guard.http.lane import DIRECT_LANE, PEER_CERT, DirectLane
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,10 @@ def create_app(settings: Settings | None = None, readiness_checks: Sequence[Call
     # Outermost of all, in every setup: a path that is not exactly a route is a 404 before anything
     # else (the role check, the fast lane, Flask's router, which would merge "//filter" into /filter).
     app.wsgi_app = RouteGate(app.wsgi_app, settings)  # type: ignore[method-assign]
-    # The direct lane (guard.serving.worker.plain_call) takes only the exact bytes "/filter" and "/preempt".
-    app.extensions[DIRECT_LANE] = filter_routes.DirectLane(fast, roles.refusal if roles is not None else None,
-                                                           roles.allowed if roles is not None else None)
+    # The direct lane (guard.serving.framing.plain_call) takes only the exact bytes "/filter" and "/preempt".
+    direct: DirectLane[filter_routes.Waiting] = filter_routes.DirectLane(
+        fast, roles.refusal if roles is not None else None, roles.allowed if roles is not None else None)
+    app.extensions[DIRECT_LANE] = direct
     return app
 
 

@@ -30,8 +30,7 @@ def blueprint(guard: Guard, bodies: BodyBudget) -> Blueprint:
         g.pod = review.pod
         # A dry run has no side effects (the webhook declares sideEffects: NoneOnDryRun): no audit
         # record, no Event, no incident; the verdict caches are the guard's own state.
-        decision = guard.checker.check(review.pod, deadline=guard.checker.deadline(g.arrived),
-                                       record=not review.dry_run)
+        decision = guard.checker.answer(guard.checker.call(review.pod, g.arrived, record=not review.dry_run))
         g.verdict = decision.verdict.value
         blocked = guard.checker.blocks(decision)
         payload = admission.build_response(review.uid, allowed=not blocked,

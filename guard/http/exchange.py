@@ -158,7 +158,7 @@ def record_request(settings: Settings, method: str, path: str, status: int, elap
         entry = {"method": method, "path": path[:200], "status": status, "duration_ms": round(elapsed * 1000, 3),
                  "remote": remote}
         if pod is not None:
-            entry["pod"] = str(pod)
+            entry["pod"] = f"{pod.namespace}/{pod.name}"  # str(pod), without a call on the verb path
             entry["uid"] = pod.uid
         if verdict is not None:
             entry["verdict"] = verdict

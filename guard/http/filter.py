@@ -7,7 +7,7 @@ real pods (it never reaches /filter, the built-in plugins already failed it).
 
 Three lanes, one answer (:func:`answer`):
 
-- :class:`DirectLane`, below WSGI: the worker (guard.serving.worker, ``plain_call``)
+- :class:`DirectLane`, below WSGI: the worker (guard.serving.framing, ``plain_call``)
   hands it the calls exactly as kube-scheduler makes them (``POST`` over
   HTTP/1.1, ``application/json``, a Content-Length body; in the worker's event
   loop at most the BodyBudget's small size, from a pool thread up to
@@ -39,70 +39,68 @@ from werkzeug.wsgi import ClosingIterator
 
 from guard import metrics
 from guard.core import extender
-from guard.engine.checker import Joined
 from guard.core.extender import ProtocolError
 from guard.http.exchange import BodyBudget, acquire_room, read_json_body, record_request
-from guard.core.node_verdict import ghost_candidates
 from guard.core.verdict import Decision, PodRef
+from guard.engine.checker import Call, Pending
 from guard.engine.wiring import Guard
+from guard.http.lane import CODEC, Codec, PeerCert, Reply
 
 log = logging.getLogger(__name__)
 
 
-def _filter_reject(args: extender.FilterArgs, decision: Decision) -> bytes:
-    return extender.filter_reject(args, extender.node_reason(decision.verdict))
+VERBS = frozenset({"/filter", "/preempt"})
 
 
-def _preempt_veto(args: extender.PreemptArgs, decision: Decision) -> bytes:
-    return extender.preempt_veto()
+class LocalCodec:
+    """A verb call's bytes decoded and encoded in this process (guard.core.extender); the worker may
+    hand :func:`answer` another codec of the same shape (guard.http.lane.Codec: guard.serving.offload
+    does a large call's in a helper process)."""
+
+    @staticmethod
+    def parse(path: str, body: bytes, max_nodes: int | None) -> Any:
+        return extender.parse_verb(path, body, max_nodes)
+
+    @staticmethod
+    def encode(args: Any, block_reason: str | None, ghosts: Any) -> tuple[bytes, int]:
+        return extender.verb_reply(args, block_reason, ghosts)
 
 
-# path -> (parse, block, allow)
-VERBS: dict[str, tuple[Callable[..., Any], Callable[[Any, Decision], bytes], Callable[[Any], bytes]]] = {
-    "/filter": (extender.parse_filter, _filter_reject, extender.filter_pass),
-    "/preempt": (extender.parse_preempt, _preempt_veto, extender.preempt_allow),
-}
+LOCAL = LocalCodec()
 
 
 def _parse(guard: Guard, path: str, body: bytes) -> Any:
-    parse = VERBS[path][0]
-    return parse(body, guard.settings.max_nodes) if path == "/filter" else parse(body)
+    return extender.parse_verb(path, body, guard.settings.max_nodes)
 
 
-def answer(guard: Guard, path: str, body: bytes, arrived: float) -> tuple[bytes, PodRef, Decision]:
+def answer(guard: Guard, path: str, body: bytes, arrived: float, codec: Codec = LOCAL) -> tuple[bytes, PodRef, Decision]:
     """Decode, check the pod, encode: the same three steps for both verbs. Raises ProtocolError.
 
     ``arrived`` (time.monotonic) starts the request budget: the answer is ready within
-    ``--request-budget`` of it, whatever the apiserver does."""
-    args = _parse(guard, path, body)
-    decision = guard.checker.check(args.pod, deadline=guard.checker.deadline(arrived))
-    return _encode(guard, path, args, decision), args.pod, decision
+    ``--request-budget`` of it, whatever the apiserver does. ``codec`` decodes and encodes the bytes
+    (the check is always here)."""
+    args = codec.parse(path, body, guard.settings.max_nodes)
+    decision = guard.checker.answer(guard.checker.call(args.pod, arrived))
+    return _encode(guard, path, args, decision, codec), args.pod, decision
 
 
-def _encode(guard: Guard, path: str, args: Any, decision: Decision) -> bytes:
-    """The verb's answer for this decision: blocked (a ghost, or fail-closed) or allowed."""
-    return VERBS[path][1](args, decision) if guard.checker.blocks(decision) else _allow(guard, path, args)
+def _encode(guard: Guard, path: str, args: Any, decision: Decision | None, codec: Codec = LOCAL) -> bytes:
+    """The verb's answer for this decision (None: allowed): blocked (a ghost, or fail-closed: every node
+    fails with the verdict, a preemptor is vetoed) or allowed, except ghost Nodes (guard/core/node_verdict.py)."""
+    blocked = decision is not None and guard.checker.blocks(decision)
+    nodes = guard.nodes
+    ghosts = nodes.knowledge.ghosts if nodes is not None and nodes.knowledge.ghosts else {}
+    payload, dropped = codec.encode(args, extender.node_reason(decision.verdict) if blocked and decision else None,
+                                    ghosts)
+    if dropped:
+        metrics.labelled(metrics.GHOST_NODE_CANDIDATES, path[1:]).inc(dropped)
+    return payload
 
 
 def _allow(guard: Guard, path: str, args: Any) -> bytes:
-    """A live pod's answer: every candidate, except ghost Nodes (guard/core/node_verdict.py). With no ghost
-    Node known (the normal case) that is one attribute test, no work per node name."""
-    nodes = guard.nodes
-    if nodes is not None and nodes.knowledge.ghosts:
-        return _allow_real_nodes(path, args, nodes.knowledge.ghosts)
-    return VERBS[path][2](args)
-
-
-def _allow_real_nodes(path: str, args: Any, ghosts: Any) -> bytes:
-    if path == "/filter":
-        failed = ghost_candidates(extender.candidate_names(args), ghosts)
-        if failed:
-            metrics.labelled(metrics.GHOST_NODE_CANDIDATES, "filter").inc(len(failed))
-        return extender.filter_some(args, failed)
-    dropped = {n for n in args.meta_victims if n in ghosts}
-    if dropped:
-        metrics.labelled(metrics.GHOST_NODE_CANDIDATES, "preempt").inc(len(dropped))
-    return extender.preempt_without(args, dropped)
+    """A live pod's answer: every candidate, except ghost Nodes. With no ghost Node known (the normal
+    case) that is one attribute test, no work per node name."""
+    return _encode(guard, path, args, None)
 
 
 # --- the fast lane ---------------------------------------------------------------------------------
@@ -151,19 +149,21 @@ class FastLane:
             payload, status = orjson.dumps({"error": str(e)}), e.status
             record_request(self.settings, "POST", path, status, time.perf_counter() - start, environ.get("REMOTE_ADDR"))
         else:
-            status, payload = self.reply(path, body, environ.get("REMOTE_ADDR"), start, arrived)
+            status, payload = self.reply(path, body, environ.get("REMOTE_ADDR"), start, arrived,
+                                         environ.get(CODEC, LOCAL))
         start_response(_STATUS_LINES[status], [("Content-Type", _JSON), ("Content-Length", str(len(payload)))])
         if taken:  # the room is given back once the reply is written (the server closes the iterable)
             return ClosingIterator([payload], lambda: self.bodies.release(taken))
         return [payload]
 
-    def reply(self, path: str, body: bytes, remote: str | None, start: float, arrived: float) -> tuple[int, bytes]:
+    def reply(self, path: str, body: bytes, remote: str | None, start: float, arrived: float,
+              codec: Codec = LOCAL) -> tuple[int, bytes]:
         """(status, JSON payload) of a verb call whose body is in memory; its metrics and access-log line recorded.
 
         ``start`` (time.perf_counter) times the request; ``arrived`` (time.monotonic) starts its budget."""
         pod = verdict = None
         try:
-            payload, pod, decision = answer(self.guard, path, body, arrived)
+            payload, pod, decision = answer(self.guard, path, body, arrived, codec)
             verdict = decision.verdict.value
             status = 200
         except ProtocolError as e:
@@ -182,21 +182,22 @@ NOW_MAX_BODY = 128 * 1024
 @dataclass(frozen=True, slots=True)
 class Waiting:
     """A verb call that joined its pod's quorum GET in flight (DirectLane.answer_now), to be answered
-    when it lands (DirectLane.answer_landed). ``start`` is time.perf_counter at arrival (the request's
-    duration), ``arrived`` time.monotonic at arrival (its budget)."""
+    when it lands (DirectLane.answer_landed): the decoded call and the checker's Call, handed on,
+    never decoded again. ``start`` is time.perf_counter at arrival (the request's duration),
+    ``arrived`` time.monotonic at arrival (its budget)."""
 
     path: str
     args: Any
-    joined: Joined
+    call: Call
     remote: str | None
     start: float
     arrived: float
 
 
 class DirectLane:
-    """The verb calls the worker hands over without WSGI (guard.serving.worker.plain_call): the same answers
-    as :class:`FastLane`, and with mTLS the same role check as the WSGI lanes (``refuse``, and
-    ``allowed`` to ask without counting or logging).
+    """The verb calls the worker hands over without WSGI (guard.serving.framing.plain_call; the contract is
+    guard.http.lane.DirectLane): the same answers as :class:`FastLane`, and with mTLS the same role check
+    as the WSGI lanes (``refuse``, and ``allowed`` to ask without counting or logging).
 
     ``max_body`` (the BodyBudget's small size) bounds what the worker's event loop hands over
     (:meth:`answer_now`); a pool thread hands over bodies up to ``--max-body-bytes``, which the worker
@@ -204,24 +205,24 @@ class DirectLane:
 
     paths = frozenset(VERBS)
 
-    def __init__(self, fast: FastLane, refuse: Callable[[str, str, Any, str | None], bytes | None] | None,
-                 allowed: Callable[[str, Any], bool] | None = None) -> None:
+    def __init__(self, fast: FastLane, refuse: Callable[[str, str, PeerCert, str | None], bytes | None] | None,
+                 allowed: Callable[[str, PeerCert], bool] | None = None) -> None:
         self.fast = fast
         self.refuse = refuse
         self.allowed = allowed
         self.max_body = min(fast.bodies.small, fast.limit)
 
-    def answer_now(self, path: str, body: bytes, remote: str | None, peer_cert: Any,
-                   wake: Callable[[], None] | None = None) -> tuple[int, bytes] | Waiting | None:
+    def answer_now(self, path: str, body: bytes, remote: str | None, peer_cert: PeerCert,
+                   wake: Callable[[], None] | None = None) -> Reply | Waiting | None:
         """The answer when it needs no waiting (no GET, no lock held across I/O): a permitted caller,
         a body that decodes (at most NOW_MAX_BODY bytes) and a pod whose ``alive`` verdict was
-        verified ahead (Checker.answer_prepared).
+        verified ahead (Checker.answer, ``now``).
 
-        With ``wake``, a call whose pod's quorum GET is already in flight joins it
-        (Checker.join_flight) and comes back :class:`Waiting`: ``wake`` is called, on another
-        thread, when the GET lands, and the caller then asks :meth:`answer_landed`.
+        With ``wake``, a call whose pod's quorum GET is already in flight joins it and comes back
+        :class:`Waiting`: ``wake`` is called, on another thread, when the GET lands, and the caller
+        then asks :meth:`answer_landed`.
 
-        Else None, with nothing done or counted: the worker then hands the call to a pool thread
+        Else None, with nothing counted: the worker then hands the call to a pool thread
         (:meth:`__call__`), which answers everything else."""
         if len(body) > NOW_MAX_BODY or (self.allowed is not None and not self.allowed(path, peer_cert)):
             return None
@@ -232,37 +233,35 @@ class DirectLane:
             args = _parse(guard, path, body)
         except ProtocolError:
             return None
-        decision = guard.checker.answer_prepared(args.pod)
-        if decision is None:
-            if wake is None:
-                return None
-            joined = guard.checker.join_flight(args.pod, wake)
-            return None if joined is None else Waiting(path, args, joined, remote, start, arrived)
-        if guard.checker.blocks(decision):
+        call = guard.checker.call(args.pod, arrived)
+        decision = guard.checker.answer(call, now=True, wake=wake)
+        if decision is Pending.JOINED:
+            return Waiting(path, args, call, remote, start, arrived)
+        if decision is Pending.THREAD:
             return None
-        payload = _allow(guard, path, args)
+        return self._reply(path, args, decision, remote, start)
+
+    def answer_landed(self, waiting: Waiting) -> Reply | None:
+        """The answer of a :class:`Waiting` call once its GET has landed (Checker.answer, ``now``), or
+        None, with nothing counted: the worker hands the call to a pool thread, which goes through
+        Checker.answer within the same budget (``arrived``)."""
+        decision = self.fast.guard.checker.answer(waiting.call, now=True)
+        if isinstance(decision, Pending):
+            return None
+        return self._reply(waiting.path, waiting.args, decision, waiting.remote, waiting.start)
+
+    def _reply(self, path: str, args: Any, decision: Decision, remote: str | None, start: float) -> Reply:
+        payload = _encode(self.fast.guard, path, args, decision)
         record_request(self.fast.settings, "POST", path, 200, time.perf_counter() - start, remote, args.pod,
                        decision.verdict.value)
         return 200, payload
 
-    def answer_landed(self, waiting: Waiting) -> tuple[int, bytes] | None:
-        """The answer of a :class:`Waiting` call once its GET has landed (Checker.answer_joined), or
-        None, with nothing counted: the worker hands the call to a pool thread, which goes through
-        Checker.check within the same budget (``arrived``)."""
-        guard = self.fast.guard
-        decision = guard.checker.answer_joined(waiting.joined, guard.checker.deadline(waiting.arrived))
-        if decision is None:
-            return None
-        payload = _encode(guard, waiting.path, waiting.args, decision)
-        record_request(self.fast.settings, "POST", waiting.path, 200, time.perf_counter() - waiting.start,
-                       waiting.remote, waiting.args.pod, decision.verdict.value)
-        return 200, payload
-
-    def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: Any,
-                 arrived: float | None = None) -> tuple[int, bytes]:
+    def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: PeerCert,
+                 arrived: float | None = None, codec: Codec = LOCAL) -> Reply:
         """The answer, from a pool thread. ``arrived`` (time.monotonic) is when the call's budget
         began, if it waited before this (a :class:`Waiting` call handed over); default now. The
-        request's recorded duration counts from then too."""
+        request's recorded duration counts from then too. ``codec``: who decodes the body and encodes
+        the answer (the worker's helper process for a large call, guard.serving.offload)."""
         start = time.perf_counter()
         if arrived is None:
             arrived = time.monotonic()
@@ -272,7 +271,7 @@ class DirectLane:
             refused = self.refuse("POST", path, peer_cert, remote)
             if refused is not None:
                 return 403, refused
-        return self.fast.reply(path, body, remote, start, arrived)
+        return self.fast.reply(path, body, remote, start, arrived, codec)
 
 
 # --- the Flask lane: everything the fast lane passes on ----------------------------------------------
@@ -286,7 +285,7 @@ def blueprint(guard: Guard, bodies: BodyBudget) -> Blueprint:
         body = read_json_body(bodies, guard.settings.max_body_bytes)
         if isinstance(body, Response):
             return body
-        payload, g.pod, decision = answer(guard, request.path, body, g.arrived)
+        payload, g.pod, decision = answer(guard, request.path, body, g.arrived, request.environ.get(CODEC, LOCAL))
         g.verdict = decision.verdict.value
         return Response(payload, mimetype="application/json")
 

@@ -9,7 +9,7 @@ docs/BENCHMARKS.md).
 
 What stays urllib3's: opening a connection. :class:`Connections` builds
 ``urllib3.connection.HTTPSConnection`` with the keyword arguments the kubernetes client gives its
-own pool (``guard.kube.client.connection_settings``: the kubeconfig's CA, client certificate,
+own pool (``guard.kube.config.connection_settings``: the kubeconfig's CA, client certificate,
 ``tls-server-name``, hostname checking, socket options) and calls its ``connect()``: the TCP
 connect and the TLS handshake, verified exactly as the client's own calls are.
 
@@ -20,7 +20,7 @@ A kept connection that the server closed while it was idle is noticed before it 
 (readable with nothing owed to us), as urllib3 does, and never retried after the request was
 written: a GET is sent at most once.
 
-Through a proxy (``configuration.proxy`` and the host not in ``no_proxy``) ``guard.kube.client`` keeps the
+Through a proxy (``configuration.proxy`` and the host not in ``no_proxy``) ``guard.kube.reads`` keeps the
 client's pool, which speaks CONNECT and SOCKS.
 """
 

@@ -4,16 +4,22 @@ same code runs on the Python lab (:class:`guard.lab.lab.Lab`) and on the real ba
 127.0.0.1), as everywhere: the CLI prints replica N beside ``kubeconfig-N`` on both backends.
 
 ``ReplicaClients``: what both backends share to reach their replicas (a bearer-token kubeconfig per
-replica, official clients built from it).
+replica, official clients built from it). ``LabLifecycle``: what both share about their life (a work
+directory, a fresh etcd, ``start()`` undone when a part fails, ``close()``, ``with``, closed at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
+import secrets
+import shutil
+import tempfile
+import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 
 @runtime_checkable
@@ -139,3 +145,73 @@ class ReplicaClients:
         from kubernetes import client
 
         return client.EventsV1Api(self.api_client(i))
+
+
+class LabLifecycle(ReplicaClients):
+    """The life of a lab, shared by ``Lab`` and ``RealLab``: its work directory (made here unless given, and
+    then removed at close), its token, etcd started on a fresh data directory, ``start()`` (the backend's
+    :meth:`_start_parts`; everything started is stopped again if one part fails), ``close()`` (the backend's
+    :meth:`_stop_parts`, then etcd and the files), ``with``, and every lab still open closed at exit."""
+
+    etcd: Any  # guard.lab.etcd.Etcd
+    n: int
+    out_dir: str
+    port: int
+
+    def _init_lab(self, replicas: int, *, port: int | None, out_dir: str | None, token: str | None,
+                  prefix: str) -> None:
+        self.n = replicas
+        self._want_port = port
+        self._own_dir = out_dir is None
+        self.out_dir = out_dir or tempfile.mkdtemp(prefix=prefix)
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.token = token or secrets.token_urlsafe(24)
+        self.port = 0
+        self._clients = {}
+        self._started = False
+        _live.add(self)
+
+    def _start_parts(self) -> None:
+        raise NotImplementedError
+
+    def _stop_parts(self) -> None:
+        raise NotImplementedError
+
+    def _fresh_etcd(self) -> None:
+        """etcd started on an empty data directory (always a fresh cluster)."""
+        shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
+        os.makedirs(self.etcd.data_dir, exist_ok=True)
+        self.etcd.start()
+
+    def start(self) -> Self:
+        try:
+            self._start_parts()
+            self._started = True
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        self._close_clients()
+        self._stop_parts()
+        self.etcd.close()
+        shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
+        if self._own_dir:
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+        self._started = False
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_live: weakref.WeakSet[LabLifecycle] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for lab in list(_live):
+        lab.close()

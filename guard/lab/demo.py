@@ -13,15 +13,20 @@ Everything runs on this machine and is cleaned up on exit:
 4. **with the guard**: ``ghost-guard serve`` starts as a child process over
    HTTPS with mTLS (certificates from :mod:`guard.tools.certs`), and a new scheduler
    on replica 1 registers it as extender (``filter`` + ``preempt`` verbs,
-   ``nodeCacheCapable``): the ghost is rejected on every node, the loop stops.
+   ``nodeCacheCapable``): the ghost is rejected on every node, the loop stops;
+5. **heal**: ``ghost-guard heal default/web-1`` (the product command, as a process)
+   replaces the stale copy in replica 1's cache, which no longer serves the ghost,
+   and replica 1 is not restarted.
 
-:func:`run_demo` prints a before/after table and returns 0 only if the guard
-broke the loop (at most one failed bind with the guard, several without, and
-the live pods bound in both phases).
+:func:`run_demo` prints a before/after table (each row explained) and returns 0
+only if the guard broke the loop (at most one failed bind with the guard, several
+without, and the live pods bound in both phases) and heal emptied the stale cache
+in place.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +37,7 @@ from typing import IO, Any
 from guard.lab.harness import GuardProcess, create, make_ghost, node_manifest, pod_manifest, tls_files
 from guard.lab.scheduler import PodStats, Scheduler, Timings
 
-__all__ = ["DEMO_TIMINGS", "run_demo", "start_guard_process"]
+__all__ = ["DEMO_TIMINGS", "heal_phase", "run_demo", "say_table", "start_guard_process"]
 
 # Fast but shaped like the real ones (1 s -> 10 s backoff, 1 s flush), scaled down 10x.
 DEMO_TIMINGS = Timings(
@@ -133,9 +138,10 @@ def run_demo(out: IO[str] = sys.stdout, *, seconds: float = PHASE_SECONDS) -> in
         return failed(e)
     elapsed = time.monotonic() - started
     if broke:
-        say(f"\nThe guard broke the loop: the ghost is rejected on every node, live pods still schedule ({elapsed:.0f} s).")
+        say("\nThe guard broke the loop: the ghost is rejected on every node, live pods still schedule; heal cleared "
+            f"replica 1's stale cache without a restart ({elapsed:.0f} s).")
         return 0
-    say(f"\nThe loop was NOT broken ({elapsed:.0f} s).")
+    say(f"\nThe loop was NOT broken or the cache NOT healed ({elapsed:.0f} s).")
     return 1
 
 
@@ -150,12 +156,12 @@ def _scenario(lab: Any, workdir: Path, say: Callable[[str], None], out: IO[str],
     say(f"  default/web-1 (uid {uid}) deleted; replica 1 ({lab.replicas[1].url}) dropped the deletion:")
     say("    quorum GET -> 404 NotFound;  replica 1's cache (resourceVersion=0) -> still Pending")
 
-    say(f"\n[1/2] kube-scheduler (simulated) reading replica 1, no extender, {seconds:.0f} s:")
+    say(f"\n[1/3] kube-scheduler (simulated) reading replica 1, no extender, {seconds:.0f} s:")
     with Scheduler(lab.kubeconfig(1), timings=DEMO_TIMINGS) as scheduler:
         live_before = _phase(lab, scheduler, "web-2", out, seconds)
         before = scheduler.stats().get("default/web-1", PodStats())
 
-    say("\n[2/2] ghost-guard serve (HTTPS, mTLS) registered as extender: filter + preempt verbs")
+    say("\n[2/3] ghost-guard serve (HTTPS, mTLS) registered as extender: filter + preempt verbs")
     guard = start_guard_process(lab.kubeconfig(0), workdir)
     guards.append(guard)
     say(f"      guard ready at {guard.base}; scheduler restarted on replica 1 (the ghost is listed again)")
@@ -163,19 +169,49 @@ def _scenario(lab: Any, workdir: Path, say: Callable[[str], None], out: IO[str],
         live_after = _phase(lab, scheduler, "web-3", out, seconds)
         after = scheduler.stats().get("default/web-1", PodStats())
 
-    incident = [r.get("msg", "") for r in guard.log_records("guard.engine.incident")]
+    incident = [r.get("msg", "") for r in guard.log_records("guard.incident")]
     if incident:
         say("      guard: " + incident[0])
-    rows = [
+
+    say("\n[3/3] ghost-guard heal default/web-1 (no restart):")
+    lab.replicas[1].faults.clear()  # one lost delete; the watch flows on
+    healed, same_process = heal_phase(lab, lab.kubeconfig(0), [r.url for r in lab.replicas], "default", "web-1", 1,
+                                      say, lambda: lab.replicas[1].cache)
+    say_table(say, [
         ("ghost scheduling attempts", before.attempts, after.attempts),
         ("ghost failed binds (404)", before.bind_failures.get(404, 0), after.bind_failures.get(404, 0)),
         ("ghost status patches (404)", before.status_patch_failures.get(404, 0), after.status_patch_failures.get(404, 0)),
         ("extender filter calls", "-", after.filter_calls),
         ("live pod bound", f"web-2 -> {live_before.bound_node or 'NO'}", f"web-3 -> {live_after.bound_node or 'NO'}"),
-    ]
-    say("")
-    say(f"  {'':28}{'without guard':>18}{'with guard':>18}")
-    for label, left, right in rows:
-        say(f"  {label:28}{left!s:>18}{right!s:>18}")
+    ])
+    say("  attempts: times the scheduler took the ghost from its queue; failed binds: its Binding POSTs, answered 404\n"
+        "  (etcd has no such pod); status patches: its \"cannot schedule\" condition writes, refused the same way;\n"
+        "  filter calls: the guard's /filter answers (the ghost rejected on every node); live pod: a new pod, placed.")
+    say(f"  after heal: replica 1 serves default/web-1: {'no' if healed else 'YES'}; "
+        f"replica 1 restarted: {'no' if same_process else 'YES'}")
     return (before.bind_failures_total >= 2 and after.bind_failures_total <= 1
-            and bool(live_before.bound_node) and bool(live_after.bound_node))
+            and bool(live_before.bound_node) and bool(live_after.bound_node) and healed and same_process)
+
+
+def heal_phase(lab: Any, kubeconfig: str, urls: list[str], namespace: str, name: str, stale: int,
+               say: Callable[[str], None], instance: Callable[[], object]) -> tuple[bool, bool]:
+    """Run ``ghost-guard heal NAMESPACE/NAME`` (a process, as an operator would) on every replica and show its
+    output. Returns (replica ``stale``'s cache no longer serves the pod after heal's exit 0, ``instance()``
+    -- the replica's process or cache -- is the one from before: no restart)."""
+    before = instance()
+    heal = subprocess.run([sys.executable, "-m", "guard", "heal", f"{namespace}/{name}", "--kubeconfig", kubeconfig,
+                           "--apiserver-replicas", ",".join(urls)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=120)
+    for line in heal.stdout.strip().splitlines():  # its progress and its result, in the order written
+        say("      " + line)
+    healed = heal.returncode == 0 and lab.cached_pod(stale, namespace, name) is None
+    return healed, instance() == before
+
+
+def say_table(say: Callable[[str], None], rows: list[tuple[str, Any, Any]]) -> None:
+    """The demo's before/after table: one row per (label, without the guard, with it)."""
+    width = max(len(label) for label, _, _ in rows) + 2
+    say("")
+    say(f"  {'':{width}}{'without guard':>18}{'with guard':>18}")
+    for label, left, right in rows:
+        say(f"  {label:{width}}{left!s:>18}{right!s:>18}")

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import atexit
 import os
-import secrets
-import shutil
-import tempfile
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
 from guard.lab.api import known_resource
-from guard.lab.backend import ReplicaClients
+from guard.lab.backend import LabLifecycle
 from guard.lab.etcd import Etcd, free_port
 from guard.lab.pki import CA
 from guard.lab.registry import Registry
 from guard.lab.replica import ApiserverReplica
 
-_live: weakref.WeakSet[Lab] = weakref.WeakSet()
-
-
-class Lab(ReplicaClients):
+class Lab(LabLifecycle):
     """Start with ``with Lab(replicas=3) as lab:`` (or ``start()``/``close()``). See docs/LAB.md.
 
     The Python backend of :class:`guard.lab.backend.LabBackend` (the real one: ``guard.lab.real.controlplane.RealLab``).
@@ -34,12 +26,7 @@ class Lab(ReplicaClients):
                  consistent_read_timeout: float = 3.0, peer_advertise_address: bool = False) -> None:
         if not 1 <= replicas <= 200:
             raise ValueError("replicas must be between 1 and 200")
-        self.n = replicas
-        self._want_port = port
-        self._own_dir = out_dir is None
-        self.out_dir = out_dir or tempfile.mkdtemp(prefix="ghost-lab-")
-        os.makedirs(self.out_dir, exist_ok=True)
-        self.token = token or secrets.token_urlsafe(24)
+        self._init_lab(replicas, port=port, out_dir=out_dir, token=token, prefix="ghost-lab-")
         self._opts = {"bookmark_interval": bookmark_interval, "history_size": history_size,
                       "consistent_read_timeout": consistent_read_timeout, "peer_advertise_address": peer_advertise_address}
         self.ca = CA()
@@ -48,29 +35,17 @@ class Lab(ReplicaClients):
             f.write(self.ca.cert_pem)
         self.etcd = Etcd(data_dir=os.path.join(self.out_dir, "etcd"))
         self.replicas: list[ApiserverReplica] = []
-        self.port = 0
-        self._clients: dict[int, Any] = {}
-        self._started = False
-        _live.add(self)
 
     # --- lifecycle --------------------------------------------------------------
 
-    def start(self) -> Lab:
-        try:
-            shutil.rmtree(self.etcd.data_dir, ignore_errors=True)  # always a fresh cluster
-            os.makedirs(self.etcd.data_dir, exist_ok=True)
-            self.etcd.start()
-            self._bootstrap()
-            self._bind_replicas()
-            for r in self.replicas:
-                r.start()
-            for i in range(self.n):
-                self._write_kubeconfig(i)
-            self._started = True
-        except BaseException:
-            self.close()
-            raise
-        return self
+    def _start_parts(self) -> None:
+        self._fresh_etcd()
+        self._bootstrap()
+        self._bind_replicas()
+        for r in self.replicas:
+            r.start()
+        for i in range(self.n):
+            self._write_kubeconfig(i)
 
     def _bootstrap(self) -> None:
         reg = Registry(self.etcd.client)
@@ -104,24 +79,12 @@ class Lab(ReplicaClients):
             self.replicas = reps
             return
 
-    def close(self) -> None:
-        self._close_clients()
+    def _stop_parts(self) -> None:
         for r in self.replicas:
             try:
                 r.close()
             except Exception:  # noqa: BLE001 - cleanup continues
                 pass
-        self.etcd.close()
-        shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
-        if self._own_dir:
-            shutil.rmtree(self.out_dir, ignore_errors=True)
-        self._started = False
-
-    def __enter__(self) -> Lab:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --- access -------------------------------------------------------------------
 
@@ -172,12 +135,6 @@ class Lab(ReplicaClients):
         Registry(self.etcd.client).ensure(known_resource("", "v1", "namespaces"), None,
                                           {"metadata": {"name": namespace}, "spec": {"finalizers": ["kubernetes"]},
                                            "status": {"phase": "Active"}})
-
-
-@atexit.register
-def _close_all() -> None:
-    for lab in list(_live):
-        lab.close()
 
 
 if TYPE_CHECKING:

@@ -48,6 +48,19 @@ KUBE_VERSION = {"major": "1", "minor": "34", "gitVersion": "v1.34.0-ghost-lab", 
 ANONYMOUS_PATHS = ("/healthz", "/livez", "/readyz", "/version")
 
 
+def _rv_match(ctx: _Ctx, rv: str | None) -> str | None:
+    """A list's ``resourceVersionMatch``, refused as the apiserver refuses it (an unknown value; any value
+    without a ``resourceVersion``)."""
+    match = ctx.query.get("resourceVersionMatch")
+    if match not in (None, "", "NotOlderThan", "Exact"):
+        raise _list_options_invalid("FieldValueNotSupported", "Unsupported value",
+                                   f'"{match}": supported values: "Exact", "NotOlderThan", ""')
+    if match and rv is None:
+        raise _list_options_invalid("FieldValueForbidden", "Forbidden",
+                                   "resourceVersionMatch is forbidden unless resourceVersion is provided")
+    return match
+
+
 def _list_options_invalid(reason: str, kind: str, detail: str) -> ApiError:
     """ValidateListOptions' 422: ``ListOptions.meta.k8s.io "" is invalid: resourceVersionMatch: KIND: DETAIL``."""
     return ApiError(422, "Invalid", f'ListOptions.meta.k8s.io "" is invalid: resourceVersionMatch: {kind}: {detail}',
@@ -715,13 +728,7 @@ class ApiserverReplica:
             return self._list_page(ctx, r, namespace, sel, limit, start, cont_rv)
         if limit and rv != "0":  # a resourceVersion=0 list is served whole from the cache: limit is ignored
             return self._list_first_page(ctx, r, namespace, sel, rv, limit)
-        match = ctx.query.get("resourceVersionMatch")
-        if match not in (None, "", "NotOlderThan", "Exact"):
-            raise _list_options_invalid("FieldValueNotSupported", "Unsupported value",
-                                       f'"{match}": supported values: "Exact", "NotOlderThan", ""')
-        if match and rv is None:
-            raise _list_options_invalid("FieldValueForbidden", "Forbidden",
-                                       "resourceVersionMatch is forbidden unless resourceVersion is provided")
+        match = _rv_match(ctx, rv)
         if match == "Exact" and rv == "0":
             raise _list_options_invalid("FieldValueForbidden", "Forbidden",
                                        'resourceVersionMatch "exact" is forbidden for resourceVersion "0"')
@@ -750,16 +757,23 @@ class ApiserverReplica:
                 if rv != "0":
                     self._wait_fresh(cache, int(rv))
                 items, list_rv = cache.list(r.prefix(namespace), sel.matches)
+        self._send_list(ctx, r, items, {"resourceVersion": str(list_rv)})
+
+    def _send_list(self, ctx: _Ctx, r: Resource, items: list[Obj], meta: Obj) -> None:
+        """A list (or a page of one) as the client asked: a Table for kubectl (which pages with limit=500),
+        else ``<Kind>List`` with each item in its output form (no apiVersion, kind); ``meta`` is its metadata
+        (resourceVersion, and a page's continue and remainingItemCount)."""
         if r.printer_columns and wants_table(ctx.headers.get("Accept")):
-            return self._send(ctx, 200, table(r, items, str(list_rv), time.time()))
+            doc = table(r, items, meta["resourceVersion"], time.time())
+            doc.setdefault("metadata", {}).update(meta)
+            return self._send(ctx, 200, doc)
         out_items = []
         for o in items:
             o = output_form(r, o)
             o.pop("apiVersion", None)
             o.pop("kind", None)
             out_items.append(o)
-        self._send(ctx, 200, {"kind": f"{r.kind}List", "apiVersion": r.api_version,
-                              "metadata": {"resourceVersion": str(list_rv)}, "items": out_items})
+        self._send(ctx, 200, {"kind": f"{r.kind}List", "apiVersion": r.api_version, "metadata": meta, "items": out_items})
 
     # --- pagination (limit / continue; storage/etcd3 store.go GetList) ---------------------------------
 
@@ -767,13 +781,7 @@ class ApiserverReplica:
                          limit: int) -> None:
         """The first page of a list with ``limit`` (resourceVersion not "0"): read as the unpaged list would
         be (rv "" is a quorum read; resourceVersionMatch=Exact at that revision), then cut at ``limit``."""
-        match = ctx.query.get("resourceVersionMatch")
-        if match not in (None, "", "NotOlderThan", "Exact"):
-            raise _list_options_invalid("FieldValueNotSupported", "Unsupported value",
-                                       f'"{match}": supported values: "Exact", "NotOlderThan", ""')
-        if match and rv is None:
-            raise _list_options_invalid("FieldValueForbidden", "Forbidden",
-                                       "resourceVersionMatch is forbidden unless resourceVersion is provided")
+        match = _rv_match(ctx, rv)
         if match == "Exact" or rv is None:
             return self._list_page(ctx, r, namespace, sel, limit, "", int(rv or 0))
         cache = self._ready_cache()
@@ -821,17 +829,7 @@ class ApiserverReplica:
             meta["continue"] = base64.urlsafe_b64encode(token).rstrip(b"=").decode()
             if not sel.fields and not sel.labels:
                 meta["remainingItemCount"] = remaining
-        if r.printer_columns and wants_table(ctx.headers.get("Accept")):  # kubectl get pages with limit=500
-            doc = table(r, page, str(list_rv), time.time())
-            doc.setdefault("metadata", {}).update(meta)
-            return self._send(ctx, 200, doc)
-        out_items = []
-        for o in page:
-            o = output_form(r, o)
-            o.pop("apiVersion", None)
-            o.pop("kind", None)
-            out_items.append(o)
-        self._send(ctx, 200, {"kind": f"{r.kind}List", "apiVersion": r.api_version, "metadata": meta, "items": out_items})
+        self._send_list(ctx, r, page, meta)
 
     def _watch(self, ctx: _Ctx, r: Resource, namespace: str | None) -> None:
         cache = self._ready_cache()

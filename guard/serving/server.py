@@ -96,7 +96,7 @@ class GuardServer(BaseApplication):
             "workers": s.workers,
             "threads": s.threads,
             # gthread's process model and pool, with every connection read and written under deadlines
-            # by the worker's event loop before and after a pool thread sees it (guard/serving/worker.py).
+            # by the worker's event loop before and after a pool thread sees it (guard/serving/connection.py).
             "worker_class": "guard.serving.worker.GuardWorker",
             "timeout": 30,
             "graceful_timeout": 10,
@@ -155,7 +155,7 @@ def preflight(settings: Settings) -> None:
 
     Raises ``StartupError`` with one line naming what to fix.
     """
-    from guard.kube.client import KubeConfigError, load_configuration
+    from guard.kube.config import KubeConfigError, load_configuration
 
     try:
         load_configuration(settings.kubeconfig)

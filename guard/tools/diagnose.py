@@ -22,7 +22,8 @@ import orjson
 import urllib3
 
 from guard.core.attribution import ReplicaObservation
-from guard.kube.client import Kube, ReplicaClient
+from guard.kube.reads import Kube
+from guard.kube.watch import ReplicaClient
 from guard.core.rendering import render_diagnosis
 from guard.core.verdict import ReadStatus, serves_ghost
 

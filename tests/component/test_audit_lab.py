@@ -4,7 +4,7 @@ the probes name exactly that replica, `report` says what to do, and after a rest
 it healed.
 
 Real etcd, real HTTPS replicas, and the objects one guard worker builds, wired as
-``guard.engine.wiring.build_guard`` wires them: ``Checker.check`` (what /filter, /preempt and
+``guard.engine.wiring.build_guard`` wires them: ``Checker.answer`` (what /filter, /preempt and
 /validate/binding call) -> ``IncidentRecorder`` (new ghost, sightings, block recorder) -> the store
 ``open_audit_store`` opens, with the recorder's ``announce_new_ghost`` as its ``on_new`` hook (the new-ghost
 line on stdout). The follow-ups run inline
@@ -25,7 +25,8 @@ from clirun import ghost_guard_json
 from guard.audit.backend import AuditBackend
 from guard.engine.checker import Checker
 from guard.engine.incident import IncidentRecorder, open_audit_store
-from guard.kube.client import Kube, load_configuration
+from guard.kube.config import load_configuration
+from guard.kube.reads import Kube
 from guard.lab.harness import make_ghost, pod_manifest
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings
@@ -79,7 +80,7 @@ def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker, caps
     ghost = PodRef("default", "web-1", uid)
 
     # The scheduler asks about the ghost: quorum GET -> ghost-deleted -> record, etcd again, every replica probed.
-    decision = worker.checker.check(ghost)
+    decision = worker.checker.answer(worker.checker.call(ghost))
     assert decision.verdict.value == "ghost-deleted"
     evidence = {"reason": decision.reason,
                 "quorum_get": {"outcome": "not-found", "http_status": 404, "uid": None, "node_name": None,
@@ -123,7 +124,7 @@ def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker, caps
     # sighting is recorded and, the re-probe being due, every replica is probed again: healed.
     lab.replicas[1].restart()
     assert lab.wait_synced()
-    assert worker.checker.check(ghost).verdict.value == "ghost-deleted"
+    assert worker.checker.answer(worker.checker.call(ghost)).verdict.value == "ghost-deleted"
     assert announced(capsys) == []  # not new any more
     assert len(worker.delays) == 1  # nobody serves it: nothing to confirm
 

@@ -7,7 +7,8 @@ import threading
 
 from guard.audit.sqlite import AuditStore
 from guard.engine.autoheal import AutoHealer
-from guard.kube.client import Kube, load_configuration
+from guard.kube.config import load_configuration
+from guard.kube.reads import Kube
 from guard.lab.harness import make_ghost
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings

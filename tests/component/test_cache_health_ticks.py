@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 
 from guard.engine.cache_health import CacheHealthMonitor
-from guard.kube.client import Kube, load_configuration
+from guard.kube.config import load_configuration
+from guard.kube.reads import Kube
 from guard.lab.harness import pod_manifest
-from guard.engine.prepare import _pod_of
+from guard.engine.replica_views import pod_of
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings
 
@@ -41,7 +42,7 @@ def monitor(lab):
             _, items = c.pending_pods()
             pods = {}
             for obj in items:
-                pod, pending = _pod_of(obj)
+                pod, pending = pod_of(obj)
                 if pod and pending:
                     pods[pod.uid] = pod
             out[c.replica.address] = (True, pods)

@@ -10,7 +10,9 @@ import time
 import pytest
 
 from guard.audit.ghostpods import KubeAuditStore, object_name
-from guard.kube.client import GhostPods, Kube, load_configuration
+from guard.kube.config import load_configuration
+from guard.kube.reads import Kube
+from guard.kube.writes import GhostPods
 from guard.lab.harness import eventually
 
 pytestmark = pytest.mark.timeout(180)

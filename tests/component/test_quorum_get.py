@@ -15,7 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from guard.kube.client import Kube, load_configuration
+from guard.kube.config import load_configuration
+
+from guard.kube.reads import Kube
 from guard.lab.harness import free_port, make_ghost, pod_manifest
 from guard.lab.pki import CA
 from guard.core.verdict import QuorumRead, ReadStatus

@@ -128,3 +128,4 @@ def test_demo_breaks_the_loop():
     text = out.getvalue()
     assert "The guard broke the loop" in text
     assert re.search(r"ghost failed binds \(404\)\s+(\d+)\s+([01])\n", text), text
+    assert "after heal: replica 1 serves default/web-1: no; replica 1 restarted: no" in text, text  # ends with heal

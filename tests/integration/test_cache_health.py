@@ -95,6 +95,32 @@ def test_a_pod_whose_creation_a_replica_lost_is_reported_missing_there_until_it_
     assert g.metric("ghost_guard_replica_frozen") == 0
 
 
+def test_with_no_prepare_a_pod_whose_creation_a_replica_lost_is_still_reported_missing(lab, start_guard, tmp_path):
+    """--no-prepare turns off verifying ahead, not the per-replica views (guard/engine/replica_views.py): every
+    replica's cache is listed all the same and the missing-pod check compares them."""
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(tmp_path / "audit.db"),
+                     "--discovery-interval", "5", "--no-prepare", "--missing-after", "2", "--frozen-after", "3"])
+    # The views know the three replicas once discovery answered (seconds on a loaded machine).
+    eventually(lambda: len(g.get("/readyz", timeout=5).json()["details"]["replica_caches"]) == 3, 60,
+               what="the three replicas in the replica_caches detail", process=g)
+    details = g.get("/readyz", timeout=5).json()["details"]
+    assert details["prepare"] == {"enabled": False, "fallback": None}  # /readyz as before: no pre-verification
+    assert all(v["watch"] is None for v in details["replicas"].values())
+    lost = replica(lab, 1)
+    lab.replicas[1].faults.drop_creates(namespace="default", name="lost")
+    uid = lab.core_v1(0).create_namespaced_pod("default", pod_manifest("lost"), _request_timeout=5).metadata.uid
+
+    eventually(lambda: g.metric("ghost_guard_replica_pods_missing", replica=lost) == 1, 60,
+               what="the missing-pod gauge with --no-prepare", process=g)
+    assert g.metric("ghost_guard_replica_pods_missing_detections_total", replica=lost) == 1
+    for other in (0, 2):
+        assert g.metric("ghost_guard_replica_pods_missing_detections_total", replica=replica(lab, other)) == 0
+    (event,) = eventually(lambda: missing_events(lab, uid), 30, what="the PodMissingFromReplica Event")
+    assert lost in event.message
+    assert g.metric("ghost_guard_prepare_active") == 0  # nothing verified ahead, no watch
+    assert g.metric("ghost_guard_watch_fallback") == 0
+
+
 def test_a_frozen_replica_is_named_and_a_thawed_one_cleared(lab, start_guard, tmp_path):
     g = start(lab, start_guard, tmp_path, "--frozen-after", "3")  # revisions read every tick (1 s)
     frozen = replica(lab, 2)

@@ -1,4 +1,4 @@
-"""The direct lane (guard.serving.worker.plain_call -> guard.http.filter.DirectLane) over real HTTP.
+"""The direct lane (guard.serving.framing.plain_call -> guard.http.filter.DirectLane) over real HTTP.
 
 kube-scheduler's calls skip gunicorn's parser and WSGI; they must get the same answers, the
 same metrics and the same connection handling as the WSGI lanes, which still take every
@@ -92,7 +92,7 @@ def test_a_bad_body_gets_the_same_400_reason_in_both_lanes(guard):
 
 def test_a_prepared_verdict_is_answered_while_every_pool_thread_waits_on_etcd(start_guard, shared_lab, lab_namespace):
     """With one pool thread held by a call whose quorum GET hangs, a call for a pod verified ahead
-    is still answered at once: the worker's event loop answers it (Checker.answer_prepared), it
+    is still answered at once: the worker's event loop answers it (Checker.answer, now), it
     does not queue behind the pool."""
     g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--threads", "1", "--get-timeout", "2",
                      "--request-budget", "3", "--no-events"])
@@ -126,7 +126,7 @@ def test_a_prepared_verdict_is_answered_while_every_pool_thread_waits_on_etcd(st
 # --- parked calls -----------------------------------------------------------------------------------
 # A scheduler call whose pod's quorum GET is already in flight (the guard's background verification
 # of a pod it has just seen) is parked in the worker's event loop, without a pool thread, and answered
-# there when the GET lands (guard.serving.worker._landed; Checker.join_flight / answer_joined). The GET is
+# there when the GET lands (guard.serving.connection.ConnectionLoop._landed; Checker.answer with a wake, then again once woken). The GET is
 # held in the lab replica (a "latency" fault) until the test lets it land. With --threads 1, the one
 # pool thread still answers /metrics while the call is parked, and /metrics shows it parked.
 

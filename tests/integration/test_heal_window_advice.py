@@ -61,7 +61,7 @@ def test_heal_placeholder_is_no_replacement_and_a_frozen_replica_is_told_to_rest
     assert "ghost-replaced" not in g.logs(None)
 
     def advice() -> list[str]:
-        return [r["msg"] for r in g.log_records("guard.engine.incident")
+        return [r["msg"] for r in g.log_records("guard.incident")
                 if "still serves pod" in r.get("msg", "") and stale in r["msg"]]
 
     (said,) = eventually(advice, 30, what="the stale-replica advice", process=g)

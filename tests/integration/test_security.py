@@ -10,7 +10,10 @@
 - the audit CLI refuses paths and input that would escape its store (exit 2,
   one clear line, foreign files untouched, nothing created);
 - the RBAC in ``manifests/`` grants exactly what ``guard/`` calls, derived from
-  the code (every kubernetes client call) and from the client's own paths.
+  the code (every kubernetes client call) and from the client's own paths. The CLI's
+  light twin of the client (guard/kube/api.py) has the same method names and sends the
+  same requests for every method the code calls (tests/unit/test_light_api.py), so the
+  derivation covers it too.
 """
 
 from __future__ import annotations
@@ -371,15 +374,27 @@ def _rule_of(path: str) -> tuple[str, str]:
     return group, rest[0]
 
 
+def _guard_trees() -> dict[Path, ast.AST]:
+    return {path: ast.parse(path.read_text()) for path in sorted(
+        p for p in (REPO / "guard").rglob("*.py") if "lab" not in p.relative_to(REPO / "guard").parts)}
+
+
+def _all_api_classes(trees: dict[Path, ast.AST]) -> dict[str, str]:
+    """``_api_classes`` over every module: ``kube.core`` in guard/kube/writes.py is the ``self.core`` that
+    guard/kube/reads.py binds. One attribute name is one API class everywhere, or the derivation would guess."""
+    out: dict[str, str] = {}
+    for path, tree in trees.items():
+        for attr, cls in _api_classes(tree).items():
+            assert out.setdefault(attr, cls) == cls, f"{path.name}: .{attr} is {cls} here, {out[attr]} elsewhere"
+    return out
+
+
 def code_calls() -> set[tuple[str, str, str, str]]:
     """Every (namespace or '*', apiGroup, resource, verb) the guard's code can call on the API."""
     calls = set()
-    for path in sorted(p for p in (REPO / "guard").rglob("*.py") if "lab" not in p.relative_to(REPO / "guard").parts):
-        text = path.read_text()
-        if "kubernetes" not in text:
-            continue
-        tree = ast.parse(text)
-        attrs = _api_classes(tree)
+    trees = _guard_trees()
+    attrs = _all_api_classes(trees)
+    for path, tree in trees.items():
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
@@ -417,9 +432,9 @@ def code_calls() -> set[tuple[str, str, str, str]]:
 
 
 def _custom_object_calls(tree: ast.AST, attrs: dict[str, str]) -> set[tuple[str, str, str, str]]:
-    """CustomObjectsApi methods the code references (guard/kube/client.py GhostPods passes them to one error-translating
-    wrapper). Their paths are generic (/apis/{group}/...): the group and plural are guard.kube.client's GHOSTPOD_*."""
-    from guard.kube.client import GHOSTPOD_GROUP, GHOSTPOD_PLURAL
+    """CustomObjectsApi methods the code references (guard/kube/writes.py GhostPods passes them to one error-translating
+    wrapper). Their paths are generic (/apis/{group}/...): the group and plural are guard.kube.writes' GHOSTPOD_*."""
+    from guard.kube.writes import GHOSTPOD_GROUP, GHOSTPOD_PLURAL
 
     out = set()
     for node in ast.walk(tree):

@@ -1,4 +1,4 @@
-"""Hostile connections against a real ``ghost-guard serve`` (guard/serving/worker.py), over real loopback sockets.
+"""Hostile connections against a real ``ghost-guard serve`` (guard/serving/connection.py), over real loopback sockets.
 
 100 hostile connections (one byte then silence, stalled TLS handshakes or silent
 connects, stalled bodies, slow readers of the reply) from 127.0.0.2-5 while a
@@ -37,7 +37,7 @@ HANDSHAKE, HEADERS, BODY, WRITE = 2.0, 5.0, 5.0, 5.0
 # (>= HANDSHAKE). Every call answered in under half the shortest deadline: no thread was held. (How fast
 # the calls are is a benchmark's question, not a test's: a latency bound flakes on a shared machine.)
 HELD_BOUND = HANDSHAKE / 2
-TICK = 0.05  # guard.serving.worker checks deadlines on this tick (slack for a lower bound, never an upper one)
+TICK = 0.05  # guard.serving.connection checks deadlines on this tick (slack for a lower bound, never an upper one)
 NAMES = ["node-a", "node-b"]
 MIX = {"one-byte": 30, "stalled-start": 25, "stalled-body": 25, "slow-reader": 20}  # 100 connections
 
@@ -282,7 +282,7 @@ def read_reply(s: socket.socket) -> bytes:
 def request_on(s: socket.socket, request: bytes) -> bytes:
     """``request`` (with ``Connection: close``) on an open connection; the reply, read until the guard closes it.
 
-    The guard stops counting a connection towards the limits before it half-closes it (guard.serving.worker
+    The guard stops counting a connection towards the limits before it half-closes it (guard.serving.connection
     ``_linger``): once this returns, the connection counts no more. No pause needed."""
     s.sendall(request)
     return read_reply(s)
@@ -513,7 +513,7 @@ def test_large_requests_share_a_memory_budget(start_guard, dead_kubeconfig, tmp_
         small = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}}, "NodeNames": NAMES})
         assert guard.post("/filter", small).status_code == 200  # small requests are never held back
         # The holder's body arrives and is answered: the guard releases the reservation once the reply is
-        # out, before it closes the connection (guard.serving.worker ``_write``), so it is released when this returns.
+        # out, before it closes the connection (guard.serving.connection ``_write``), so it is released when this returns.
         assert request_on(holder, b" " * 99_999 + b"}").startswith(b"HTTP/1.1 ")
     body = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}},
                          "NodeNames": [f"node-{i:06d}" for i in range(14000)]})

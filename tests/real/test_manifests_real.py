@@ -22,7 +22,9 @@ import yaml
 from clirun import ghost_guard
 
 from guard.core import heal_plan as healing
-from guard.kube.client import Kube, KubeWriteError, load_configuration
+from guard.kube.config import load_configuration
+from guard.kube.reads import Kube
+from guard.kube.writes import KubeWriteError
 from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest, quorum_pod
 
 REPO = Path(__file__).resolve().parents[2]

@@ -846,7 +846,7 @@ def crd(rendered) -> dict:
 
 
 def test_ghostpod_crd_names_and_scope(crd):
-    from guard.kube.client import GHOSTPOD_GROUP, GHOSTPOD_PLURAL, GHOSTPOD_VERSION
+    from guard.kube.writes import GHOSTPOD_GROUP, GHOSTPOD_PLURAL, GHOSTPOD_VERSION
 
     spec = crd["spec"]
     assert crd["metadata"]["name"] == f"{GHOSTPOD_PLURAL}.{GHOSTPOD_GROUP}"

@@ -15,11 +15,14 @@ import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from guard.core.attribution import ReplicaObservation
 from guard.core.settings import Replica, Settings
 from guard.core.verdict import Decision, PodRef, QuorumRead, shows_pending
+from guard.engine.checker import Call as CheckCall
+from guard.engine.checker import Checker, Pending
 
 NS = "default"
 
@@ -299,3 +302,30 @@ def pod(name: str, uid: str) -> PodRef:
 
 def is_ghost(decision: Decision) -> bool:
     return decision.is_ghost
+
+
+# --- the checker's one entry (Checker.answer), as its callers use it --------------------------------
+
+
+def check(checker: Checker, pod: PodRef, *, deadline: float | None = None, record: bool = True) -> Decision:
+    """A call from a thread (a pool thread's /filter or /preempt, /validate/binding): always a verdict."""
+    return checker.answer(CheckCall(pod, checker.deadline() if deadline is None else deadline, record))
+
+
+def answer_prepared(checker: Checker, pod: PodRef) -> Decision | None:
+    """The event loop's call with nothing to join: the verdict when it needs no waiting, else None."""
+    decision = checker.answer(checker.call(pod), now=True)
+    return None if isinstance(decision, Pending) else decision
+
+
+def join_flight(checker: Checker, pod: PodRef, wake: Callable[[], None]) -> CheckCall | None:
+    """The event loop's call for a pod whose quorum GET is in flight: the Call that joined it, else None."""
+    call = checker.call(pod)
+    return call if checker.answer(call, now=True, wake=wake) is Pending.JOINED else None
+
+
+def answer_joined(checker: Checker, call: CheckCall, deadline: float) -> Decision | None:
+    """The event loop's joined call asked again once woken: the verdict, or None (a pool thread answers)."""
+    call.deadline = deadline
+    decision = checker.answer(call, now=True)
+    return None if isinstance(decision, Pending) else decision

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import REGISTRY
-from scripted import Etcd, FakeClock, ScriptedGets, settings
+from scripted import Etcd, FakeClock, ScriptedGets, check, settings
 
 from guard.core import flood
 from guard.engine.checker import Checker
@@ -39,9 +39,9 @@ def test_a_flood_of_forged_names_is_shed_within_its_budget_and_a_real_ghost_goes
     before = {r: shed(r) for r in flood.SHED_REASONS}
     forged = [PodRef(f"ns-{i % 30}", f"forged-{i}", f"uid-{i}") for i in range(150)]  # 5 in each of 30 namespaces
     for p in sorted(forged, key=lambda p: p.namespace):
-        assert checker.check(p).is_ghost  # the verdict is never touched
+        assert check(checker, p).is_ghost  # the verdict is never touched
     eventually(lambda: len(started) == 2, 10, what="both follow-up threads busy")
-    assert checker.check(real).is_ghost
+    assert check(checker, real).is_ghost
     gate.set()
     # all namespaces together: 10 x the burst of one (20 admitted: 2 in each of the first 10 namespaces asked)
     eventually(lambda: len(started) == 21, 20, what="every admitted follow-up run")
@@ -54,12 +54,12 @@ def test_a_flood_of_forged_names_is_shed_within_its_budget_and_a_real_ghost_goes
     # A shed ghost asked again once tokens are back is admitted then (a real ghost the guard could not
     # see is recorded at its next call); one already admitted is not announced twice.
     late = next(p for p in forged if p.namespace == "ns-29")
-    assert checker.check(late).is_ghost
+    assert check(checker, late).is_ghost
     assert late not in started
     clock.advance(2.0)  # 1 token in ns-29's bucket (0.5/s) and in the shared one (5/s)
-    assert checker.check(late).is_ghost
+    assert check(checker, late).is_ghost
     eventually(lambda: late in started, 10, what="the shed ghost's follow-up at its next call")
-    assert checker.check(late).is_ghost and started.count(late) == 1
+    assert check(checker, late).is_ghost and started.count(late) == 1
 
 
 def test_repeated_sightings_of_a_forged_ghost_wait_as_one_while_a_real_ghost_counts_each():
@@ -79,9 +79,9 @@ def test_repeated_sightings_of_a_forged_ghost_wait_as_one_while_a_real_ghost_cou
 
     checker.sighting_listeners.append(on_sighting)
     for p in (real, fake):
-        assert checker.check(p).is_ghost  # first sightings (no listener)
+        assert check(checker, p).is_ghost  # first sightings (no listener)
     for _ in range(50):
-        assert checker.check(fake).is_ghost and checker.check(real).is_ghost
+        assert check(checker, fake).is_ghost and check(checker, real).is_ghost
     gate.set()
     eventually(lambda: seen.count(real) == 50, 10, what="every sighting of the real ghost")
     eventually(lambda: fake in seen, 10, what="the forged ghost's sighting")

@@ -1,5 +1,5 @@
-"""The follow-up queue (guard/engine/checker.py): beyond the 1,000 running or queued, follow-ups wait keyed by
-pod identity. A flood of distinct ghosts loses none; a looping ghost's repeated sightings are
+"""The follow-up queue (guard/engine/followups.py, the checker's): beyond the 1,000 running or queued,
+follow-ups wait keyed by pod identity. A flood of distinct ghosts loses none; a looping ghost's repeated sightings are
 coalesced into one waiting entry and counted (ghost_guard_followups_coalesced_total)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import REGISTRY
-from scripted import Etcd, ScriptedGets, pod, settings
+from scripted import Etcd, ScriptedGets, check, pod, settings
 
 from guard.engine.checker import FOLLOWUP_BACKLOG, Checker
 from guard.lab.harness import eventually
@@ -39,11 +39,11 @@ def test_a_flood_of_distinct_ghosts_loses_no_follow_up_and_a_looping_ghost_is_co
     coalesced0, dropped0 = counter("ghost_guard_followups_coalesced_total"), counter("ghost_guard_followups_dropped_total")
     n = 3 * FOLLOWUP_BACKLOG
     for i in range(n):
-        assert checker.check(pod(f"ghost-{i}", f"uid-{i}")).is_ghost
+        assert check(checker, pod(f"ghost-{i}", f"uid-{i}")).is_ghost
     assert checker.followups_waiting() == n - FOLLOWUP_BACKLOG  # beyond the backlog: waiting, not dropped
     looping = pod("ghost-0", "uid-0")
     for _ in range(500):  # the scheduler loops on one ghost meanwhile: one waiting sighting
-        assert checker.check(looping).is_ghost
+        assert check(checker, looping).is_ghost
     assert checker.followups_waiting() == n - FOLLOWUP_BACKLOG + 1
     assert counter("ghost_guard_followups_coalesced_total") - coalesced0 == 499
     gate.set()

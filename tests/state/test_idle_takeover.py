@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import REGISTRY
-from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
+from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, check, pod, settings
 
 from guard.engine.checker import Checker
-from guard.engine.prepare import Preparer, ReplicaView
+from guard.engine.prepare import Preparer
+from guard.engine.replica_views import ReplicaView
 from guard.core.verdict import Verdict
 
 IDLE_AFTER = 60.0
@@ -33,7 +34,7 @@ def world():
 def deliver_all(pv: Preparer, replicas: list[ReplicaModel], views: list[ReplicaView]) -> None:
     for replica, view in zip(replicas, views):
         while (event := replica.deliver()) is not None:
-            pv.apply_event(view, event)
+            pv.views.apply_event(view, event)
 
 
 def drain(pv: Preparer) -> int:
@@ -64,7 +65,7 @@ def test_the_takeover_call_is_answered_inline_and_queues_the_backlog_oldest_firs
     uids = [etcd.create(f"web-{i}") for i in range(4)]
     deliver_all(pv, replicas, views)
     takeovers = REGISTRY.get_sample_value("ghost_guard_prepare_takeovers_total") or 0.0
-    first = checker.check(pod("web-0", uids[0]))  # the first call: no prepared verdict, a GET of its own
+    first = check(checker, pod("web-0", uids[0]))  # the first call: no prepared verdict, a GET of its own
     assert first.verdict is Verdict.ALIVE
     assert gets.count == 1
     assert pv.active()
@@ -82,7 +83,7 @@ def test_the_takeover_call_is_answered_inline_and_queues_the_backlog_oldest_firs
     assert REGISTRY.get_sample_value("ghost_guard_prepare_takeovers_total") == takeovers + 1
     assert pv.idle_status()["backlog"] == 0
     for i in (1, 2, 3):  # the rest of the backlog finds its verdicts ready
-        assert checker.check(pod(f"web-{i}", uids[i])).verdict is Verdict.ALIVE
+        assert check(checker, pod(f"web-{i}", uids[i])).verdict is Verdict.ALIVE
     assert gets.count == 4
 
 
@@ -90,7 +91,7 @@ def test_an_active_guard_verifies_each_new_pod_once_and_goes_idle_after_the_sett
     etcd, gets, clock, checker, pv, replicas, views = world
     etcd.create("a-0")
     deliver_all(pv, replicas, views)
-    checker.check(pod("a-0", etcd.pods["a-0"].uid))  # takeover; inline GET
+    check(checker, pod("a-0", etcd.pods["a-0"].uid))  # takeover; inline GET
     drain(pv)
     assert gets.count == 1
     b = etcd.create("b-0")
@@ -106,10 +107,10 @@ def test_an_active_guard_verifies_each_new_pod_once_and_goes_idle_after_the_sett
     assert drain(pv) == 0 and gets.count == 2  # idle: kept for the next takeover
     # A call for a pod verified while active is answered from its prepared verdict; it is also the
     # takeover, which queues c-0.
-    assert checker.check(pod("b-0", b)).verdict is Verdict.ALIVE
+    assert check(checker, pod("b-0", b)).verdict is Verdict.ALIVE
     assert gets.count == 2
     assert drain(pv) == 1 and gets.count == 3
-    assert checker.check(pod("c-0", c)).verdict is Verdict.ALIVE
+    assert check(checker, pod("c-0", c)).verdict is Verdict.ALIVE
     assert gets.count == 3
 
 
@@ -120,11 +121,11 @@ def test_a_pod_deleted_while_idle_is_not_verified_at_the_takeover(world):
     deliver_all(pv, replicas, views)
     etcd.delete("web-1")
     deliver_all(pv, replicas, views)
-    checker.check(pod("web-0", etcd.pods["web-0"].uid))
+    check(checker, pod("web-0", etcd.pods["web-0"].uid))
     assert drain(pv) == 1  # web-0 only (asked already: no GET)
     assert gets.count == 1
     # A late call for the deleted pod still gets its verdict, inline, from a read after it was known.
-    assert checker.check(pod("web-1", doomed)).verdict is Verdict.GHOST_DELETED
+    assert check(checker, pod("web-1", doomed)).verdict is Verdict.GHOST_DELETED
 
 
 def test_a_pod_recreated_while_idle_is_never_condemned_by_a_read_of_its_predecessor(world):
@@ -133,19 +134,19 @@ def test_a_pod_recreated_while_idle_is_never_condemned_by_a_read_of_its_predeces
     etcd, gets, clock, checker, pv, replicas, views = world
     a = etcd.create("web-0")
     deliver_all(pv, replicas, views)
-    checker.check(pod("web-0", a))
+    check(checker, pod("web-0", a))
     drain(pv)
     clock.advance(IDLE_AFTER)
     etcd.delete("web-0")
     replicas[0].drop()  # one replica's watch lost the delete
-    pv.apply_event(views[1], replicas[1].deliver())
+    pv.views.apply_event(views[1], replicas[1].deliver())
     b = etcd.create("web-0")
     deliver_all(pv, replicas, views)
-    late = checker.check(pod("web-0", a))  # the takeover: a late call for A, inline, a ghost
+    late = check(checker, pod("web-0", a))  # the takeover: a late call for A, inline, a ghost
     assert late.is_ghost
     drain(pv)
     assert checker.cache.ghost(pod("web-0", b)) is None
-    assert checker.check(pod("web-0", b)).verdict is Verdict.ALIVE
+    assert check(checker, pod("web-0", b)).verdict is Verdict.ALIVE
 
 
 def test_idle_after_zero_always_verifies_ahead():
@@ -156,7 +157,7 @@ def test_idle_after_zero_always_verifies_ahead():
     pv = Preparer(checker.settings, Pool([replica]), checker)
     view = ReplicaView(replica)
     etcd.create("web-0")
-    pv.apply_event(view, replica.deliver())
+    pv.views.apply_event(view, replica.deliver())
     assert pv.active()
     assert drain(pv) == 1 and gets.count == 1
     assert pv.idle_status() == {"active": True, "idle_after": 0.0, "last_call_seconds_ago": None, "backlog": 0,

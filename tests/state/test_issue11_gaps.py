@@ -3,10 +3,11 @@ deterministic regression tests now that they are fixed."""
 
 from __future__ import annotations
 
-from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
+from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, check, pod, settings
 
 from guard.engine.checker import Checker
-from guard.engine.prepare import Preparer, ReplicaView
+from guard.engine.prepare import Preparer
+from guard.engine.replica_views import ReplicaView
 from guard.core.verdict import Verdict
 
 
@@ -19,12 +20,12 @@ def test_a_live_pod_costs_one_quorum_get_whatever_the_number_of_watches():
     pv.called()  # this guard is the one the scheduler asks: it verifies ahead
     v1, v2 = ReplicaView(r1), ReplicaView(r2)
     a = etcd.create("web-0")
-    pv.apply_event(v1, r1.deliver())  # the first watch shows the new pod: verified in the background
+    pv.views.apply_event(v1, r1.deliver())  # the first watch shows the new pod: verified in the background
     gets.hold = True
     background = Call(lambda: pv.verify_next(), "background verification")
     (get,) = gets.held
-    pv.apply_event(v2, r2.deliver())  # the second watch shows the same pod, same UID
-    call = Call(lambda: checker.check(pod("web-0", a)), "/filter")  # the scheduler asks meanwhile
+    pv.views.apply_event(v2, r2.deliver())  # the second watch shows the same pod, same UID
+    call = Call(lambda: check(checker, pod("web-0", a)), "/filter")  # the scheduler asks meanwhile
     for held in list(gets.held):  # the read in flight, and a GET of the call's own if it made one
         gets.release(held)
     assert background.result() is True

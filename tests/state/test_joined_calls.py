@@ -1,8 +1,8 @@
 """Calls the worker's event loop parks on their pod's quorum GET in flight, in every interleaving
-that matters (Checker.join_flight, then Checker.answer_joined when the GET lands, or Checker.check
-when the read alone cannot answer).
+that matters (Checker.answer in the loop with a wake, asked again when the GET lands, or from a
+thread when the read alone cannot answer).
 
-The rule: a joined call gets the answer Checker.check gives a call that waited for the same GET,
+The rule: a joined call gets the answer Checker.answer gives a call that waited for the same GET,
 counted the same way, and a live pod is never answered as a ghost.
 """
 
@@ -12,10 +12,12 @@ import threading
 
 import pytest
 from prometheus_client import REGISTRY
-from scripted import Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings, settle
+from scripted import (Call, Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, answer_joined, answer_prepared, check,
+    join_flight, pod, settings, settle)
 
 from guard.engine.checker import Checker
-from guard.engine.prepare import Preparer, ReplicaView
+from guard.engine.prepare import Preparer
+from guard.engine.replica_views import ReplicaView
 from guard.core.verdict import QuorumRead, Verdict
 
 FAR = 60.0
@@ -41,7 +43,7 @@ class World:
 
     def deliver_all(self) -> None:
         while (event := self.replica.deliver()) is not None:
-            self.pv.apply_event(self.view, event)
+            self.pv.views.apply_event(self.view, event)
 
     def pod_in_flight(self, name: str = "web-0"):
         """A new pod, shown by the watch, whose background GET is held in flight."""
@@ -80,11 +82,11 @@ CHANGES = {
 def test_a_joined_call_gets_the_answer_of_a_call_that_waited_for_the_same_get(change, watched, as_of_start):
     w = World()
     p = w.pod_in_flight()
-    joined = w.checker.join_flight(p, w.wake)
+    joined = join_flight(w.checker, p, w.wake)
     assert joined is not None and w.checker.cache.was_asked(p)
-    twin = Call(lambda: w.checker.check(p, deadline=w.clock() + FAR), "twin")  # waits for the same GET
+    twin = Call(lambda: check(w.checker, p, deadline=w.clock() + FAR), "twin")  # waits for the same GET
     assert not twin.done and len(w.gets.held) == 1
-    assert w.checker.answer_joined(joined, w.clock() + FAR) is None  # not landed: nothing to answer yet
+    assert answer_joined(w.checker, joined, w.clock() + FAR) is None  # not landed: nothing to answer yet
     assert w.woken == []
 
     CHANGES[change](w.etcd, p.name)
@@ -95,10 +97,10 @@ def test_a_joined_call_gets_the_answer_of_a_call_that_waited_for_the_same_get(ch
     settle()
     assert w.woken == ["call-verify"]  # once, on the GET's own thread, when it landed
 
-    decision = w.checker.answer_joined(joined, w.clock() + FAR)
+    decision = answer_joined(w.checker, joined, w.clock() + FAR)
     handed_over = decision is None
     if handed_over:  # the worker hands the call to a pool thread: check(), the same budget
-        decision = w.checker.check(p, deadline=w.clock() + FAR)
+        decision = check(w.checker, p, deadline=w.clock() + FAR)
     assert decision.verdict is twin.result().verdict
     assert not (decision.is_ghost and w.etcd.pending(p.name, p.uid))
     # The read passes the pod unless it shows the change, or a watch showed the change before it landed.
@@ -112,23 +114,23 @@ def test_a_joined_alive_answer_is_counted_as_a_shared_read_and_leaves_no_prepare
     p = w.pod_in_flight()
     before = {n: sample(n) for n in ("ghost_guard_verdicts_shared_read_total", "ghost_guard_verdicts_prepared_total")}
     alive = sample("ghost_guard_verdicts_total", verdict="alive")
-    joined = w.checker.join_flight(p, w.wake)
+    joined = join_flight(w.checker, p, w.wake)
     assert joined is not None
     w.gets.hold = False
     w.gets.release(w.gets.held[0])
-    decision = w.checker.answer_joined(joined, w.clock() + FAR)
+    decision = answer_joined(w.checker, joined, w.clock() + FAR)
     assert decision is not None and decision.verdict is Verdict.ALIVE
     assert sample("ghost_guard_verdicts_shared_read_total") == before["ghost_guard_verdicts_shared_read_total"] + 1
     assert sample("ghost_guard_verdicts_total", verdict="alive") == alive + 1
     # The background verification landed after the call asked: its alive verdict is not kept for a
     # "first attempt" that has been answered already. A later attempt reads etcd again.
-    assert w.checker.answer_prepared(p) is None
+    assert answer_prepared(w.checker, p) is None
     assert sample("ghost_guard_verdicts_prepared_total") == before["ghost_guard_verdicts_prepared_total"]
     gets = w.gets.count
-    assert w.checker.check(p, deadline=w.clock() + FAR).verdict is Verdict.ALIVE
+    assert check(w.checker, p, deadline=w.clock() + FAR).verdict is Verdict.ALIVE
     assert w.gets.count == gets  # the shared read is still fresh in the read cache
     w.clock.advance(1.0)
-    assert w.checker.check(p, deadline=w.clock() + FAR).verdict is Verdict.ALIVE
+    assert check(w.checker, p, deadline=w.clock() + FAR).verdict is Verdict.ALIVE
     assert w.gets.count == gets + 1
 
 
@@ -138,12 +140,12 @@ def test_a_failed_get_answers_a_joined_call_unknown_counted_as_check_counts_it(f
     p = w.pod_in_flight()
     counter = "ghost_guard_fail_closed_total" if fail_closed else "ghost_guard_fail_open_total"
     before = sample(counter, reason="apiserver")
-    joined = w.checker.join_flight(p, w.wake)
+    joined = join_flight(w.checker, p, w.wake)
     assert joined is not None
     fail(w.gets)
     assert w.woken == ["call-verify"]
     gets = w.gets.count
-    decision = w.checker.answer_joined(joined, w.clock() + FAR)
+    decision = answer_joined(w.checker, joined, w.clock() + FAR)
     assert decision is not None and decision.verdict is Verdict.UNKNOWN
     assert "request timed out" in decision.reason
     assert w.checker.blocks(decision) is fail_closed
@@ -156,11 +158,11 @@ def test_a_joined_call_answered_after_its_budget_counts_the_budget():
     p = w.pod_in_flight()
     before = sample("ghost_guard_fail_open_total", reason="budget")
     deadline = w.clock() + 2.0
-    joined = w.checker.join_flight(p, w.wake)
+    joined = join_flight(w.checker, p, w.wake)
     assert joined is not None
     w.clock.advance(3.0)
     fail(w.gets, "request budget exhausted")
-    decision = w.checker.answer_joined(joined, deadline)
+    decision = answer_joined(w.checker, joined, deadline)
     assert decision is not None and decision.verdict is Verdict.UNKNOWN
     assert sample("ghost_guard_fail_open_total", reason="budget") == before + 1
 
@@ -168,14 +170,14 @@ def test_a_joined_call_answered_after_its_budget_counts_the_budget():
 def test_nothing_is_joined_without_a_get_in_flight_or_with_a_ghost_cached():
     w = World()
     p = pod("web-0", w.etcd.create("web-0"))
-    assert w.checker.join_flight(p, w.wake) is None  # no GET in flight: check() makes its own
+    assert join_flight(w.checker, p, w.wake) is None  # no GET in flight: check() makes its own
     assert not w.checker.cache.was_asked(p)  # and nothing was done
     w.etcd.delete("web-0")
-    assert w.checker.check(p, deadline=w.clock() + FAR).is_ghost
+    assert check(w.checker, p, deadline=w.clock() + FAR).is_ghost
     w.gets.hold = True
-    Call(lambda: w.checker.check(pod("web-0", "other-uid"), deadline=w.clock() + FAR), "other")
+    Call(lambda: check(w.checker, pod("web-0", "other-uid"), deadline=w.clock() + FAR), "other")
     assert len(w.gets.held) == 1  # a GET of the name is in flight, but this identity is a known ghost
-    assert w.checker.join_flight(p, w.wake) is None
+    assert join_flight(w.checker, p, w.wake) is None
     w.gets.release(w.gets.held[0])
     assert w.woken == []
 
@@ -183,18 +185,18 @@ def test_nothing_is_joined_without_a_get_in_flight_or_with_a_ghost_cached():
 def test_a_flight_the_watch_invalidated_is_not_joined_but_still_wakes_those_that_joined_it():
     w = World()
     p = w.pod_in_flight()
-    joined = w.checker.join_flight(p, w.wake)
+    joined = join_flight(w.checker, p, w.wake)
     assert joined is not None
     w.etcd.delete(p.name)
     new = pod(p.name, w.etcd.create(p.name))
     w.deliver_all()  # DELETED, then ADDED under the name: the read in flight began before both
-    assert w.checker.join_flight(new, w.wake) is None  # the new identity is checked with a read of its own
+    assert join_flight(w.checker, new, w.wake) is None  # the new identity is checked with a read of its own
     w.gets.hold = False
     w.gets.release(w.gets.held[0])  # as of its start: shows the old pod pending
     assert w.woken == ["call-verify"]
-    assert w.checker.answer_joined(joined, w.clock() + FAR) is None  # the watch showed it gone first
-    assert w.checker.check(p, deadline=w.clock() + FAR).verdict is Verdict.GHOST_REPLACED  # read past the old GET
-    assert w.checker.check(new, deadline=w.clock() + FAR).verdict is Verdict.ALIVE
+    assert answer_joined(w.checker, joined, w.clock() + FAR) is None  # the watch showed it gone first
+    assert check(w.checker, p, deadline=w.clock() + FAR).verdict is Verdict.GHOST_REPLACED  # read past the old GET
+    assert check(w.checker, new, deadline=w.clock() + FAR).verdict is Verdict.ALIVE
 
 
 def test_a_wake_that_raises_neither_strands_the_read_nor_the_other_joined_calls():
@@ -204,13 +206,13 @@ def test_a_wake_that_raises_neither_strands_the_read_nor_the_other_joined_calls(
     def broken() -> None:
         raise OSError("the event loop's pipe is closed")
 
-    first = w.checker.join_flight(p, broken)
-    second = w.checker.join_flight(p, w.wake)
+    first = join_flight(w.checker, p, broken)
+    second = join_flight(w.checker, p, w.wake)
     assert first is not None and second is not None
     w.gets.release(w.gets.held[0])
     assert w.woken == ["call-verify"]
-    assert w.checker.answer_joined(second, w.clock() + FAR).verdict is Verdict.ALIVE
-    assert w.checker.answer_joined(first, w.clock() + FAR).verdict is Verdict.ALIVE
+    assert answer_joined(w.checker, second, w.clock() + FAR).verdict is Verdict.ALIVE
+    assert answer_joined(w.checker, first, w.clock() + FAR).verdict is Verdict.ALIVE
 
 
 @pytest.mark.parametrize("as_of_start", [True, False], ids=["get-answers-as-of-start", "get-answers-as-of-now"])
@@ -222,12 +224,12 @@ def test_a_new_uid_that_joins_a_get_begun_before_it_existed_is_never_condemned(a
     old = w.pod_in_flight()
     w.etcd.delete(old.name)
     new = pod(old.name, w.etcd.create(old.name))  # the guard's watch has shown neither change yet
-    joined = w.checker.join_flight(new, w.wake)
+    joined = join_flight(w.checker, new, w.wake)
     assert joined is not None
     w.gets.hold = False
     w.gets.release(w.gets.held[0], as_of_start=as_of_start)  # the old pod pending, or the new one
-    decision = w.checker.answer_joined(joined, w.clock() + FAR)
+    decision = answer_joined(w.checker, joined, w.clock() + FAR)
     if decision is None:
-        decision = w.checker.check(new, deadline=w.clock() + FAR)
+        decision = check(w.checker, new, deadline=w.clock() + FAR)
     assert decision.verdict is Verdict.ALIVE
     assert w.checker.cache.ghost(new) is None

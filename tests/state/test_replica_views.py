@@ -13,11 +13,12 @@ from __future__ import annotations
 import queue
 
 import pytest
-from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
+from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, check, pod, settings
 
 from guard.engine.checker import Checker
 from guard.lab.harness import eventually
-from guard.engine.prepare import LIST_OBJECTS_PER_SECOND, Preparer, ReplicaView
+from guard.engine.prepare import Preparer
+from guard.engine.replica_views import LIST_OBJECTS_PER_SECOND, ReplicaView
 from guard.core.verdict import Verdict
 
 
@@ -29,7 +30,7 @@ def world():
     checker = Checker(settings(prepare_idle_after=0, sweep_interval=30.0), gets, timer=clock, background=False)
     replicas = [ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)]
     pv = Preparer(checker.settings, Pool(replicas), checker)
-    views = pv.replicas_changed(replicas, [])  # the views, without the threads start() would run
+    views = pv.views.replicas_changed(replicas, [])  # the views, without the threads start() would run
     return etcd, gets, checker, pv, replicas, views
 
 
@@ -68,12 +69,12 @@ def test_a_listing_queues_new_pods_oldest_first(world):
     stamps = {"a": 1, "b": 2, "c": 3}  # kube-scheduler's order for equal priorities: oldest first
     for obj in items:
         obj["metadata"].update(created_at(stamps[obj["metadata"]["name"]]))
-    pv.apply_listing(views[0], rv, items, checker.cache.tick())
+    pv.views.apply_listing(views[0], rv, items, checker.cache.tick())
     assert sorted(p.name for p in views[0].pods.values()) == ["a", "b", "c"]
     assert drain(pv) == ["a", "b", "c"]
     assert gets.count == 3
     # Listed again: nothing new, nothing verified again.
-    pv.list_view(views[0])
+    pv.views.list_view(views[0])
     assert drain(pv) == [] and gets.count == 3
 
 
@@ -81,34 +82,34 @@ def test_a_pod_that_leaves_a_listing_loses_its_prepared_verdict(world):
     etcd, gets, checker, pv, replicas, views = world
     uid = etcd.create("web")
     catch_up(replicas[0])
-    pv.list_view(views[0])
+    pv.views.list_view(views[0])
     drain(pv)
     assert checker.cache.take_prepared(pod("web", uid)) is not None  # verified ahead by the listing
     other = etcd.create("other")
     catch_up(replicas[0])
-    pv.list_view(views[0])
+    pv.views.list_view(views[0])
     drain(pv)
     assert checker.cache.gone_since(pod("other", other)) == 0
     etcd.delete("other")  # deleted: the next listing lacks it
     catch_up(replicas[0])
     assert checker.cache.gone_since(pod("other", other)) == 0
-    pv.list_view(views[0])
+    pv.views.list_view(views[0])
     assert checker.cache.gone_since(pod("other", other)) > 0
     assert checker.cache.take_prepared(pod("other", other)) is None
     # A later call for it reads etcd again, with a read that began after it was seen gone.
-    assert checker.check(pod("other", other)).verdict is Verdict.GHOST_DELETED
+    assert check(checker, pod("other", other)).verdict is Verdict.GHOST_DELETED
 
 
 def test_a_replica_listed_before_the_pod_existed_does_not_disagree(world):
     etcd, gets, checker, pv, replicas, views = world
-    pv.list_view(views[1])  # replica 2 listed: empty
+    pv.views.list_view(views[1])  # replica 2 listed: empty
     etcd.create("new")
     catch_up(replicas[0])
     catch_up(replicas[1])
-    pv.list_view(views[0])  # replica 1 listed after the create: shows it
-    assert pv.disagreements() == []  # replica 2's view is older than the pod
-    pv.list_view(views[1])
-    assert pv.disagreements() == []  # and its next listing shows it
+    pv.views.list_view(views[0])  # replica 1 listed after the create: shows it
+    assert pv.views.disagreements() == []  # replica 2's view is older than the pod
+    pv.views.list_view(views[1])
+    assert pv.views.disagreements() == []  # and its next listing shows it
 
 
 def test_a_replica_that_lost_the_delete_disagrees_once_its_listing_is_newer_than_the_pod(world):
@@ -117,14 +118,14 @@ def test_a_replica_that_lost_the_delete_disagrees_once_its_listing_is_newer_than
     catch_up(replicas[0])
     catch_up(replicas[1])
     for v in views:
-        pv.list_view(v)
+        pv.views.list_view(v)
     drain(pv)
     etcd.delete("ghost")
     catch_up(replicas[0])
     replicas[1].drop()  # replica 2's watch lost the delete: it serves the ghost forever
     for v in views:
-        pv.list_view(v)
-    assert pv.disagreements() == [pod("ghost", uid)]
+        pv.views.list_view(v)
+    assert pv.views.disagreements() == [pod("ghost", uid)]
     assert pv.sweep() == []  # the first sweep only suspects
     assert pv.sweep() == [pod("ghost", uid)]  # the second, in a row, verifies it again
     drain(pv)
@@ -139,13 +140,13 @@ def test_the_listing_interval_is_a_few_seconds_idle_or_not_and_grows_with_the_ba
     replica = ReplicaModel("10.0.0.1:6443", etcd)
     pv = Preparer(checker.settings, Pool([replica]), checker)
     view = ReplicaView(replica)
-    assert pv.list_interval(view) == 3.0  # idle: the scheduler may read a replica that lost creations
+    assert pv.views.list_interval(view) == 3.0  # idle: the scheduler may read a replica that lost creations
     pv.called()
-    assert pv.list_interval(view) == 3.0
+    assert pv.views.list_interval(view) == 3.0
     view.pods = {str(i): pod(f"p-{i}", str(i)) for i in range(20 * LIST_OBJECTS_PER_SECOND)}
-    assert pv.list_interval(view) == 20.0  # a backlog of 10,000 pods: every 20 s
+    assert pv.views.list_interval(view) == 20.0  # a backlog of 10,000 pods: every 20 s
     short = Preparer(settings(sweep_interval=2.0), Pool([replica]), checker)
-    assert short.list_interval(ReplicaView(replica)) == 1.0  # two sweeps in a row see fresh listings
+    assert short.views.list_interval(ReplicaView(replica)) == 1.0  # two sweeps in a row see fresh listings
 
 
 class StreamingReplica(ReplicaModel):
@@ -176,24 +177,50 @@ def test_a_watch_that_comes_back_to_its_replica_ends_the_old_stream():
     checker = Checker(settings(prepare_idle_after=60.0), ScriptedGets(etcd), timer=clock, background=False)
     replica = StreamingReplica("10.0.0.1:6443", etcd)
     pv = Preparer(checker.settings, Pool([replica]), checker)
-    pv.replicas_changed([replica], [])
+    pv.views.replicas_changed([replica], [])
     try:
         pv.called()
-        pv.manage()  # active: the watch starts on the one replica
+        pv.views.manage()  # active: the watch starts on the one replica
         eventually(lambda: replica.open == 1, 10, what="the first stream open")
         clock.advance(61)
-        pv.manage()  # idle: the watch is told to stop; its stream waits for an event
+        pv.views.manage()  # idle: the watch is told to stop; its stream waits for an event
         pv.called()
-        pv.manage()  # active again: a new watch, a new stream, on the same replica
+        pv.views.manage()  # active again: a new watch, a new stream, on the same replica
         eventually(lambda: len(replica.streams) == 2 and replica.open == 2, 10, what="the second stream open")
         etcd.create("web")
         event = replica.deliver()
         replica.streams[0].put(event)  # the old stream's next event
         eventually(lambda: replica.open == 1, 10, what="the old stream ended")
         replica.streams[1].put(event)
-        eventually(lambda: any(p.name == "web" for v in pv.pending_views().values() for p in v[1].values()), 10,
+        eventually(lambda: any(p.name == "web" for v in pv.views.pending_views().values() for p in v[1].values()), 10,
                    what="the new stream's event applied")
     finally:
         pv.close()
         for q in replica.streams:
             q.put(None)
+
+
+def test_without_a_pre_verifier_every_replica_is_listed_and_nothing_is_watched_or_verified():
+    """--no-prepare: the views have no listener. Every replica is listed (none watched, whatever the
+    calls), the views say which pods each shows (what the missing-pod check compares), and nothing is
+    verified nor any cached read dropped."""
+    from guard.engine.replica_views import ReplicaViews
+
+    etcd = Etcd()
+    gets = ScriptedGets(etcd)
+    checker = Checker(settings(prepare_idle_after=0), gets, timer=FakeClock(), background=False)
+    replicas = [ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)]
+    rv = ReplicaViews(checker.settings, Pool(replicas), checker.cache.tick)
+    made = rv.replicas_changed(replicas, [])
+    uid = etcd.create("lost")
+    catch_up(replicas[0])
+    replicas[1].drop()  # replica 2 never hears of it: its watch lost the creation
+    rv.manage()
+    eventually(lambda: all(v.synced and not v.listing for v in made), 10, what="both replicas listed")
+    assert not any(v.watched for v in made) and rv.watch_status()["fallback"] is None
+    views = rv.pending_views()
+    (lost,) = views["10.0.0.1:6443"][1].values()
+    assert (lost.name, lost.uid) == ("lost", uid) and views["10.0.0.2:6443"] == (True, {})
+    assert rv.knows(lost)
+    assert gets.count == 0
+    rv.close()

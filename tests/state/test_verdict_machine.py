@@ -2,10 +2,10 @@
 healthy replica.
 
 Random sequences of: create / delete / recreate-same-name / bind pods in etcd; scheduler calls
-(/filter, /preempt and binding reviews all call ``Checker.check``; dry-run reviews with
+(/filter, /preempt and binding reviews all call ``Checker.answer``; dry-run reviews with
 ``record=False``) for any UID a name ever had, or a UID of another name; the same calls as the
 worker's event loop takes them (a prepared verdict, or parked on the pod's GET in flight and
-answered when it lands, or handed to ``Checker.check`` then or when the budget nearly runs out); background
+answered when it lands, or handed to ``Checker.answer`` then or when the budget nearly runs out); background
 verifications (and the takeover of the backlog after an idle spell); quorum GETs held in flight
 and answered as of their start or as of now; watch events delivered late, or dropped, per replica;
 replica restarts; the incident recorder's confirmation rounds; clock steps; idle spells (no call
@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings as hsettings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from scripted import Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settle, settings
+from scripted import (Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, ScriptedGets, answer_joined,
+    answer_prepared, check, join_flight, pod, settings, settle)
 
 from guard.audit.sqlite import AuditStore
 from guard.engine.checker import Checker
@@ -68,7 +69,7 @@ class VerdictMachine(RuleBasedStateMachine):
         self.replicas = [Blame(f"10.0.0.{i}:6443", self.etcd) for i in (1, 2)]
         self.pv = Preparer(self.checker.settings, Pool(self.replicas), self.checker)
         self.pv.called()  # starts active; idle_spell makes it idle, the next scheduler call takes over
-        self.views = self.pv.replicas_changed(self.replicas, [])  # the views (start() also runs the threads)
+        self.views = self.pv.views.replicas_changed(self.replicas, [])  # the views (start() also runs the threads)
         self.tmp = tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
         self.audit = AuditStore(Path(self.tmp.name) / "audit.db")
         self.confirms: list[tuple] = []
@@ -77,7 +78,7 @@ class VerdictMachine(RuleBasedStateMachine):
                                          later=lambda delay, fn, *args: self.confirms.append((fn, args)))
         self.recorder.attach(self.checker)
         self.calls: list[tuple[Call, object]] = []
-        self.parked: list[tuple[object, list, object]] = []  # (Joined, landed flag, pod): loop calls waiting
+        self.parked: list[tuple[object, list, object]] = []  # (the joined Call, landed flag, pod): loop calls waiting
         self.answers = 0
 
     # -- etcd ------------------------------------------------------------------------------------
@@ -134,23 +135,23 @@ class VerdictMachine(RuleBasedStateMachine):
         return pod(name, data.draw(st.sampled_from(uids)))
 
     def _check_on_thread(self, p, *, record=True):
-        """Checker.check for ``p`` on its own thread (a pool thread's call), its answer checked once done."""
-        self.calls.append((Call(lambda: self.checker.check(p, deadline=self.clock() + FAR, record=record),
+        """Checker.answer for ``p`` on its own thread (a pool thread's call), its answer checked once done."""
+        self.calls.append((Call(lambda: check(self.checker, p, deadline=self.clock() + FAR, record=record),
                                 f"{p}:{p.uid}"), p))
 
     @precondition(lambda self: self.etcd.history)
     @rule(data=st.data(), cross=st.booleans())
     def loop_call(self, data, cross):
-        """A /filter or /preempt as the worker's event loop takes it (guard.serving.worker._answer_now): a
+        """A /filter or /preempt as the worker's event loop takes it (guard.serving.connection.ConnectionLoop._answer_now): a
         prepared verdict at once; else parked on the pod's GET in flight (answered when it lands,
-        see ``land``); else handed to a pool thread, which calls ``Checker.check``."""
+        see ``land``); else handed to a pool thread, which calls ``Checker.answer``."""
         p = self._draw_pod(data, cross)
-        decision = self.checker.answer_prepared(p)
+        decision = answer_prepared(self.checker, p)
         if decision is not None:
             self._answered(decision, p)
             return
         landed: list = []
-        joined = self.checker.join_flight(p, lambda: landed.append(True))
+        joined = join_flight(self.checker, p, lambda: landed.append(True))
         if joined is None:
             self._check_on_thread(p)
         else:
@@ -167,11 +168,11 @@ class VerdictMachine(RuleBasedStateMachine):
             self._check_on_thread(entry[2])
 
     def land(self):
-        """The loop's side of a landed GET (guard.serving.worker._landed): answer, or hand to a pool thread."""
+        """The loop's side of a landed GET (guard.serving.connection.ConnectionLoop._landed): answer, or hand to a pool thread."""
         for entry in [e for e in self.parked if e[1]]:
             self.parked.remove(entry)
             joined, _, p = entry
-            decision = self.checker.answer_joined(joined, self.clock() + FAR)
+            decision = answer_joined(self.checker, joined, self.clock() + FAR)
             if decision is None:
                 self._check_on_thread(p)
             else:
@@ -202,12 +203,12 @@ class VerdictMachine(RuleBasedStateMachine):
     def deliver_event(self, i):
         event = self.replicas[i].deliver()
         if event is not None:
-            self.pv.apply_event(self.views[i], event)
+            self.pv.views.apply_event(self.views[i], event)
 
     @rule(i=st.sampled_from((0, 1)))
     def list_replica(self, i):
         """The guard lists the replica's cache into its view (every replica it does not watch)."""
-        self.pv.list_view(self.views[i])
+        self.pv.views.list_view(self.views[i])
 
     @rule()
     def sweep(self):

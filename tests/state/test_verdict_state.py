@@ -11,12 +11,14 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from scripted import NS, Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, ScriptedGets, pod, settings
+from scripted import (Call, Etcd, EtcdKube, FakeClock, NS, Pool, ReplicaModel, ScriptedGets, answer_prepared, check,
+    pod, settings)
 
 from guard.audit.sqlite import AuditStore
 from guard.engine.checker import Checker
 from guard.engine.incident import IncidentRecorder
-from guard.engine.prepare import Preparer, ReplicaView
+from guard.engine.prepare import Preparer
+from guard.engine.replica_views import ReplicaView
 from guard.core.verdict import Decision, Verdict
 
 
@@ -47,14 +49,14 @@ def test_a_recreate_inside_the_burst_window_never_condemns_the_new_pod(world, ho
     a = etcd.create("web-0")
     if how == "deleted":
         etcd.delete("web-0")
-        late = checker.check(pod("web-0", a))  # the scheduler's last, late call for A: 404, cached by name
+        late = check(checker, pod("web-0", a))  # the scheduler's last, late call for A: 404, cached by name
         assert late.verdict is Verdict.GHOST_DELETED
     else:
-        first = checker.check(pod("web-0", a))  # A's generation is read and cached by name
+        first = check(checker, pod("web-0", a))  # A's generation is read and cached by name
         assert first.verdict is Verdict.ALIVE
         etcd.delete("web-0")
     b = etcd.create("web-0")  # the controller recreates the name within the read cache's 0.5 s
-    assert checker.check(pod("web-0", b)).verdict is Verdict.ALIVE
+    assert check(checker, pod("web-0", b)).verdict is Verdict.ALIVE
     # One extra GET, past the cache, before anything is condemned.
     assert gets.count == 2
     assert checker.cache.ghost(pod("web-0", b)) is None
@@ -65,16 +67,16 @@ def test_background_verification_of_the_recreated_pod_rereads_past_the_cached_40
     pv, view, replica = watch(checker, etcd)
     a = etcd.create("web-0")
     etcd.delete("web-0")
-    assert checker.check(pod("web-0", a)).verdict is Verdict.GHOST_DELETED
+    assert check(checker, pod("web-0", a)).verdict is Verdict.GHOST_DELETED
     b = etcd.create("web-0")
     # This view lost A's events and B's ADDED (nothing invalidated the cached 404); it learns B
     # from a later MODIFIED.
     replica.drop(), replica.drop(), replica.drop()
-    pv.apply_event(view, {"type": "MODIFIED", "object": etcd.pods["web-0"].obj("web-0", etcd.revision)})
+    pv.views.apply_event(view, {"type": "MODIFIED", "object": etcd.pods["web-0"].obj("web-0", etcd.revision)})
     assert pv.verify_next()
     assert gets.count == 2  # the cached 404 began before B was known: read again
     assert checker.cache.ghost(pod("web-0", b)) is None
-    assert checker.check(pod("web-0", b)).verdict is Verdict.ALIVE
+    assert check(checker, pod("web-0", b)).verdict is Verdict.ALIVE
     assert gets.count == 2  # B's first call: the prepared verdict
 
 
@@ -82,11 +84,11 @@ def test_a_shared_in_flight_read_across_a_recreate_passes_but_never_condemns(wor
     etcd, gets, clock, checker = world
     a = etcd.create("web-0")
     gets.hold = True
-    call_a = Call(lambda: checker.check(pod("web-0", a)), "A")
+    call_a = Call(lambda: check(checker, pod("web-0", a)), "A")
     (get_a,) = gets.held
     etcd.delete("web-0")
     b = etcd.create("web-0")
-    call_b = Call(lambda: checker.check(pod("web-0", b)), "B")  # joins A's GET, in flight since before B
+    call_b = Call(lambda: check(checker, pod("web-0", b)), "B")  # joins A's GET, in flight since before B
     assert gets.held == [get_a]
     etcd.delete("web-0")  # B goes too: only a read that began after B was known may say so
     b2 = etcd.create("web-0")
@@ -96,7 +98,7 @@ def test_a_shared_in_flight_read_across_a_recreate_passes_but_never_condemns(wor
     assert call_a.result().verdict is Verdict.ALIVE
     assert call_b.result().verdict is Verdict.GHOST_REPLACED  # by b2, seen by a read that began after B
     assert checker.cache.ghost(pod("web-0", b)) is not None
-    assert checker.check(pod("web-0", b2)).verdict is Verdict.ALIVE
+    assert check(checker, pod("web-0", b2)).verdict is Verdict.ALIVE
 
 
 ORDERS = list(itertools.permutations(["ADDED", "DELETED", "answer"]))
@@ -111,10 +113,10 @@ def test_watch_events_in_every_order_against_a_read_in_flight(world, order):
     other = ReplicaModel("10.0.0.2:6443", etcd)
     other_view = ReplicaView(other)
     a = etcd.create("web-0")
-    pv.apply_event(view, replica.deliver())
-    pv.apply_event(other_view, other.deliver())
+    pv.views.apply_event(view, replica.deliver())
+    pv.views.apply_event(other_view, other.deliver())
     gets.hold = True
-    call_a = Call(lambda: checker.check(pod("web-0", a)), "A")
+    call_a = Call(lambda: check(checker, pod("web-0", a)), "A")
     (get_a,) = gets.held
     etcd.delete("web-0")
     b = etcd.create("web-0")
@@ -123,10 +125,10 @@ def test_watch_events_in_every_order_against_a_read_in_flight(world, order):
             gets.release(get_a, as_of_start=True)  # as of its start: A pending
         elif step == "DELETED":
             assert replica.events[0]["type"] == "DELETED"
-            pv.apply_event(view, replica.deliver())
+            pv.views.apply_event(view, replica.deliver())
         else:
             assert other.drop()["type"] == "DELETED"  # this replica lost A's delete
-            pv.apply_event(other_view, other.deliver())
+            pv.views.apply_event(other_view, other.deliver())
             assert set(other_view.pods) == {a, b}
     gets.hold = False
     for get in list(gets.held):  # A's call read again (the watch had shown A gone): etcd now has B
@@ -136,8 +138,8 @@ def test_watch_events_in_every_order_against_a_read_in_flight(world, order):
     # only by a read that began after: "replaced" (etcd has B under the name).
     assert call_a.result().verdict is (Verdict.ALIVE if answered_first else Verdict.GHOST_REPLACED)
     # Whatever the order, B is never judged by a read of A's generation.
-    assert checker.check(pod("web-0", b)).verdict is Verdict.ALIVE
-    assert checker.check(pod("web-0", a)).verdict is Verdict.GHOST_REPLACED
+    assert check(checker, pod("web-0", b)).verdict is Verdict.ALIVE
+    assert check(checker, pod("web-0", a)).verdict is Verdict.GHOST_REPLACED
     assert checker.cache.ghost(pod("web-0", b)) is None
     # GETs: A's, and one more unless A's re-read came after both events (then it serves B too).
     both_before = order.index("answer") == 2
@@ -148,7 +150,7 @@ def test_an_invalidated_read_in_flight_is_not_stored(world):
     etcd, gets, clock, checker = world
     a = etcd.create("web-0")
     gets.hold = True
-    call = Call(lambda: checker.check(pod("web-0", a)), "A")
+    call = Call(lambda: check(checker, pod("web-0", a)), "A")
     (get,) = gets.held
     checker.cache.invalidate_name(NS, "web-0")  # the watch showed the name ADDED or DELETED
     gets.release(get)
@@ -162,12 +164,12 @@ def test_a_read_started_before_a_delete_passes_and_the_next_call_condemns_with_i
     etcd, gets, clock, checker = world
     pv, view, replica = watch(checker, etcd)
     a = etcd.create("web-0")
-    pv.apply_event(view, replica.deliver())
+    pv.views.apply_event(view, replica.deliver())
     gets.hold = True
-    call = Call(lambda: checker.check(pod("web-0", a)), "A")
+    call = Call(lambda: check(checker, pod("web-0", a)), "A")
     (get,) = gets.held
     etcd.delete("web-0")
-    pv.apply_event(view, replica.deliver())  # DELETED(A): the identity is gone
+    pv.views.apply_event(view, replica.deliver())  # DELETED(A): the identity is gone
     gets.release(get, as_of_start=True)  # as of its start: A pending
     # The read says pending, the watch says gone: the call reads again past the cache, and
     # that read (begun after A was known) condemns A.
@@ -183,9 +185,9 @@ def test_a_read_started_before_a_delete_passes_and_the_next_call_condemns_with_i
 def test_the_same_uid_under_another_name_never_reuses_its_verdict(world):
     etcd, gets, clock, checker = world
     live = etcd.create("web-0")
-    forged = checker.check(pod("does-not-exist", live))
+    forged = check(checker, pod("does-not-exist", live))
     assert forged.verdict is Verdict.GHOST_DELETED
-    assert checker.check(pod("web-0", live)).verdict is Verdict.ALIVE
+    assert check(checker, pod("web-0", live)).verdict is Verdict.ALIVE
     assert checker.cache.ghost(pod("web-0", live)) is None
 
 
@@ -193,13 +195,13 @@ def test_a_prepared_verdict_is_never_reached_by_another_name(world):
     etcd, gets, clock, checker = world
     pv, view, replica = watch(checker, etcd)
     live = etcd.create("web-0")
-    pv.apply_event(view, replica.deliver())
+    pv.views.apply_event(view, replica.deliver())
     assert pv.verify_next()
     assert gets.count == 1
-    other = checker.check(pod("other", live))  # not web-0's prepared alive verdict: a read of "other"
+    other = check(checker, pod("other", live))  # not web-0's prepared alive verdict: a read of "other"
     assert other.verdict is Verdict.GHOST_DELETED
     assert gets.count == 2
-    assert checker.check(pod("web-0", live)).verdict is Verdict.ALIVE
+    assert check(checker, pod("web-0", live)).verdict is Verdict.ALIVE
     assert gets.count == 2  # web-0's own prepared verdict, untouched
 
 
@@ -212,11 +214,11 @@ def test_a_dry_run_records_nothing_and_the_next_real_call_records_once(world):
     checker.listeners.append(lambda p, d, r: seen.append(p))
     a = etcd.create("web-0")
     etcd.delete("web-0")
-    assert checker.check(pod("web-0", a), record=False).is_ghost
-    assert checker.check(pod("web-0", a), record=False).is_ghost
+    assert check(checker, pod("web-0", a), record=False).is_ghost
+    assert check(checker, pod("web-0", a), record=False).is_ghost
     assert seen == []
-    assert checker.check(pod("web-0", a)).is_ghost
-    assert checker.check(pod("web-0", a)).is_ghost
+    assert check(checker, pod("web-0", a)).is_ghost
+    assert check(checker, pod("web-0", a)).is_ghost
     assert seen == [pod("web-0", a)]
 
 
@@ -228,7 +230,7 @@ def test_a_call_past_its_budget_fails_open_without_a_get(world):
     a = etcd.create("web-0")
     arrived = clock()
     clock.advance(checker.settings.request_budget + 0.01)  # e.g. the body took the whole budget
-    decision = checker.check(pod("web-0", a), deadline=checker.deadline(arrived))
+    decision = check(checker, pod("web-0", a), deadline=checker.deadline(arrived))
     assert decision.verdict is Verdict.UNKNOWN and "budget" in decision.reason
     assert gets.count == 0
     assert not checker.blocks(decision)
@@ -245,7 +247,7 @@ def test_the_get_is_given_what_is_left_of_the_budget():
     a = etcd.create("web-0")
     arrived = clock()
     clock.advance(0.75)
-    checker.check(pod("web-0", a), deadline=checker.deadline(arrived))
+    check(checker, pod("web-0", a), deadline=checker.deadline(arrived))
     assert asked == [round(checker.settings.request_budget - 0.75, 6)]
 
 
@@ -278,7 +280,7 @@ def test_a_replica_serving_the_live_pod_is_never_blamed(world, audit):
     stale.deliver(), stale.drop(), stale.drop()  # ADDED A only: it still serves A
     rec, delays = recorder(checker, etcd, [stale, healthy], audit)
     ghost = pod("web-0", a)
-    assert checker.check(ghost).verdict is Verdict.GHOST_REPLACED  # new_ghost: record, etcd, probes
+    assert check(checker, ghost).verdict is Verdict.GHOST_REPLACED  # new_ghost: record, etcd, probes
     ((delay, fn, args),) = delays
     assert delay == checker.settings.stale_confirm_delay
     fn(*args)  # the confirmation round
@@ -287,7 +289,7 @@ def test_a_replica_serving_the_live_pod_is_never_blamed(world, audit):
     # the evidence is what the quorum GET answered: the other UID etcd has under that name
     assert record.evidence["quorum_get"] == {"outcome": "found", "http_status": 200, "uid": b, "node_name": None,
                                              "deletion_timestamp": None, "resource_version": str(etcd.revision)}
-    assert checker.check(pod("web-0", b)).verdict is Verdict.ALIVE
+    assert check(checker, pod("web-0", b)).verdict is Verdict.ALIVE
 
 
 def test_a_ghost_verdict_contradicted_by_etcd_is_withdrawn_and_nobody_is_blamed(world, audit):
@@ -301,13 +303,13 @@ def test_a_ghost_verdict_contradicted_by_etcd_is_withdrawn_and_nobody_is_blamed(
     read = checker.cache.read(NS, "another-name", timeout=1.0)
     assert checker.cache.remember_ghost(ghost, Decision(Verdict.GHOST_DELETED, "bug"), read, known_at=0)
     rec, delays = recorder(checker, etcd, [r1, r2], audit)
-    assert checker.check(ghost).is_ghost  # the cached verdict answers once; its follow-up asks etcd
+    assert check(checker, ghost).is_ghost  # the cached verdict answers once; its follow-up asks etcd
     assert checker.cache.ghost(ghost) is None  # withdrawn at once
     assert delays == []  # no confirmation round: nobody is blamed
     assert audit.records() == []
     (retracted,) = audit.records(retracted=True)
     assert retracted.retracted_at is not None and retracted.stale_replicas == []
-    assert checker.check(ghost).verdict is Verdict.ALIVE
+    assert check(checker, ghost).verdict is Verdict.ALIVE
 
 
 def test_remember_ghost_refuses_a_read_older_than_the_uid(world):
@@ -318,7 +320,7 @@ def test_remember_ghost_refuses_a_read_older_than_the_uid(world):
     assert checker.cache.ghost(pod("web-0", "u")) is None
 
 
-# -- answered without waiting (the worker's event loop: Checker.answer_prepared) ------------------------
+# -- answered without waiting (the worker's event loop: Checker.answer, now) ------------------------
 
 
 def test_only_a_prepared_alive_verdict_is_answered_without_waiting_and_nothing_else_is_consumed(world):
@@ -326,25 +328,25 @@ def test_only_a_prepared_alive_verdict_is_answered_without_waiting_and_nothing_e
     pv, view, replica = watch(checker, etcd)
     live = etcd.create("web-0")
     gone = etcd.create("web-1")
-    pv.apply_event(view, replica.deliver())
-    pv.apply_event(view, replica.deliver())
+    pv.views.apply_event(view, replica.deliver())
+    pv.views.apply_event(view, replica.deliver())
     assert pv.verify_next() and pv.verify_next()
     assert gets.count == 2
     # Not prepared (another UID under the name, an unknown pod): None, no GET, nothing taken.
-    assert checker.answer_prepared(pod("web-0", "other-uid")) is None
-    assert checker.answer_prepared(pod("nope", "u")) is None
+    assert answer_prepared(checker, pod("web-0", "other-uid")) is None
+    assert answer_prepared(checker, pod("nope", "u")) is None
     assert gets.count == 2
     # A ghost, even one with a prepared verdict from before its delete, is never answered here.
     etcd.delete("web-1")
-    assert checker.check(pod("web-1", gone), deadline=clock() + 5).is_ghost is False  # prepared: first attempt
+    assert check(checker, pod("web-1", gone), deadline=clock() + 5).is_ghost is False  # prepared: first attempt
     clock.advance(1.0)  # past the grace: a later attempt reads etcd again
-    assert checker.check(pod("web-1", gone)).is_ghost
-    assert checker.answer_prepared(pod("web-1", gone)) is None
+    assert check(checker, pod("web-1", gone)).is_ghost
+    assert answer_prepared(checker, pod("web-1", gone)) is None
     # The prepared alive verdict is answered, as check() would, once per first attempt (and its grace).
-    decision = checker.answer_prepared(pod("web-0", live))
+    decision = answer_prepared(checker, pod("web-0", live))
     assert decision is not None and decision.verdict is Verdict.ALIVE
     assert gets.count == 3
     clock.advance(1.0)
-    assert checker.answer_prepared(pod("web-0", live)) is None  # a later attempt: check() reads etcd
-    assert checker.check(pod("web-0", live)).verdict is Verdict.ALIVE
+    assert answer_prepared(checker, pod("web-0", live)) is None  # a later attempt: check() reads etcd
+    assert check(checker, pod("web-0", live)).verdict is Verdict.ALIVE
     assert gets.count == 4

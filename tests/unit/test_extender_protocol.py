@@ -217,3 +217,62 @@ def test_corrupted_bodies_are_refused_or_read_exactly(names, cut, junk):
     fast = outcome(lambda b: (lambda a: (a.pod, orjson.loads(extender.filter_pass(a))))(extender.parse_filter(b)))
     whole = outcome(decoded_whole) if isinstance(doc, dict) and isinstance(doc.get("NodeNames"), list) else fast
     assert fast == whole
+
+
+# --- hostile bodies against the splice (issue 29): each is read exactly as decoding it whole reads it ---
+
+P = orjson.dumps(POD)
+GO_TAIL = b',"Nodes":null,"NodeNames":'
+
+
+@pytest.mark.parametrize("req,spliced,expected", [
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a","b"]}', True, ["a", "b"], id="kube-scheduler"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["",""]}', True, ["", ""], id="empty-names"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a"]}' + b" \r\n\t" * 30000, True, ["a"], id="huge-trailing-space"),
+    pytest.param(b" " * 1000 + b'{"Pod":' + P + GO_TAIL + b'["a"]}', False, ["a"], id="leading-space"),
+    pytest.param(b'{"Pod" : ' + P + b' , "Nodes" : null , "NodeNames" : [ "a" , "b" ] }', False, ["a", "b"],
+                 id="spaces-everywhere"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a", "b"]}', False, ["a", "b"], id="space-in-names"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a"] }', False, ["a"], id="space-before-brace"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a"],"NodeNames":["b"]}', False, ["b"], id="duplicate-names-key"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a"]' + GO_TAIL + b'["b"]}', False, ["b"], id="duplicate-tail"),
+    pytest.param(b'{"Pod":{"metadata":{"name":"other"}},"Pod":' + P + GO_TAIL + b'["a"]}', False, ["a"],
+                 id="duplicate-pod-key"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a\\u0062","c\\"d","e\\\\f"]}', False, ["ab", 'c"d', "e\\f"],
+                 id="escapes"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a\\",\\"b"]}', False, ['a","b'], id="escaped-separator"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + '["nœud"]}'.encode(), False, ["nœud"], id="non-ascii"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a",["b"],"c"]}', False, ["a", ["b"], "c"], id="nested-array"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a",{"b":"c"}]}', False, ["a", {"b": "c"}], id="object-in-names"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'[1,null,true,"a"]}', False, [1, None, True, "a"], id="non-strings"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'[[[[[]]]]]}', False, [[[[[]]]]], id="deep-arrays"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a\x00b"]}', None, 400, id="raw-control-character"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a","b"]}}', None, 400, id="extra-brace"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a"]]}', None, 400, id="extra-bracket"),
+    pytest.param(b'{"Pod":' + P + GO_TAIL + b'["a""b"]}', None, 400, id="missing-comma"),
+    pytest.param(b'\xef\xbb\xbf{"Pod":' + P + GO_TAIL + b'["a"]}', None, 400, id="byte-order-mark"),
+    pytest.param(b'{"Pod":null' + GO_TAIL + b'["a"]}', None, 400, id="null-pod"),
+    pytest.param(b'{"Pod":' + P + b',"Nodes":{"items":[]}' + b',"NodeNames":["a"]}', None, 400, id="both-modes"),
+])
+def test_hostile_names_mode_bodies_read_as_decoding_whole(req, spliced, expected):
+    """The splice is taken only where it is exact; everywhere else the body is decoded whole and gives
+    that answer (last duplicate key wins, escapes decoded, non-string names passed back as sent) or a 400."""
+    if isinstance(expected, int):
+        with pytest.raises(ProtocolError) as e:
+            extender.parse_filter(req)
+        assert e.value.status == expected
+        return
+    args = extender.parse_filter(req)
+    assert (args.names_json is not None) is spliced
+    out = extender.filter_pass(args)
+    assert list(orjson.loads(out)) == FILTER_KEYS
+    assert orjson.loads(out)["NodeNames"] == expected
+    if spliced:  # the request's own bytes, not re-encoded
+        assert args.names_json in req and args.names_json in out
+
+
+def test_the_splice_counts_names_against_max_nodes_without_decoding():
+    req = b'{"Pod":' + P + GO_TAIL + orjson.dumps([f"n{i}" for i in range(101)]) + b"}"
+    with pytest.raises(extender.TooLarge, match="NodeNames has 101 nodes, more than the limit of 100"):
+        extender.parse_filter(req, max_nodes=100)
+    assert extender.parse_filter(req, max_nodes=101).names_json is not None

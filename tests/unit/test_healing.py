@@ -152,32 +152,6 @@ def test_render_json_and_table():
         healing.render([r], "yaml")
 
 
-# --- the rate of automatic heals ---------------------------------------------------------------------
-
-
-def test_token_bucket_allows_a_burst_then_the_rate():
-    b = healing.TokenBucket(rate=2.0, burst=3, now=100.0)
-    assert [b.take(100.0) for _ in range(3)] == [0.0, 0.0, 0.0]
-    assert b.take(100.0) == pytest.approx(0.5)  # one token every 0.5 s
-    assert b.take(100.25) == pytest.approx(0.25)  # waiting takes nothing
-    assert b.take(100.5) == 0.0
-    assert b.take(110.0) == 0.0  # refilled, but never beyond the burst
-    assert [b.take(110.0) for _ in range(3)] == [0.0, 0.0, pytest.approx(0.5)]
-
-
-def test_token_bucket_ignores_a_clock_going_back():
-    b = healing.TokenBucket(rate=1.0, burst=1, now=100.0)
-    assert b.take(100.0) == 0.0
-    assert b.take(90.0) == pytest.approx(1.0)
-    assert b.take(101.0) == 0.0
-
-
-@pytest.mark.parametrize("rate, burst", [pytest.param(0, 1, id="no-rate"), pytest.param(1, 0, id="no-burst")])
-def test_token_bucket_refuses_nonsense(rate, burst):
-    with pytest.raises(ValueError):
-        healing.TokenBucket(rate=rate, burst=burst, now=0.0)
-
-
 @pytest.mark.parametrize("kwargs, message", [
     pytest.param({"heal_rate": 0}, "--heal-rate must be between 0 and 100 heals per second, got 0", id="rate-zero"),
     pytest.param({"heal_burst": 0}, "--heal-burst must be between 1 and 100, got 0", id="burst-zero"),

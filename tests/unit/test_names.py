@@ -112,7 +112,7 @@ def test_valid_names_are_printed_as_they_are():
 
 
 def test_selectors_are_built_from_valid_names_only():
-    from guard.kube.client import name_selector
+    from guard.kube.watch import name_selector
 
     assert name_selector("default", "web-0") == "metadata.name=web-0"
     for namespace, name in [("default", "live,metadata.namespace=default"), ("default", "a=b"), ("default", "a!=b"),
@@ -121,7 +121,7 @@ def test_selectors_are_built_from_valid_names_only():
 
 
 def test_a_replica_answer_counts_only_for_the_object_asked_about():
-    from guard.kube.client import only_object
+    from guard.kube.watch import only_object
 
     def pod(ns, name, uid="u"):
         return {"metadata": {"namespace": ns, "name": name, "uid": uid}, "spec": {}}

@@ -1,4 +1,4 @@
-"""guard.serving.worker.plain_call: which complete requests the worker hands to the app's direct lane.
+"""guard.serving.framing.plain_call: which complete requests the worker hands to the app's direct lane.
 
 Only kube-scheduler's exact shape goes direct; every other request, well-formed or not, must
 fall through (None) to gunicorn's parser and the WSGI lanes, which answer or refuse it.
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from guard.serving.worker import plain_call, plain_reply
+from guard.serving.framing import plain_call, plain_reply
 
 PATHS = frozenset({b"/filter", b"/preempt"})
 BODY = b'{"Pod":{"metadata":{"name":"p","namespace":"ns","uid":"u"}},"NodeNames":["a"]}'
@@ -83,7 +83,7 @@ def test_the_reply_is_complete_http():
 
 
 def test_every_status_gets_its_reason_phrase():
-    from guard.serving.worker import _reason
+    from guard.serving.framing import status_phrase as _reason
 
     assert [_reason(s) for s in (200, 400, 403, 413, 415, 503, 599)] == [
         "OK", "Bad Request", "Forbidden", "Content Too Large", "Unsupported Media Type", "Service Unavailable", "Unknown"]

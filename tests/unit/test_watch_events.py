@@ -1,11 +1,11 @@
-"""guard.kube.client.ReplicaClient._events: watch events from the stream's pieces, within a memory bound."""
+"""guard.kube.watch.ReplicaClient._events: watch events from the stream's pieces, within a memory bound."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from guard.kube.client import MAX_WATCH_EVENT_BYTES, ReplicaClient, WatchExpired, WatchFailed
+from guard.kube.watch import MAX_WATCH_EVENT_BYTES, ReplicaClient, WatchExpired, WatchFailed
 
 
 def event(name: str, typ: str = "ADDED") -> bytes:

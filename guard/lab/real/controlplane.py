@@ -19,21 +19,16 @@ one port), optionally the real kube-scheduler and kube-controller-manager, with 
 
 from __future__ import annotations
 
-import atexit
 import copy
 import json
 import os
-import secrets
-import shutil
 import signal
 import ssl
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from guard.lab.backend import ReplicaClients
+from guard.lab.backend import LabLifecycle
 from guard.lab.etcd import Etcd, _die_with_parent, free_port
 from guard.lab.pki import CA
 from guard.lab.real.binaries import KubeBinaries, find, resolve
@@ -60,8 +55,6 @@ SERVICE_CIDR = "10.96.0.0/16"
 ETCD_PROGRESS_NOTIFY_INTERVAL = "1s"
 ADVERTISE_NET = "192.0.2."  # RFC 5737 TEST-NET-1: nothing dials it
 PRODUCT_SCHEDULER_CONFIG = Path(__file__).resolve().parents[3] / "manifests" / "scheduler" / "kube-scheduler-config.yaml"
-
-_live: weakref.WeakSet[RealLab] = weakref.WeakSet()
 
 
 class RealLabError(RuntimeError):
@@ -307,7 +300,7 @@ def render_scheduler_config(kubeconfig: str, extender: ExtenderConfig | None, *,
     return cfg
 
 
-class RealLab(ReplicaClients):
+class RealLab(LabLifecycle):
     """Start with ``with RealLab(replicas=2, kube_bin=DIR) as lab:`` (or ``start()``/``close()``).
 
     ``kube_bin``: a directory or release tarball, or a :class:`KubeBinaries`; None: the environment
@@ -336,12 +329,7 @@ class RealLab(ReplicaClients):
             if found is None:
                 raise RealLabError("no kube-apiserver: pass kube_bin= or set GHOST_GUARD_KUBE_BIN or KUBEBUILDER_ASSETS")
             self.binaries = found
-        self.n = replicas
-        self._want_port = port
-        self._own_dir = out_dir is None
-        self.out_dir = out_dir or tempfile.mkdtemp(prefix="ghost-real-lab-")
-        os.makedirs(self.out_dir, exist_ok=True)
-        self.token = token or secrets.token_urlsafe(24)
+        self._init_lab(replicas, port=port, out_dir=out_dir, token=token, prefix="ghost-real-lab-")
         if proxies is None:
             proxies = _proxy_class() is not None
         self._proxies = [bool(proxies)] * replicas if isinstance(proxies, bool) else [bool(p) for p in proxies]
@@ -357,14 +345,10 @@ class RealLab(ReplicaClients):
         self.ca_path = self._path("ca.crt")
         self.etcd = Etcd(data_dir=self._path("etcd"), progress_notify_interval=ETCD_PROGRESS_NOTIFY_INTERVAL)
         self.replicas: list[RealReplica] = []
-        self.port = 0
         self.scheduler: _Process | None = None
         self.scheduler_config_path = self._path("kube-scheduler-config.yaml")
         self.controller_manager: _Process | None = None
-        self._clients: dict[int, Any] = {}
         self._ssl = ssl.create_default_context(cafile=None)
-        self._started = False
-        _live.add(self)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.out_dir, name)
@@ -386,45 +370,36 @@ class RealLab(ReplicaClients):
             f.write(f'{self.token},ghost-lab-admin,ghost-lab-admin,"system:masters"\n')
         self._ssl = ssl.create_default_context(cafile=self.ca_path)
 
-    def start(self) -> RealLab:
+    def _start_parts(self) -> None:
         """Start etcd, the proxies and the replicas (in parallel; each waited for on ``/readyz``), then the
         scheduler and controller-manager when asked. Everything started is stopped again if one part fails."""
-        try:
-            self._write_files()
-            shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
-            os.makedirs(self.etcd.data_dir, exist_ok=True)
-            self.etcd.start()
-            proxy_cls = _proxy_class()
-            if any(self._proxies) and proxy_cls is None:
-                raise RealLabError("proxies asked for but guard.lab.real.etcdproxy is not available")
-            upstream = self.etcd.url.removeprefix("http://")
-            self.port = self._want_port or free_port()
-            for i in range(self.n):
-                proxy = proxy_cls(upstream).start() if self._proxies[i] and proxy_cls is not None else None
-                self.replicas.append(RealReplica(self, i, proxy))
-                self._write_kubeconfig(i)
-            for r in self.replicas:
-                r.launch()
-            for r in self.replicas:
-                r.wait_ready(self.startup_timeout)
-            self._bootstrap()
-            if self._want_kcm:
-                self.start_controller_manager(self.controller_manager_replica)
-            if self._want_scheduler:
-                self.start_scheduler(None, replica=self.scheduler_replica)
-            self._started = True
-        except BaseException:
-            self.close()
-            raise
-        return self
+        self._write_files()
+        self._fresh_etcd()
+        proxy_cls = _proxy_class()
+        if any(self._proxies) and proxy_cls is None:
+            raise RealLabError("proxies asked for but guard.lab.real.etcdproxy is not available")
+        upstream = self.etcd.url.removeprefix("http://")
+        self.port = self._want_port or free_port()
+        for i in range(self.n):
+            proxy = proxy_cls(upstream).start() if self._proxies[i] and proxy_cls is not None else None
+            self.replicas.append(RealReplica(self, i, proxy))
+            self._write_kubeconfig(i)
+        for r in self.replicas:
+            r.launch()
+        for r in self.replicas:
+            r.wait_ready(self.startup_timeout)
+        self._bootstrap()
+        if self._want_kcm:
+            self.start_controller_manager(self.controller_manager_replica)
+        if self._want_scheduler:
+            self.start_scheduler(None, replica=self.scheduler_replica)
 
     def _bootstrap(self) -> None:
         """Without kube-controller-manager nothing creates ServiceAccounts: make ``default/default``."""
         self.ensure_namespace("default")
 
-    def close(self) -> None:
-        """Stop the scheduler, controller-manager and replicas (in parallel), then the proxies and etcd."""
-        self._close_clients()
+    def _stop_parts(self) -> None:
+        """Stop the scheduler, controller-manager and replicas (in parallel); etcd after them."""
         self.stop_scheduler()
         self.stop_controller_manager()
         stoppers = [threading.Thread(target=r.close, daemon=True) for r in self.replicas]
@@ -432,17 +407,6 @@ class RealLab(ReplicaClients):
             t.start()
         for t in stoppers:
             t.join()
-        self.etcd.close()
-        shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
-        if self._own_dir:
-            shutil.rmtree(self.out_dir, ignore_errors=True)
-        self._started = False
-
-    def __enter__(self) -> RealLab:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def logs(self, lines: int = 30) -> str:
         """The tail of every process's log (for a failing test's report)."""
@@ -636,12 +600,6 @@ class RealLab(ReplicaClients):
             total += metric_sum(parse_metrics(self.metrics(j)), "apiserver_request_total", resource="pods",
                                 subresource="binding", code="404")
         return total
-
-
-@atexit.register
-def _close_all() -> None:
-    for lab in list(_live):
-        lab.close()
 
 
 if TYPE_CHECKING:

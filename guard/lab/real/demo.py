@@ -23,7 +23,6 @@ with it, both live pods bound, replica 1 healed in place), 1 otherwise, 2 if the
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -88,7 +87,7 @@ def run_real_demo(binaries: KubeBinaries, out: IO[str] = sys.stdout, *, seconds:
 
 def _scenario(lab: RealLab, workdir: Path, say: Callable[[str], None], seconds: float,
               guards: list[GuardProcess]) -> bool:
-    from guard.lab.demo import start_guard_process
+    from guard.lab.demo import heal_phase, say_table, start_guard_process
 
     ns, name = GHOST
     say(f"  replicas: {', '.join(lab.urls)} (kube-apiserver, each through its own etcd fault proxy)")
@@ -144,28 +143,20 @@ def _scenario(lab: RealLab, workdir: Path, say: Callable[[str], None], seconds: 
     finally:
         lab.stop_scheduler()
     live_after = _bound(lab, "web-3")
-    incident = [r.get("msg", "") for r in guard.log_records("guard.engine.incident")]
+    incident = [r.get("msg", "") for r in guard.log_records("guard.incident")]
     if incident:
         say("      guard: " + incident[0])
 
     say(f"\n[3/3] ghost-guard heal {ns}/{name} (no restart):")
-    pid_before = lab.replicas[STALE].pid
-    heal = subprocess.run([sys.executable, "-m", "guard", "heal", f"{ns}/{name}", "--kubeconfig", lab.kubeconfig(0),
-                           "--apiserver-replicas", ",".join(lab.urls)], capture_output=True, text=True, timeout=120)
-    for line in (heal.stdout + heal.stderr).strip().splitlines():
-        say("      " + line)
-    healed = heal.returncode == 0 and lab.cached_pod(STALE, ns, name) is None
-    same_process = lab.replicas[STALE].pid == pid_before and lab.replicas[STALE].running
-
-    rows = [
+    healed, same_process = heal_phase(lab, lab.kubeconfig(0), lab.urls, ns, name, STALE, say,
+                                      lambda: (lab.replicas[STALE].pid, lab.replicas[STALE].running))
+    say_table(say, [
         ("ghost binding 404s", f"{before:.0f}", f"{after:.0f}"),
         ("guard ghost verdicts", "-", f"{blocked:.0f}"),
         ("live pod bound", f"web-2 -> {live_before or 'NO'}", f"web-3 -> {live_after or 'NO'}"),
-    ]
-    say("")
-    say(f"  {'':24}{'without guard':>20}{'with guard':>20}")
-    for label, left, right in rows:
-        say(f"  {label:24}{left:>20}{right:>20}")
+    ])
+    say("  binding 404s: kube-scheduler's Binding POSTs for the ghost, answered 404 (etcd has no such pod);\n"
+        "  verdicts: the guard's ghost-deleted answers (the ghost rejected on every node); live pod: a new pod, placed.")
     say(f"  after heal: replica 1 serves {ns}/{name}: {'no' if healed else 'YES'}; "
         f"replica 1 restarted: {'no' if same_process else 'YES'}")
     return before >= 2 and after <= 1 and bool(live_before) and bool(live_after) and healed and same_process

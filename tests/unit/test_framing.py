@@ -1,10 +1,11 @@
-"""guard.serving.worker.request_framing: where a request ends, decided from its head alone (no sockets)."""
+"""guard.serving.framing: where a request head and body end, decided from bytes alone (no sockets, no gunicorn)."""
 
 from __future__ import annotations
 
 import pytest
 
-from guard.serving.worker import FramingError, error_reply, framing_by_lines, request_framing
+from guard.serving.framing import (MAX_HEAD_BYTES, ChunkScan, FramingError, error_reply, framing_by_lines, head_end,
+                                   request_framing)
 
 
 def head(*lines: str) -> bytes:
@@ -84,3 +85,48 @@ def test_the_quick_reading_frames_every_head_as_the_line_by_line_one(lines):
     except FramingError as e:
         got = e.status
     assert got == want
+
+
+# -- the head's end and its limit ---------------------------------------------------------------------
+
+
+def test_head_end_is_just_past_the_blank_line_and_none_while_incomplete():
+    request = head("Content-Length: 2") + b"{}"
+    assert head_end(request) == len(request) - 2
+    assert head_end(request[:len(request) - 4]) is None
+
+
+def test_a_head_over_the_limit_is_refused_with_431_complete_or_not():
+    big = b"POST /filter HTTP/1.1\r\nX: " + b"a" * MAX_HEAD_BYTES
+    with pytest.raises(FramingError) as e:
+        head_end(big)  # no blank line yet, but already too long
+    assert (e.value.status, e.value.counted) == (431, "head-too-large")
+    with pytest.raises(FramingError):
+        head_end(big + b"\r\n\r\n")
+    assert head_end(b"GET / HTTP/1.1\r\nX: " + b"a" * (MAX_HEAD_BYTES - 23) + b"\r\n\r\n") == MAX_HEAD_BYTES
+
+
+# -- chunked bodies, as their bytes arrive ---------------------------------------------------------------
+
+
+def test_chunked_body_ends_after_its_trailers_found_piece_by_piece():
+    start = head("Transfer-Encoding: chunked")
+    request = start + b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n" + b"NEXT"
+    scan = ChunkScan(len(start))
+    ends = [scan.scan(request[:n], len(start), 100) for n in range(len(start), len(request) + 1)]
+    end = len(request) - len(b"NEXT")
+    assert ends[-1] == end and all(e is None for e in ends[:end - len(start)])
+    assert scan.size == 11
+
+
+@pytest.mark.parametrize("body, status", [
+    (b"zz\r\nab\r\n0\r\n\r\n", 400),  # not hex
+    (b"2\r\nabXY0\r\n\r\n", 400),  # data not followed by CRLF
+    (b"65\r\n", 413),  # 101 bytes declared, 100 allowed
+    (b"3" * 9000, 400),  # a size line that never ends
+])
+def test_malformed_or_oversized_chunks_are_refused(body, status):
+    start = head("Transfer-Encoding: chunked")
+    with pytest.raises(FramingError) as e:
+        ChunkScan(len(start)).scan(start + body, len(start), 100)
+    assert e.value.status == status

@@ -1,0 +1,47 @@
+"""The serving path stays short: one prepared /filter and one miss, traced (benchmarks/serving_path.py),
+are handed to the files docs/ARCHITECTURE.md draws ("One verb call"), and no more.
+
+In-process against the lab (real etcd, real HTTPS replicas, the kubernetes client), the app built as a
+worker builds it, driven as the worker drives its direct lane (guard.serving.framing: plain_call, the
+lane, plain_reply). A new hop (a hook, a wrapper module, a second decode) fails here with the path.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from benchmarks.serving_path import serving_paths
+from guard.lab.harness import pod_manifest
+
+pytestmark = pytest.mark.timeout(120)
+
+PREPARED = ["guard/serving/framing.py", "guard/http/filter.py", "guard/core/extender.py", "guard/engine/checker.py",
+            "guard/engine/cache.py", "guard/http/exchange.py"]
+MISS = PREPARED[:5] + ["guard/kube/reads.py", "guard/core/verdict.py", "guard/http/exchange.py"]
+
+
+def test_a_prepared_filter_and_a_miss_cross_the_files_the_architecture_draws(shared_lab):
+    def create(name: str) -> str:
+        pod = shared_lab.core_v1(0).create_namespaced_pod("default", pod_manifest(name), _request_timeout=10)
+        return pod.metadata.uid
+
+    try:
+        paths = serving_paths(shared_lab.kubeconfig(0), create)
+    finally:
+        for name in ("path-warm-prepared", "path-warm-miss", "path-prepared", "path-miss"):
+            try:
+                shared_lab.core_v1(0).delete_namespaced_pod(name, "default", grace_period_seconds=0,
+                                                            _request_timeout=10)
+            except Exception:  # not created: the failure above says why
+                pass
+    for kind, hops in (("prepared", PREPARED), ("miss", MISS)):
+        reply, path = paths[kind]
+        status, _, body = reply.partition(b"\r\n")
+        assert status == b"HTTP/1.1 200 OK", reply
+        answer = orjson.loads(body.partition(b"\r\n\r\n")[2])
+        assert answer["NodeNames"] == ["node-0", "node-1", "node-2"] and not answer["FailedAndUnresolvableNodes"]
+        assert path.hops == hops, path.render()
+    prepared = paths["prepared"][1]
+    assert prepared.files["guard/core/extender.py"]["decode"] == 1, prepared.render()  # decoded once
+    assert "guard/engine/prepare.py" not in prepared.files and "guard/metrics.py" not in prepared.files

@@ -1,0 +1,35 @@
+"""``benchmarks/scale_sweep_real.py`` on a tiny scale, so it cannot rot: bound pods filled by raw POSTs,
+nodes set, one backlog (takeover) case with the guard and one live case with the pass-through on the
+real kube-scheduler, each measured as the sweep measures it; then its table and its plots."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks import scale_sweep_real as sweep
+
+PENDING = 4
+
+
+def test_a_tiny_cell_of_the_sweep_end_to_end(real_lab, tmp_path):
+    assert sweep.fill_bound(real_lab, 20) > 0
+    bound = real_lab.core_v1(0).list_namespaced_pod(sweep.BOUND_NS, _request_timeout=10).items
+    assert len(bound) == 20 and all(p.spec.node_name for p in bound)
+    sweep.set_nodes(real_lab, 0, 2)
+    guard = sweep.run_case(real_lab, "guard", "backlog", 2, PENDING, 1, str(tmp_path), [], timeout=120)
+    plain = sweep.run_case(real_lab, "pass-through", "live", 2, PENDING, 2, str(tmp_path), [], timeout=120)
+    for res in (guard, plain):
+        assert res["pods_per_s"] > 0 and math.isfinite(res["pods_per_s"])
+        assert res["peak_rss_mib"] > 10
+        assert res["requests"]["POST/pods/binding"] >= PENDING  # every pod bound by kube-scheduler
+        assert res["watch_events_per_pod"] > 0  # apiserver_watch_events_total read from the replicas
+    assert plain["requests"]["POST/pods"] == PENDING  # live: created inside the window (backlog: before it)
+    assert "POST/pods" not in guard["requests"]
+    assert guard["first_verdict_s"] >= guard["ready_s"] > 0  # the takeover: launch -> ready -> first pod bound
+    assert guard["guard"]["filter_calls"] >= PENDING and guard["guard"]["fail_open"] == 0
+    assert 0 < guard["pod_gets_per_pod"] <= 1 and plain["pod_gets_per_pod"] == 0
+    assert not real_lab.core_v1(0).list_namespaced_pod("c1", _request_timeout=10).items  # deleted after its case
+    rows = sweep.table([guard | {"phase": "live"}, plain])
+    assert "| 2 | 4 | live | 1 |" in rows
+    assert all(p.stat().st_size > 1000 for p in sweep.plot([guard, plain], tmp_path))
+    sweep.set_nodes(real_lab, 2, 0)
