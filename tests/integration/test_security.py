@@ -12,7 +12,7 @@
 - the RBAC in ``manifests/`` grants exactly what ``guard/`` calls, derived from
   the code (every kubernetes client call) and from the client's own paths. The CLI's
   light twin of the client (guard/kube/api.py) has the same method names and sends the
-  same requests for every method the code calls (tests/unit/test_light_api.py), so the
+  same requests for every method the code calls (tests/component/test_light_api.py), so the
   derivation covers it too.
 """
 
