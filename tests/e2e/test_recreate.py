@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import clirun
 import pytest
 from clirun import ghost_guard
-from guardstate import probes_done, views_hold
+from guardstate import probes_done, view_pods, views_hold
 from payloads import binding_review, filter_body
 
 from guard.lab.harness import create, eventually, node_manifest, pod_manifest, quorum_pod
@@ -604,6 +604,10 @@ def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report(lab, guard
     lab.replicas[1].faults.drop_deletes(namespace=NS, name="live-1")
     delete_pod(api, "live-1", uid)
     assert lab.wait_synced()
+    # The guard's own views of replicas 0 and 2 (replica 1 lost the delete), not only the lab's caches: a verdict
+    # prepared while live-1 was alive answers until the guard applies the DELETE (seen failing at a load of 7).
+    eventually(lambda: all(view_pods(g).get(replica_address(lab, i)) == 0 for i in (0, 2)), 20,
+               what="the DELETE applied by the guard's views of replicas 0 and 2", process=g)
     assert not filter_passes(g, "live-1", uid)
     stale = replica_address(lab, 1)
     # Confirmed stale after the record was written (new_ghost records, then probes, then confirms): no pause.
@@ -626,6 +630,10 @@ def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report_with_ghost
     lab.replicas[1].faults.drop_deletes(namespace=NS, name="live-1")
     delete_pod(api, "live-1", uid)
     assert lab.wait_synced()
+    # The guard's own views of replicas 0 and 2 (replica 1 lost the delete), not only the lab's caches: a verdict
+    # prepared while live-1 was alive answers until the guard applies the DELETE (seen failing at a load of 7).
+    eventually(lambda: all(view_pods(g).get(replica_address(lab, i)) == 0 for i in (0, 2)), 20,
+               what="the DELETE applied by the guard's views of replicas 0 and 2", process=g)
     assert not filter_passes(g, "live-1", uid)
     stale = replica_address(lab, 1)
     eventually(lambda: g.metric("ghost_guard_stale_replica_detections_total", replica=stale) == 1, 10,
