@@ -9,7 +9,7 @@
 # any file whose hash is not in the lock (--require-hashes), installs nothing
 # the lock does not name (--no-deps), and only prebuilt wheels (no compiler is
 # needed or present). docs/INSTALL.md says how to bump the base digest and
-# regenerate the locks; tests/unit/test_lockfile.py fails when they disagree
+# regenerate the locks; tests/repo/test_lockfile.py fails when they disagree
 # with pyproject.toml.
 #
 # Two stages on the same base. The builder installs the locked dependencies

@@ -13,7 +13,7 @@ files under ``guard/`` among them are the files the call crosses.
   with, then a pool thread's call (``lane(...)``) makes the quorum GET.
 
 Run from the repository root: ``python -m benchmarks.serving_path`` (prints both paths, file by
-file, with the functions entered in each). tests/integration/test_serving_path.py asserts the bound.
+file, with the functions entered in each). tests/component/test_serving_path.py asserts the bound.
 """
 
 from __future__ import annotations

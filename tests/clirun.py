@@ -8,8 +8,10 @@ process per command where the process itself is the subject (a signal, the conso
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+from typing import Any
 
 from click.testing import CliRunner
 
@@ -31,3 +33,15 @@ def ghost_guard(*args: str, env: dict[str, str] | None = None, clean_env: bool =
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         raise r.exception
     return subprocess.CompletedProcess(["ghost-guard", *args], r.exit_code, r.stdout, r.stderr)
+
+
+def ghost_guard_json(*args: str, status: int | tuple[int, ...] = 0, env: dict[str, str] | None = None) -> Any:
+    """``ghost-guard *args`` in-process, its exit status checked (one of ``status``), its stdout parsed as JSON."""
+    r = ghost_guard(*args, env=env)
+    assert r.returncode in ((status,) if isinstance(status, int) else status), (r.returncode, r.stderr)
+    return json.loads(r.stdout)
+
+
+def audit_records(db: str, *args: str) -> list[dict]:
+    """``ghost-guard audit --db DB ARGS -o json``: the store's records as the operator reads them."""
+    return ghost_guard_json("audit", "--db", db, *args, "-o", "json")

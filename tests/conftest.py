@@ -2,8 +2,13 @@
 
 Layer fixtures: the lab (real etcd + apiserver replicas) comes from
 ``tests/fixtures_lab.py``; this file starts ``ghost-guard serve`` processes
-(``guard.lab.harness.GuardProcess``, shared with the demo and the benchmarks).
-Never mock or patch ``guard.*``: faults come from the lab.
+(``guard.lab.harness.GuardProcess``, shared with the demo and the benchmarks) through one launcher:
+``start_guard`` (stopped after the test) and ``module_guard`` (after the module). A failing test's
+report carries the log of every guard still running. Never mock or patch ``guard.*``: faults come
+from the lab.
+
+Helpers to import: ``payloads`` (what callers send), ``clirun`` (the CLI in-process),
+``guardstate`` (what a running guard says it has seen, to wait on), ``fixtures_lab.raw``.
 """
 
 from __future__ import annotations
@@ -49,27 +54,54 @@ def dead_kubeconfig(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture
-def start_guard(request):
-    """Factory: ``start_guard(["--kubeconfig", k, ...], tls=..., wait="/readyz")`` -> GuardProcess.
+# Every guard process the fixtures below started and have not stopped yet: a failing test's report carries
+# each one's log (pytest_runtest_makereport), whichever fixture scope started it.
+_RUNNING: list[GuardProcess] = []
+READY_TIMEOUT = 60.0  # seconds a started guard has to answer its first probe
 
-    Other keywords (``port``, ``verbatim``, ``clean_env``, ...) go to :class:`GuardProcess`."""
-    started: list[GuardProcess] = []
 
-    def start(args: list[str], *, tls: dict | None = None, wait: str | None = "/readyz",
-              env: dict | None = None, **options) -> GuardProcess:
+class _Guards:
+    """``ghost-guard serve`` processes started for one fixture scope; each one is in ``_RUNNING`` until stopped."""
+
+    def __init__(self) -> None:
+        self.started: list[GuardProcess] = []
+
+    def __call__(self, args: list[str], *, tls: dict | None = None, wait: str | None = "/readyz",
+                 env: dict | None = None, **options) -> GuardProcess:
         g = GuardProcess(args, tls=tls, env=env, **options)
-        started.append(g)
+        self.started.append(g)
+        _RUNNING.append(g)
         if wait:
-            g.wait(wait)
+            # A positive signal, so a generous deadline costs nothing when the guard is well: a guard's start
+            # (interpreter, imports, gunicorn, its first reads) took 15 s and more at a load average of 15.
+            g.wait(wait, timeout=READY_TIMEOUT)
         return g
 
-    yield start
-    failed = getattr(request.node, "rep_call", None)
-    for g in started:
-        g.stop()
-        if failed is not None and failed.failed:
-            print(f"\n--- guard log ({' '.join(g.cmd[3:])}) ---\n{g.logs()}")
+    def stop(self, *guards: GuardProcess) -> None:
+        """Stop these guards (default: every one started here); their log files stay readable."""
+        for g in guards or self.started:
+            g.stop()
+            if g in _RUNNING:
+                _RUNNING.remove(g)
+
+
+@pytest.fixture
+def start_guard():
+    """Factory: ``start_guard(["--kubeconfig", k, ...], tls=..., wait="/readyz")`` -> GuardProcess, stopped
+    after the test. Other keywords (``port``, ``verbatim``, ``clean_env``, ...) go to :class:`GuardProcess`.
+    A failing test's report shows the log of every guard still running (the "guard log" sections)."""
+    guards = _Guards()
+    yield guards
+    guards.stop()
+
+
+@pytest.fixture(scope="module")
+def module_guard():
+    """``start_guard`` for a guard shared by a module's tests (start it from a module-scoped fixture):
+    stopped after the module; its log is in the report of each of the module's tests that fails."""
+    guards = _Guards()
+    yield guards
+    guards.stop()
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)
@@ -77,3 +109,6 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)
+    if rep.failed and rep.when in ("setup", "call"):
+        for g in _RUNNING:
+            rep.sections.append((f"guard log ({' '.join(g.cmd[3:])})", g.logs()))

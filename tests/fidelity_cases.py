@@ -1,6 +1,6 @@
 """Requests whose answers the Python lab must give exactly as a real kube-apiserver does (docs/LAB.md, "Lab
 fidelity"). Every expected status and message below was recorded from a real v1.36.2 kube-apiserver; the lab runs
-them in tests/integration/test_lab_fidelity.py, the real apiserver in tests/real/test_lab_fidelity_real.py.
+them in tests/lab/test_lab_fidelity.py, the real apiserver in tests/real/test_lab_fidelity_real.py.
 
 Errors are compared whole: the Status body but ``kind``, ``apiVersion`` and ``metadata`` (message, reason,
 details with their causes, code). ``run(base_url, token, ca_path, namespace)`` sets up three pods in ``namespace`` (which must exist, with a

@@ -10,7 +10,7 @@ Every kube module calls the apiserver through ``api.CoreV1Api()``, ``api.Discove
   :func:`guard.kube.config.load_cli_configuration`): the same calls, each one request on a urllib3 pool
   built with the same TLS settings (:func:`guard.kube.config.connection_settings`), without importing
   ``kubernetes`` (about 1.5 s of CPU: pydantic models of every API group). Paths, verbs and query
-  parameters are the official client's (tests/unit/test_light_api.py compares each method the code
+  parameters are the official client's (tests/component/test_light_api.py compares each method the code
   calls with the client's own request), so the RBAC the manifests grant covers both.
 """
 

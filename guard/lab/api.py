@@ -76,7 +76,7 @@ RESOURCES: tuple[Resource, ...] = (
     # The guard's own CRD (manifests/crd/ghostpods.yaml), served as a fixed resource: the lab does not install
     # CRDs dynamically. Custom resources are stored under /registry/<group>/<plural>/ (apiextensions-apiserver
     # customresource_handler.go: ResourcePrefix = group + "/" + plural). The printer columns repeat the
-    # manifest's additionalPrinterColumns (tests/unit/test_lab_ghostpods.py keeps them equal).
+    # manifest's additionalPrinterColumns (tests/lab/test_lab_ghostpods.py keeps them equal).
     Resource("kube-ghost-guard.io", "v1alpha1", "ghostpods", "GhostPod", True, "/registry/kube-ghost-guard.io/ghostpods/",
              custom=True, short_names=("gp",), categories=("ghost-guard",),
              printer_columns=(("Pod", "string", ".spec.podName"), ("Verdict", "string", ".spec.verdict"),

@@ -1,7 +1,7 @@
 """End-to-end fixtures: the real guard (``ghost-guard serve`` over HTTPS + mTLS) next to a lab.
 
 ``start_guard`` (tests/conftest.py) starts the process (guard.lab.harness.GuardProcess),
-waits for ``/readyz`` and prints its log when a test fails; ``lab`` (tests/fixtures_lab.py)
+waits for ``/readyz``; a failing test's report carries its log; ``lab`` (tests/fixtures_lab.py)
 is a fresh 3-replica lab.
 """
 

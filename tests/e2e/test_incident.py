@@ -103,6 +103,9 @@ def test_ghost_evicts_a_real_pod_without_the_guard_and_nobody_with_it(lab, https
 
     # With the guard (filter + preempt): the preempt verb vetoes every candidate.
     victim = create(api, pod_manifest("batch-2", cpu="1500m", priority=0, node_name="node-a"))
+    # The guarded scheduler lists through replica 1: until replica 1's cache holds batch-2, node-a looks free
+    # for the ghost and the filter verb is called. Start it once that replica serves the victim.
+    eventually(lambda: lab.cached_pod(1, "default", "batch-2") is not None, WAIT, what="batch-2 in replica 1's cache")
     guard = guard or https_guard()
     guarded = scheduler_on(lab.kubeconfig(1), extenders=[guard.extender()])
     assert guarded.wait_for(lambda s: stat(s, "default/web-1").preempt_calls >= 1

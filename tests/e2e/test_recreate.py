@@ -21,14 +21,14 @@ import contextlib
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
-import uuid
 from dataclasses import dataclass
 
-import orjson
+import clirun
 import pytest
+from clirun import ghost_guard
+from guardstate import probes_done, view_pods, views_hold
+from payloads import binding_review, filter_body
 
 from guard.lab.harness import create, eventually, node_manifest, pod_manifest, quorum_pod
 from guard.lab.scheduler import ExtenderConfig, PodStats, Timings
@@ -54,19 +54,13 @@ def stat(stats: dict[str, PodStats], key: str) -> PodStats:
     return stats.get(key, PodStats())
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True, timeout=60)
-
-
 def audit_records(db: str) -> list[dict]:
     """Every audit record, retracted ones included."""
-    r = cli("audit", "--db", db, "--retracted", "-o", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    return clirun.audit_records(db, "--retracted")
 
 
 def report(db: str) -> dict:
-    r = cli("report", "--db", db, "-o", "json")
+    r = ghost_guard("report", "--db", db, "-o", "json")
     doc = json.loads(r.stdout)
     assert r.returncode == (1 if doc["stale_replicas"] else 0), r.stderr  # exit 1 when a replica serves a ghost
     return doc
@@ -81,21 +75,6 @@ def access_log(g) -> list[dict]:
 def guard_events(lab, namespace: str = NS) -> list:
     return [e for e in lab.core_v1(2).list_namespaced_event(namespace, _request_timeout=5).items
             if e.reason in ("GhostPodBlocked", "StaleWatchCache")]
-
-
-def filter_body(name: str, uid: str, nodes: list[str], namespace: str = NS) -> bytes:
-    return orjson.dumps({"Pod": {"metadata": {"name": name, "namespace": namespace, "uid": uid}},
-                         "Nodes": None, "NodeNames": nodes})
-
-
-def binding_review(name: str, uid: str, *, dry_run: bool, node: str = "node-a", namespace: str = NS) -> dict:
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-        "uid": str(uuid.uuid4()), "kind": {"group": "", "version": "v1", "kind": "Binding"},
-        "resource": {"group": "", "version": "v1", "resource": "pods"}, "subResource": "binding",
-        "name": name, "namespace": namespace, "operation": "CREATE", "dryRun": dry_run,
-        "object": {"apiVersion": "v1", "kind": "Binding",
-                   "metadata": {"name": name, "namespace": namespace, "uid": uid},
-                   "target": {"apiVersion": "v1", "kind": "Node", "name": node}}}}
 
 
 def delete_pod(api, name: str, uid: str) -> None:
@@ -218,7 +197,7 @@ def test_200_recreates_under_the_same_names_block_no_live_pod_and_blame_no_repli
                                   what=f"the late /filter for {key} rejected", interval=0.002)
             make(name)
             late_calls.append(current[name].created - answered)
-            time.sleep(max(0.0, 0.3 - (time.monotonic() - frozen_at)))
+            time.sleep(max(0.0, 0.3 - (time.monotonic() - frozen_at)))  # the behaviour: replica 1 lags 0.3 s
         finally:
             lab.replicas[1].faults.unfreeze_watch()
 
@@ -244,7 +223,7 @@ def test_200_recreates_under_the_same_names_block_no_live_pod_and_blame_no_repli
         if quick:
             # The new pod is deleted again within 0-60 ms, while the scheduler may be filtering or
             # binding it, and recreated at once.
-            time.sleep(rng.uniform(0.0, 0.06))
+            time.sleep(rng.uniform(0.0, 0.06))  # the behaviour: a controller's delete at a random moment
             current[name].racing = True
             delete(current[name])
             make(name)
@@ -256,8 +235,14 @@ def test_200_recreates_under_the_same_names_block_no_live_pod_and_blame_no_repli
         bound(current[name])
     elapsed = time.monotonic() - start
 
-    # Let the follow-ups of any ghost answer (audit, etcd, probes, confirmation after 1 s) finish.
-    time.sleep(1.5)
+    # The follow-ups of every ghost answer (audit, etcd, probes, confirmation after 1 s) are done: every
+    # ghost the guard counts as blocked has its record, and each record its probe rounds (guardstate.probes_done).
+    def followed_up() -> tuple[list[dict]] | None:
+        records = audit_records(db)
+        done = len(records) >= g.metric("ghost_guard_ghosts_blocked_total") and probes_done(records)
+        return (records,) if done else None
+
+    eventually(followed_up, 30, what="every ghost's record and probe rounds", interval=0.2, process=g)
     assert lab.wait_synced()
     stats = sched.stats()
     calls = access_log(g)
@@ -339,7 +324,7 @@ def test_200_recreates_under_the_same_names_block_no_live_pod_and_blame_no_repli
 
 
 def filter_passes(g, name: str, uid: str) -> bool:
-    out = g.post("/filter", filter_body(name, uid, ["node-a"])).json()
+    out = g.post("/filter", filter_body(NS, name, uid, ["node-a"])).json()
     return out["NodeNames"] == ["node-a"] and out["FailedAndUnresolvableNodes"] == {}
 
 
@@ -374,20 +359,25 @@ WINDOW = 0.5  # --alive-ttl: how long the guard reuses a quorum read of a name
 ATTEMPTS = 3
 
 
-def recreate_in_the_window(lab, g, api, name: str, cached: str, first: str) -> tuple[str, str, float]:
-    """One delete-and-recreate of ``name`` (A, then B) against a read of the name cached just before.
+def recreate_in_the_window(lab, g, api, name: str, cached: str, first: str, pending: int) -> tuple[str, str, float]:
+    """One delete-and-recreate of ``name`` (A, then B) against a read of the name cached just before
+    (``pending``: how many other pods are unscheduled, the earlier attempts' B).
     Returns (uid A, uid B, seconds from the cached read to B's check)."""
     alive = g.metric("ghost_guard_prepare_verified_total", verdict="alive")
     uid_a = create(api, pod_manifest(name))["metadata"]["uid"]
     eventually(lambda: g.metric("ghost_guard_prepare_verified_total", verdict="alive") > alive, 10,
                what="A verified in the background", process=g)
+    first_call = time.monotonic()
     assert filter_passes(g, name, uid_a)  # A's first attempt, from its prepared verdict
-    time.sleep(0.6)  # past --prepared-grace: a later attempt of A is read again, inline
+    # the behaviour: past --prepared-grace (0.5 s, a TTL running out), a later attempt of A is read again, inline
+    time.sleep(max(0.0, 0.6 - (time.monotonic() - first_call)))
     inline = g.metric("ghost_guard_verdicts_inline_total")
     if cached == "404":
         delete_pod(api, name, uid_a)
         assert lab.wait_synced()
-        time.sleep(0.05)  # every cache, and the guard's watches, have the DELETE: nothing drops the 404 read
+        # every cache, and each of the guard's views, have the DELETE: nothing drops the 404 read
+        eventually(lambda: views_hold(g, pending), 20, what="the DELETE applied by every view of the guard",
+                   process=g)
         assert not filter_passes(g, name, uid_a)  # the late call: A is gone, rightly rejected
     else:
         assert filter_passes(g, name, uid_a)  # a read of A's generation, cached by name
@@ -431,7 +421,7 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
     windows: list[float] = []
     for attempt in range(ATTEMPTS):
         name = f"web-{attempt}"
-        uid_a, uid_b, window = recreate_in_the_window(lab, g, api, name, cached, first)
+        uid_a, uid_b, window = recreate_in_the_window(lab, g, api, name, cached, first, pending=len(pods))
         pods.append((name, uid_a, uid_b))
         windows.append(window)
         if window < WINDOW:
@@ -441,7 +431,7 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
 
     # A later attempt for each B (past the grace, every background verification done) still passes:
     # no ghost verdict was cached for B.
-    time.sleep(0.7)
+    time.sleep(0.7)  # the behaviour: past --prepared-grace and --alive-ttl (0.5 s each, TTLs running out)
     for name, _, uid_b in pods:
         assert filter_passes(g, name, uid_b)
     create(api, node_manifest("node-a"))  # the scheduler can place B now
@@ -450,7 +440,16 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
         stats = stat(sched.stats(), f"{NS}/{name}")
         assert stats.bind_failures == {} and stats.bound_node == pod["spec"]["nodeName"]
 
-    time.sleep(1.0)  # any follow-up (audit, etcd, probes, confirmation after 0.5 s) is done
+    # Every follow-up (audit, etcd, probes, confirmation after 1 s) is done: each A blocked has its record, its
+    # probe rounds (guardstate.probes_done) and its Event.
+    blocked_a = sorted(a for _, a, _ in pods) if cached == "404" else []
+
+    def followed_up() -> bool:
+        records = audit_records(db)
+        return (sorted(r["uid"] for r in records) == blocked_a and probes_done(records)
+                and {e.involved_object.uid for e in guard_events(lab) if e.reason == "GhostPodBlocked"} >= set(blocked_a))
+
+    eventually(followed_up, 20, what="the follow-ups of each A blocked", interval=0.2, process=g)
     calls = access_log(g)
     for _, uid_a, uid_b in pods:
         assert [c["verdict"] for c in calls if c["uid"] == uid_b] and all(
@@ -470,7 +469,7 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
 
 
 def review(g, name: str, uid: str, *, dry_run: bool) -> dict:
-    r = g.post("/validate/binding", binding_review(name, uid, dry_run=dry_run))
+    r = g.post("/validate/binding", binding_review(NS, name, uid, node="node-a", dry_run=dry_run))
     assert r.status_code == 200, r.text
     return r.json()["response"]
 
@@ -481,6 +480,9 @@ def test_dry_run_review_records_nothing_and_a_forged_name_blocks_no_live_pod(lab
     uid_g = create(api, pod_manifest("gone-1"))["metadata"]["uid"]
     delete_pod(api, "gone-1", uid_g)
     assert lab.wait_synced()
+    # The guard's own views, not only the lab's caches: a verdict prepared while gone-1 was alive answers
+    # until the guard applies the DELETE (once answered `alive` 52 ms after /readyz).
+    eventually(lambda: views_hold(g, 0), 20, what="the DELETE applied by every view of the guard", process=g)
 
     # A dry-run review of the ghost's binding: denied (the verdict applies), nothing recorded.
     for _ in range(2):  # decided by a quorum read, then from the ghost cache
@@ -488,7 +490,10 @@ def test_dry_run_review_records_nothing_and_a_forged_name_blocks_no_live_pod(lab
         assert answer["allowed"] is False
         # "not found", or "terminating" when a read caught the delete's first step (deletionTimestamp)
         assert answer["status"]["message"].startswith(f"ghost pod: {NS}/gone-1 uid {uid_g} "), answer
-    time.sleep(1.0)  # what a recorded block would start (audit, Event, probes) has had time to run
+    # No pause needed: a block that records counts ghost_guard_ghosts_blocked_total on the request path, before
+    # its answer (Checker._first_sighting), and its record, Event and stdout line start from there. The count
+    # is 0, and the real review below ends with times_blocked 1, one Event and one line.
+    assert g.metric("ghost_guard_ghosts_blocked_total") == 0
     assert audit_records(db) == []
     assert [e for e in guard_events(lab) if e.involved_object.uid == uid_g] == []
     assert g.metric("ghost_guard_ghosts_blocked_total") == 0
@@ -508,7 +513,7 @@ def test_dry_run_review_records_nothing_and_a_forged_name_blocks_no_live_pod(lab
     # A caller names a pod that does not exist with a live pod's UID (a /filter and a dry-run
     # review): those calls are rejected, and the live pod is not: it passes and is bound.
     uid_live = create(api, pod_manifest("live-1"))["metadata"]["uid"]
-    forged = g.post("/filter", filter_body("does-not-exist", uid_live, ["node-a"])).json()
+    forged = g.post("/filter", filter_body(NS, "does-not-exist", uid_live, ["node-a"])).json()
     assert forged["NodeNames"] == [] and set(forged["FailedAndUnresolvableNodes"]) == {"node-a"}
     assert review(g, "does-not-exist", uid_live, dry_run=True)["allowed"] is False
     assert filter_passes(g, "live-1", uid_live)
@@ -517,7 +522,9 @@ def test_dry_run_review_records_nothing_and_a_forged_name_blocks_no_live_pod(lab
     live = stat(sched.stats(), f"{NS}/live-1")
     assert (live.filter_calls, live.bind_attempts, live.bind_failures) == (1, 1, {})
     assert all(c["verdict"] == "alive" for c in access_log(g) if c["uid"] == uid_live and c["pod"] == f"{NS}/live-1")
-    time.sleep(1.0)
+    # The forged call's follow-ups (record, probes) are done: what they wrote is there to be looked at.
+    eventually(lambda: (lambda rs: len(rs) >= g.metric("ghost_guard_ghosts_blocked_total") and probes_done(rs))(
+        audit_records(db)), 20, what="the forged call's record and probes", interval=0.2, process=g)
     assert not [r for r in audit_records(db) if (r["namespace"], r["name"]) == (NS, "live-1")]
     assert not [e for e in guard_events(lab) if e.involved_object.name == "live-1"]
     healthy_report(report(db))
@@ -570,10 +577,13 @@ def test_a_replica_that_only_lagged_is_never_named(lab, guarded):
             eventually(probed, 3, what="the guard's first probe of the lagging replica", interval=0.01)
         finally:
             lab.replicas[1].faults.unfreeze_watch()
-        end = time.monotonic() + 1.5  # past the confirmation (1 s)
-        while time.monotonic() < end:
-            look(store)
-            time.sleep(0.02)
+        # Looked at again and again until A's record shows its confirmation round (1 s after the first probe:
+        # every replica written down, guardstate.probes_done): whatever `report` would have named meanwhile.
+        def confirmed() -> bool:
+            mine = [r for r in look(store) if r.uid == uid_a]
+            return bool(mine) and all(len(r.replicas) >= len(lab.replicas) for r in mine)
+
+        eventually(confirmed, 10, what="A's confirmation round", interval=0.02, process=g)
     wait_bound(lab, sched, "web-0", uid_b)
     no_replica_blamed(g)  # the metrics are right: confirmed stale only after the delay
     assert named == set(), f"report named {named} (the scheduler's replica, lagging: {replica_address(lab, 1)})"
@@ -592,9 +602,14 @@ def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report(lab, guard
     lab.replicas[1].faults.drop_deletes(namespace=NS, name="live-1")
     delete_pod(api, "live-1", uid)
     assert lab.wait_synced()
+    # The guard's own views of replicas 0 and 2 (replica 1 lost the delete), not only the lab's caches: a verdict
+    # prepared while live-1 was alive answers until the guard applies the DELETE (seen failing at a load of 7).
+    eventually(lambda: all(view_pods(g).get(replica_address(lab, i)) == 0 for i in (0, 2)), 20,
+               what="the DELETE applied by the guard's views of replicas 0 and 2", process=g)
     # the scheduler may have asked about live-1 while it was pending: that alive verdict answers for --alive-ttl
     eventually(lambda: not filter_passes(g, "live-1", uid), 5, what="live-1 rejected as a ghost", process=g)
     stale = replica_address(lab, 1)
+    # Confirmed stale after the record was written (new_ghost records, then probes, then confirms): no pause.
     eventually(lambda: g.metric("ghost_guard_stale_replica_detections_total", replica=stale) == 1, 10,
                what="replica 1 confirmed stale", process=g)
     assert eventually(lambda: [r["replica"] for r in report(db)["stale_replicas"]] or None, 10,
@@ -616,6 +631,10 @@ def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report_with_ghost
     lab.replicas[1].faults.drop_deletes(namespace=NS, name="live-1")
     delete_pod(api, "live-1", uid)
     assert lab.wait_synced()
+    # The guard's own views of replicas 0 and 2 (replica 1 lost the delete), not only the lab's caches: a verdict
+    # prepared while live-1 was alive answers until the guard applies the DELETE (seen failing at a load of 7).
+    eventually(lambda: all(view_pods(g).get(replica_address(lab, i)) == 0 for i in (0, 2)), 20,
+               what="the DELETE applied by the guard's views of replicas 0 and 2", process=g)
     # the scheduler may have asked about live-1 while it was pending: that alive verdict answers for --alive-ttl
     eventually(lambda: not filter_passes(g, "live-1", uid), 5, what="live-1 rejected as a ghost", process=g)
     stale = replica_address(lab, 1)
@@ -623,13 +642,13 @@ def test_a_forged_name_cannot_hide_a_later_real_ghost_from_the_report_with_ghost
                what="replica 1 confirmed stale", process=g)
 
     def named() -> list[str] | None:
-        r = cli("report", *store, "-o", "json")
+        r = ghost_guard("report", *store, "-o", "json")
         replicas = [x["replica"] for x in json.loads(r.stdout)["stale_replicas"]]
         assert r.returncode == (1 if replicas else 0), r.stderr
         return replicas or None
 
     assert eventually(named, 10, what="report naming the stale replica", interval=0.2) == [stale]
-    r = cli("audit", *store, "--retracted", "-o", "json")
+    r = ghost_guard("audit", *store, "--retracted", "-o", "json")
     records = {(x["namespace"], x["name"]): x for x in json.loads(r.stdout)}
     assert records[(NS, "live-1")]["uid"] == uid and records[(NS, "live-1")]["stale_replicas"] == [stale]
     assert records[(NS, "does-not-exist")]["uid"] == uid and records[(NS, "does-not-exist")]["stale_replicas"] == []

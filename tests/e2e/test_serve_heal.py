@@ -10,10 +10,9 @@ and the scheduler's informer drops the ghost. Nothing is restarted.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from clirun import ghost_guard
 
 from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest, quorum_pod
 from guard.lab.scheduler import ExtenderConfig, Timings
@@ -24,10 +23,6 @@ FAST = Timings(pod_initial_backoff=0.05, pod_max_backoff=0.5, backoff_flush_peri
                retry_period=0.1, sync_timeout=10.0)
 GUARD = ["--sweep-interval", "0.5", "--stale-confirm-delay", "0.5", "--reprobe-interval", "0.5",
          "--discovery-interval", "5", "--heal"]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True, timeout=60)
 
 
 def cached(lab, replica: int, name: str) -> list[str]:
@@ -64,7 +59,7 @@ def test_serve_heal_breaks_the_loop_and_heals_the_cache_with_no_operator_step(la
     assert stats.bind_failures.get(404, 0) == 0  # the guard rejected the ghost before any bind
     eventually(lambda: g.metric("ghost_guard_stale_replica", replica=stale) == 0, 10, what="the stale gauge cleared")
 
-    r = cli("audit", "--db", db, "-o", "json")
+    r = ghost_guard("audit", "--db", db, "-o", "json")
     assert r.returncode == 0, r.stderr
     (record,) = json.loads(r.stdout)  # the placeholder never shows up as a ghost of its own
     assert record["uid"] == ghost
@@ -73,5 +68,5 @@ def test_serve_heal_breaks_the_loop_and_heals_the_cache_with_no_operator_step(la
     assert events["GhostHealed"].type == "Normal"
     assert "healed by placeholder" in events["GhostHealed"].message
     assert "healing it (serve --heal)" in events["StaleWatchCache"].message
-    r = cli("report", "--db", db)
+    r = ghost_guard("report", "--db", db)
     assert "Heal attempts (ghost-guard serve --heal), newest first:" in r.stdout

@@ -8,12 +8,11 @@ Real etcd, three real HTTPS apiserver replicas, a real `ghost-guard serve`, the 
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 
-import orjson
 import pytest
-from clirun import ghost_guard
+from clirun import audit_records, ghost_guard
+from payloads import filter_body
 from guard.lab.harness import eventually, make_ghost, pod_manifest
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,18 +24,8 @@ FAST = ["--sweep-interval", "0.5", "--stale-confirm-delay", "0.5", "--reprobe-in
         "--discovery-interval", "5", "--prepare-idle-after", "0"]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return ghost_guard(*args)
-
-
 def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
     return eventually(predicate, timeout, what=what, interval=0.2)  # each audit_records() reads the store
-
-
-def audit_records(db: str) -> list[dict]:
-    r = cli("audit", "--db", db, "-o", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 def test_sweeper_finds_and_attributes_a_ghost_then_sees_the_replica_heal(lab, start_guard, tmp_path):
@@ -73,7 +62,7 @@ def test_sweeper_finds_and_attributes_a_ghost_then_sees_the_replica_heal(lab, st
     lines = [json.loads(line) for line in g.stdout().splitlines() if line.startswith("{")]
     assert [(x["uid"], x["verdict"]) for x in lines] == [(uid, record["verdict"])]
 
-    r = cli("diagnose", "default/web-1", "--kubeconfig", lab.kubeconfig(0), "-o", "json")
+    r = ghost_guard("diagnose", "default/web-1", "--kubeconfig", lab.kubeconfig(0), "-o", "json")
     assert r.returncode == 1, r.stderr
     assert json.loads(r.stdout)["stale_replicas"] == [stale]
 
@@ -84,7 +73,7 @@ def test_sweeper_finds_and_attributes_a_ghost_then_sees_the_replica_heal(lab, st
     healed = wait_for(lambda: [r for r in audit_records(db) if not r["stale_replicas"]], what="a healed record")
     entry = next(x for x in healed[0]["replicas"] if x["replica"] == stale)
     assert entry["healed_at"] is not None and entry["serves"] is False
-    r = cli("diagnose", "default/web-1", "--kubeconfig", lab.kubeconfig(0))
+    r = ghost_guard("diagnose", "default/web-1", "--kubeconfig", lab.kubeconfig(0))
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1] == "verdict: consistent"
 
@@ -108,8 +97,7 @@ def test_a_pod_deleted_after_its_verdict_was_prepared_is_not_passed(lab, start_g
     api.delete_namespaced_pod("late", "default", grace_period_seconds=0, _request_timeout=5)
     assert lab.wait_synced()
     wait_for(lambda: watched(0), what="the DELETED applied by the guard's watches of replicas 1 and 3")
-    body = orjson.dumps({"Pod": {"metadata": {"name": "late", "namespace": "default", "uid": uid}},
-                         "Nodes": None, "NodeNames": ["n1"]})
+    body = filter_body("default", "late", uid, spec=False)
     out = g.post("/filter", body).json()
     assert out["NodeNames"] == []
     assert out["FailedAndUnresolvableNodes"]["n1"] == "ghost pod: ghost-deleted (see kube-ghost-guard log/record)"
@@ -124,13 +112,13 @@ def test_a_prepared_verdict_answers_the_first_call_without_a_get(lab, start_guar
     path = "/api/v1/namespaces/default/pods/ready"
     gets = sum(len(r.requests(method="GET", path=path, quorum=True)) for r in lab.replicas)
     assert gets == 1  # the background verification, once, whatever the three watches delivered
-    body = orjson.dumps({"Pod": {"metadata": {"name": "ready", "namespace": "default", "uid": uid}},
-                         "Nodes": None, "NodeNames": ["n1"]})
+    body = filter_body("default", "ready", uid, spec=False)
+    first = time.monotonic()
     assert g.post("/filter", body).json()["NodeNames"] == ["n1"]
     assert g.metric("ghost_guard_verdicts_prepared_total") == 1
     assert sum(len(r.requests(method="GET", path=path, quorum=True)) for r in lab.replicas) == 1
     # a later attempt (after the grace) means a bind may have failed: verified again, inline
-    time.sleep(0.7)
+    time.sleep(max(0.0, 0.7 - (time.monotonic() - first)))  # the behaviour: past --prepared-grace (0.5 s)
     assert g.post("/filter", body).json()["NodeNames"] == ["n1"]
     assert g.metric("ghost_guard_verdicts_inline_total") == 1
     assert sum(len(r.requests(method="GET", path=path, quorum=True)) for r in lab.replicas) == 2

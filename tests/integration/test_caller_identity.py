@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from guard.tools.certs import generate
-from guard.lab.harness import GuardProcess, tls_files
+from guard.lab.harness import tls_files
 from role_calls import CALLS, OWNER
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,11 +42,10 @@ def call(guard, path: str, role: str | None, pki, *, chunked: bool = False) -> r
 
 
 @pytest.fixture(scope="module")
-def mtls_guard(pki, dead_kubeconfig, tmp_path_factory):
-    with GuardProcess(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--no-prepare",
-                       "--audit-db", str(tmp_path_factory.mktemp("db") / "audit.db")], tls=tls_files(pki)) as g:
-        g.wait("/healthz")
-        yield g
+def mtls_guard(pki, dead_kubeconfig, tmp_path_factory, module_guard):
+    return module_guard(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--no-prepare",
+                         "--audit-db", str(tmp_path_factory.mktemp("db") / "audit.db")], tls=tls_files(pki),
+                        wait="/healthz")
 
 
 @pytest.mark.parametrize("path", list(CALLS))

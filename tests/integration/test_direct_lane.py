@@ -8,14 +8,13 @@ other request (HTTP/1.0 here, which goes through FastLane).
 from __future__ import annotations
 
 import socket
-import tempfile
 import threading
 import time
 
 import orjson
 import pytest
 
-from guard.lab.harness import GuardProcess, eventually, make_ghost, pod_manifest
+from guard.lab.harness import eventually, make_ghost, pod_manifest
 
 
 def exchange(port: int, raw: bytes, *, closed: bool = True) -> tuple[bytes, bytes, bool]:
@@ -49,12 +48,10 @@ def call(path: str, body: bytes, version: str = "HTTP/1.1", extra: str = "") -> 
 
 
 @pytest.fixture(scope="module")
-def guard(_shared_lab_session):
-    db = tempfile.mktemp(prefix="audit-", suffix=".db")
-    with GuardProcess(["--kubeconfig", _shared_lab_session.kubeconfig(0), "--audit-db", db, "--no-prepare",
-                       "--no-events"]) as g:
-        g.wait()
-        yield g
+def guard(_shared_lab_session, module_guard, tmp_path_factory):
+    db = str(tmp_path_factory.mktemp("direct") / "audit.db")
+    return module_guard(["--kubeconfig", _shared_lab_session.kubeconfig(0), "--audit-db", db, "--no-prepare",
+                         "--no-events"])
 
 
 @pytest.mark.parametrize("path", ["/filter", "/preempt"])

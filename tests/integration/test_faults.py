@@ -22,12 +22,10 @@ import os
 import re
 import signal
 import statistics
-import tempfile
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import orjson
 import pytest
@@ -57,17 +55,11 @@ def lab():
 
 
 @pytest.fixture(scope="module")
-def guard(lab):
-    db = tempfile.mktemp(prefix="faults-audit-", suffix=".db")
-    try:
-        with GuardProcess(["--kubeconfig", lab.kubeconfig(0), "--get-timeout", str(GET_TIMEOUT), "--audit-db", db,
-                           "--no-events", "--prepare-idle-after", "0"]) as g:
-            g.wait()
-            yield g
-    finally:
-        for suffix in ("", "-wal", "-shm"):
-            Path(db + suffix).unlink(missing_ok=True)
-        print_measurements()
+def guard(lab, module_guard, tmp_path_factory):
+    db = str(tmp_path_factory.mktemp("faults") / "audit.db")
+    yield module_guard(["--kubeconfig", lab.kubeconfig(0), "--get-timeout", str(GET_TIMEOUT), "--audit-db", db,
+                        "--no-events", "--prepare-idle-after", "0"])
+    print_measurements()
 
 
 @pytest.fixture
@@ -174,7 +166,7 @@ class Scenario:
 
     def during(self, label: str, *, rounds: int = 3, concurrent: int = 24) -> None:
         g, ns = self.guard, self.ns
-        time.sleep(0.6)  # past --alive-ttl: no quorum read from before the fault is reused
+        time.sleep(0.6)  # the behaviour: past --alive-ttl (a TTL running out), no read from before the fault is reused
         for _ in range(rounds):
             assert_passes(filter_once(g, ns, "live", self.live_uid, label))
             assert_passes(filter_once(g, ns, "during", self.fresh["during"], label))  # undecidable: fail open

@@ -13,7 +13,6 @@ Real etcd, three real HTTPS apiserver replicas, real `ghost-guard serve` process
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 import pytest
 import requests
-from clirun import ghost_guard
+from clirun import audit_records
+from payloads import filter_body
 from guard.lab.harness import eventually, make_ghost
 
 pytestmark = pytest.mark.timeout(240)
@@ -33,17 +33,6 @@ FORGED = 600
 RATE, BURST = 0.05, 2  # per namespace; all namespaces together: 0.5/s, 20
 
 
-def filter_body(namespace: str, name: str, uid: str) -> bytes:
-    return orjson.dumps({"Pod": {"metadata": {"name": name, "namespace": namespace, "uid": uid}},
-                         "Nodes": None, "NodeNames": ["n1"]})
-
-
-def audit_records(db: str) -> list[dict]:
-    r = ghost_guard("audit", "--db", db, "-o", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
 def flood(g, calls: list[tuple[str, str, str]]) -> list[int]:
     """Send the forged calls from 8 threads, each with its own connection; the status codes."""
     def send(chunk: list[tuple[str, str, str]]) -> list[int]:
@@ -51,7 +40,7 @@ def flood(g, calls: list[tuple[str, str, str]]) -> list[int]:
             s.trust_env = False
             codes = []
             for ns, name, uid in chunk:
-                r = s.post(g.url("/filter"), data=filter_body(ns, name, uid),
+                r = s.post(g.url("/filter"), data=orjson.dumps(filter_body(ns, name, uid, spec=False)),
                            headers={"Content-Type": "application/json"}, timeout=10)
                 assert r.json()["NodeNames"] == []  # still a ghost for the scheduler: etcd has no such pod
                 codes.append(r.status_code)

@@ -17,11 +17,11 @@ Real etcd, three real apiserver replicas, a real ``ghost-guard serve --heal``.
 
 from __future__ import annotations
 
-import json
 
 import orjson
 import pytest
-from clirun import ghost_guard
+from clirun import audit_records
+from payloads import binding_review, filter_body, preempt_body
 
 from guard.lab.harness import create, eventually, make_ghost, pod_manifest
 from guard.core.names import pod_identity_problem
@@ -36,34 +36,18 @@ SELECTOR_TAILS = [",metadata.namespace=default", ",metadata.name!=x", "&fieldSel
 
 
 def filter_doc(namespace: str, name: str, uid: str | None) -> dict:
-    meta = {"name": name, "namespace": namespace}
-    if uid is not None:
-        meta["uid"] = uid
-    return {"Pod": {"metadata": meta}, "NodeNames": ["n1", "n2"]}
+    return filter_body(namespace, name, uid, ["n1", "n2"], spec=False)
 
 
 def preempt_doc(namespace: str, name: str, uid: str | None) -> dict:
-    return {"Pod": filter_doc(namespace, name, uid)["Pod"],
-            "NodeNameToMetaVictims": {"n1": {"Pods": [{"UID": "v-1"}], "NumPDBViolations": 0}}}
+    return preempt_body(namespace, name, uid, "n1", spec=False)
 
 
 def review_doc(namespace: str, name: str, uid: str | None) -> dict:
-    meta = {"name": name, "namespace": namespace, **({"uid": uid} if uid is not None else {})}
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-        "uid": "rev-1", "kind": {"group": "", "version": "v1", "kind": "Binding"},
-        "resource": {"group": "", "version": "v1", "resource": "pods"}, "subResource": "binding",
-        "name": name, "namespace": namespace, "operation": "CREATE",
-        "object": {"apiVersion": "v1", "kind": "Binding", "metadata": meta,
-                   "target": {"apiVersion": "v1", "kind": "Node", "name": "n1"}}}}
+    return binding_review(namespace, name, uid, node="n1", review_uid="rev-1")
 
 
 DOCS = {"/filter": filter_doc, "/preempt": preempt_doc, "/validate/binding": review_doc}
-
-
-def audit_records(db: str) -> list[dict]:
-    r = ghost_guard("audit", "--db", db, "-o", "json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 def test_forged_names_are_refused_and_no_replica_is_named(lab, start_guard, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from kubernetes import client
 
 from clirun import ghost_guard
+from payloads import filter_body
 from guard.audit.sqlite import AuditStore
 from guard.lab.harness import eventually, make_ghost
 
@@ -24,19 +25,8 @@ FAST = ["--sweep-interval", "0.5", "--stale-confirm-delay", "0.5", "--reprobe-in
         "--discovery-interval", "5", "--audit-store", "kubernetes", "--audit-write-interval", "0.5", "--no-events"]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    """``ghost-guard *args`` in-process (tests/clirun.py)."""
-    return ghost_guard(*args)
-
-
 def ghostpods(lab, namespace: str) -> list[dict]:
     return client.CustomObjectsApi(lab.api_client(0)).list_namespaced_custom_object(G, V, namespace, P)["items"]
-
-
-def filter_body(namespace: str, name: str, uid: str) -> dict:
-    pod = {"metadata": {"name": name, "namespace": namespace, "uid": uid},
-           "spec": {"containers": [{"name": "app", "image": "pause"}]}, "status": {"phase": "Pending"}}
-    return {"Pod": pod, "Nodes": None, "NodeNames": ["node-a"]}
 
 
 def test_two_guards_record_one_ghostpod_readable_from_any_kubeconfig(lab, start_guard, tmp_path):
@@ -49,7 +39,7 @@ def test_two_guards_record_one_ghostpod_readable_from_any_kubeconfig(lab, start_
     # the scheduler loops on the ghost through both guards (the Service spreads its calls)
     for _ in range(20):
         for g in guards:
-            out = g.post("/filter", filter_body("default", "web-1", uid)).json()
+            out = g.post("/filter", filter_body("default", "web-1", uid, ["node-a"])).json()
             assert out["NodeNames"] == [] and out["FailedAndUnresolvableNodes"] == {"node-a": out["FailedAndUnresolvableNodes"]["node-a"]}
 
     def attributed():
@@ -70,17 +60,17 @@ def test_two_guards_record_one_ghostpod_readable_from_any_kubeconfig(lab, start_
     # `report` from "a laptop": only a kubeconfig, any replica's; the same answer each time.
     answers = []
     for i in (0, 1, 2):
-        r = cli("report", "--audit-store", "kubernetes", "--kubeconfig", lab.kubeconfig(i), "-o", "json")
+        r = ghost_guard("report", "--audit-store", "kubernetes", "--kubeconfig", lab.kubeconfig(i), "-o", "json")
         assert r.returncode == 1, r.stderr  # it lists a replica serving a ghost: exit 1, as diagnose
         answers.append(json.loads(r.stdout))
     assert answers[0] == answers[1] == answers[2]
     assert [s["replica"] for s in answers[0]["stale_replicas"]] == [stale]
-    r = cli("audit", "--audit-store", "kubernetes", "--kubeconfig", lab.kubeconfig(2), "-o", "json")
+    r = ghost_guard("audit", "--audit-store", "kubernetes", "--kubeconfig", lab.kubeconfig(2), "-o", "json")
     assert r.returncode == 0, r.stderr
     (record,) = json.loads(r.stdout)
     assert (record["namespace"], record["name"], record["uid"], record["stale_replicas"]) == ("default", "web-1", uid, [stale])
     # filters as with SQLite
-    r = cli("audit", "--audit-store", "kubernetes", "--kubeconfig", lab.kubeconfig(0), "--namespace", "other", "-o", "json")
+    r = ghost_guard("audit", "--audit-store", "kubernetes", "--kubeconfig", lab.kubeconfig(0), "--namespace", "other", "-o", "json")
     assert r.returncode == 0 and json.loads(r.stdout) == []
 
     if shutil.which("kubectl"):
@@ -92,12 +82,12 @@ def test_two_guards_record_one_ghostpod_readable_from_any_kubeconfig(lab, start_
 
 
 def test_the_cli_says_clearly_when_the_kubernetes_store_cannot_be_read(dead_kubeconfig, tmp_path):
-    r = cli("audit", "--audit-store", "kubernetes", "--kubeconfig", dead_kubeconfig)
+    r = ghost_guard("audit", "--audit-store", "kubernetes", "--kubeconfig", dead_kubeconfig)
     assert r.returncode == 1 and r.stderr.startswith("ghost-guard audit: cannot read GhostPods:"), r.stderr
     assert "Traceback" not in r.stderr
-    r = cli("report", "--audit-store", "kubernetes", "--kubeconfig", str(tmp_path / "missing"))
+    r = ghost_guard("report", "--audit-store", "kubernetes", "--kubeconfig", str(tmp_path / "missing"))
     assert r.returncode == 2 and "cannot load cluster credentials" in r.stderr and "Traceback" not in r.stderr
-    r = cli("audit", "--audit-store", "etcd")
+    r = ghost_guard("audit", "--audit-store", "etcd")
     assert r.returncode == 2 and "--audit-store must be" in r.stderr
 
 
@@ -117,14 +107,14 @@ def test_export_from_sqlite_migrates_every_record_and_is_safe_to_repeat(shared_l
                            at=now + 9)
         store.retract(uid="uid-2", at=now + 10)
     kc = shared_lab.kubeconfig(1)
-    r = cli("audit", "export", "--from", f"sqlite:{db}", "--to", "kubernetes", "--kubeconfig", kc)
+    r = ghost_guard("audit", "export", "--from", f"sqlite:{db}", "--to", "kubernetes", "--kubeconfig", kc)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "3 records read, 3 GhostPods created, 0 existing, 0 failed"
-    r = cli("audit", "export", "--from", f"sqlite:{db}", "--to", "kubernetes", "--kubeconfig", kc)
+    r = ghost_guard("audit", "export", "--from", f"sqlite:{db}", "--to", "kubernetes", "--kubeconfig", kc)
     assert r.stdout.strip() == "3 records read, 0 GhostPods created, 3 existing, 0 failed", r.stderr
 
     def listing(*store_args: str) -> list[dict]:
-        out = cli("audit", *store_args, "--namespace", lab_namespace, "--retracted", "-o", "json")
+        out = ghost_guard("audit", *store_args, "--namespace", lab_namespace, "--retracted", "-o", "json")
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
@@ -132,8 +122,8 @@ def test_export_from_sqlite_migrates_every_record_and_is_safe_to_repeat(shared_l
     from_kubernetes = listing("--audit-store", "kubernetes", "--kubeconfig", kc)
     assert from_kubernetes == from_sqlite
     assert [r["times_blocked"] for r in from_kubernetes] == [3, 2, 1]  # exported twice, counted once
-    report_sqlite = cli("report", "--audit-store", f"sqlite:{db}", "--namespace", lab_namespace, "-o", "json")
-    report_kube = cli("report", "--audit-store", "kubernetes", "--kubeconfig", kc, "--namespace", lab_namespace, "-o", "json")
+    report_sqlite = ghost_guard("report", "--audit-store", f"sqlite:{db}", "--namespace", lab_namespace, "-o", "json")
+    report_kube = ghost_guard("report", "--audit-store", "kubernetes", "--kubeconfig", kc, "--namespace", lab_namespace, "-o", "json")
     assert json.loads(report_kube.stdout) == json.loads(report_sqlite.stdout)
-    r = cli("audit", "export", "--from", "kubernetes", "--to", f"sqlite:{db}")
+    r = ghost_guard("audit", "export", "--from", "kubernetes", "--to", f"sqlite:{db}")
     assert r.returncode == 2 and "export copies --from sqlite:PATH --to kubernetes" in r.stderr

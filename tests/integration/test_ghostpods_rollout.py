@@ -15,6 +15,7 @@ import uuid
 import pytest
 import requests
 from kubernetes import client
+from payloads import filter_body
 
 from guard.lab.harness import eventually
 
@@ -24,12 +25,6 @@ pytestmark = pytest.mark.timeout(300)
 UNBUDGETED = ["--unsighted-ghost-rate", "1000", "--unsighted-ghost-burst", "100000"]
 
 G, V, P = "kube-ghost-guard.io", "v1alpha1", "ghostpods"
-
-
-def filter_body(namespace: str, name: str, uid: str) -> dict:
-    pod = {"metadata": {"name": name, "namespace": namespace, "uid": uid},
-           "spec": {"containers": [{"name": "app", "image": "pause"}]}, "status": {"phase": "Pending"}}
-    return {"Pod": pod, "Nodes": None, "NodeNames": ["node-a"]}
 
 
 def test_a_rollout_of_both_guards_mid_flood_loses_no_record(lab_factory, start_guard, tmp_path):
@@ -52,14 +47,17 @@ def test_a_rollout_of_both_guards_mid_flood_loses_no_record(lab_factory, start_g
                 live = list(guards)
             g = live[(i + attempt) % len(live)]
             try:
-                out = session.post(g.url("/filter"), json=filter_body(ns, name, uid), timeout=5).json()
+                out = session.post(g.url("/filter"), json=filter_body(ns, name, uid, ["node-a"]), timeout=5).json()
             except (requests.RequestException, ValueError):
-                time.sleep(0.05)
+                time.sleep(0.05)  # the behaviour: a caller's retry delay while a guard is replaced
                 continue
             if out.get("FailedAndUnresolvableNodes"):
                 with lock:
                     blocked.add((name, uid))
-            return
+                return
+            # Passed: the guard failed open (its quorum GET found no answer in time: seen once at a load
+            # average of 34). That is its answer to an undecidable read; the scheduler asks again, and so
+            # do we. A ghost passed on a read that did answer would be passed every time: never blocked.
         with lock:
             unanswered.append(i)
 

@@ -13,6 +13,7 @@ import requests
 from cryptography import x509
 
 from guard.tools.certs import generate
+from guard.lab.harness import eventually
 
 BODY = b'{"Pod":{"metadata":{"name":"p","namespace":"d","uid":"u"}},"Nodes":null,"NodeNames":["n1"]}'
 
@@ -86,17 +87,15 @@ def test_renewed_certificate_is_served_without_restart_and_without_failures(star
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
         t.start()
+    after = before
     try:
-        import time
-
-        time.sleep(1.0)
+        # Calls are flowing (not a number of seconds: a loaded machine may need longer to get there).
+        eventually(lambda: counts[0] >= 20, 30, what="20 calls under load before the renewal", interval=0.02)
         generate(certs["dir"], renew=True)  # same CA, new leaf files, replaced atomically in place
-        deadline = time.monotonic() + 15
-        after = before
-        while after == before and time.monotonic() < deadline:
-            time.sleep(0.3)
-            after = _served_serial(g.port, ca, *client)
-        time.sleep(1.0)
+        after = eventually(lambda: (lambda s: s if s != before else None)(_served_serial(g.port, ca, *client)), 15,
+                           what="the renewed certificate served", interval=0.1)
+        served = counts[0]  # ... and the load goes on with the new certificate for 20 more calls
+        eventually(lambda: counts[0] >= served + 20, 30, what="20 calls after the renewal", interval=0.02)
     finally:
         done.set()
         for t in threads:

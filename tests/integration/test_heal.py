@@ -56,13 +56,13 @@ def looping(sched, key: str, at_least: int = 2) -> None:
 
 
 def loop_stopped(sched, key: str, uid: str) -> None:
-    """The ghost left the scheduler's informer and its bind failures stop (over 10 max backoffs)."""
-    eventually(lambda: all(p["metadata"]["uid"] != uid for p in sched.informer_pods().values()), 5,
-               what="the ghost gone from the scheduler's informer")
+    """The ghost left the scheduler's informer and its queue (active, backoff, unschedulable or in a
+    cycle: the bind runs inside the cycle), so nothing can try it again: its bind failures stop."""
+    eventually(lambda: all(p["metadata"]["uid"] != uid for p in sched.informer_pods().values())
+               and key not in sched.queue(), 5, what="the ghost gone from the scheduler's informer and queue")
     failures = sched.stats()[key].bind_failures_total
-    time.sleep(10 * FAST.pod_max_backoff)  # an absence over a window: a live loop would add ~10 failures
+    assert key not in sched.queue() and all(p["metadata"]["uid"] != uid for p in sched.informer_pods().values())
     assert sched.stats()[key].bind_failures_total == failures
-    assert key not in sched.queue()
 
 
 def strip(pod: dict) -> dict:

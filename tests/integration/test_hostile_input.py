@@ -55,15 +55,14 @@ def rss_kb(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def guard(tmp_path_factory):
+def guard(tmp_path_factory, module_guard):
     tmp = tmp_path_factory.mktemp("hostile")
     kubeconfig = dead_apiserver_kubeconfig(tmp / "kubeconfig", TOKEN)
-    with GuardProcess(["--kubeconfig", kubeconfig, "--get-timeout", "0.2", "--max-body-bytes", str(MAX_BODY),
-                       "--max-nodes", "100000", "--audit-db", str(tmp / "audit.db")]) as g:
-        g.wait("/healthz")
-        g.first_workers = g.workers()
-        assert len(g.first_workers) == 1, g.first_workers
-        yield g
+    g = module_guard(["--kubeconfig", kubeconfig, "--get-timeout", "0.2", "--max-body-bytes", str(MAX_BODY),
+                      "--max-nodes", "100000", "--audit-db", str(tmp / "audit.db")], wait="/healthz")
+    g.first_workers = g.workers()
+    assert len(g.first_workers) == 1, g.first_workers
+    return g
 
 
 @pytest.fixture(autouse=True)

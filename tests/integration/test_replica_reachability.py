@@ -11,12 +11,14 @@ ends, and that is said once too.
 
 from __future__ import annotations
 
+import socket
 import time
 
 import orjson
 import pytest
 from clirun import ghost_guard
-from guard.lab.harness import eventually, free_port, pod_manifest
+from payloads import filter_body
+from guard.lab.harness import eventually, pod_manifest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,8 +32,18 @@ def details(g) -> dict:
     return resp.json()["details"]
 
 
-def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_guard, tmp_path):
-    closed = f"127.0.0.1:{free_port()}"
+@pytest.fixture
+def closed_port():
+    """A port nobody listens on and nobody else can take while the test runs: bound by this socket,
+    never listening, so every connection to it is refused at once (a port merely free when chosen may be
+    taken by another process, which then accepts and never answers: a timeout, not a refusal)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_guard, tmp_path, closed_port):
+    closed = f"127.0.0.1:{closed_port}"
     stopped = lab.replicas[1]
     stopped_address = stopped.url.removeprefix("https://")
     stopped.stop()
@@ -54,8 +66,7 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
     eventually(lambda: lab.replicas[0].requests(method="GET", path=path, quorum=True), 10,
                what="the background quorum GET", process=g)
     asked = time.time()
-    body = orjson.dumps({"Pod": {"metadata": {"name": "fresh", "namespace": "default", "uid": uid}},
-                         "Nodes": None, "NodeNames": ["n1"]})
+    body = filter_body("default", "fresh", uid, spec=False)
     assert g.post("/filter", body).json()["NodeNames"] == ["n1"]
     quorum = [rec for r in lab.replicas for rec in r.requests(method="GET", path=path, quorum=True)]
     assert len(quorum) == 1 and quorum[0].time < asked, quorum  # one GET, before the call
@@ -74,8 +85,7 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
     assert log.count(FALLBACK) == 1 and log.count(RECOVERED) == 1, log[-3000:]
 
     # A ghost: every replica's cache is probed; the closed one's failure is counted and shown.
-    ghost = orjson.dumps({"Pod": {"metadata": {"name": "gone", "namespace": "default", "uid": "gone-uid"}},
-                          "Nodes": None, "NodeNames": ["n1"]})
+    ghost = filter_body("default", "gone", "gone-uid", spec=False)
     assert list(g.post("/filter", ghost).json()["FailedAndUnresolvableNodes"]) == ["n1"]
     eventually(lambda: g.metric("ghost_guard_replica_probe_errors_total", replica=closed, kind="unreachable") >= 1,
                10, what="the failed probe counted", process=g)
@@ -91,5 +101,8 @@ def test_no_replica_watchable_falls_back_to_the_kubeconfig_server(lab, start_gua
 
     report = eventually(lambda: (r := reported()) and closed in r and stopped_address in r and r, 10,
                         what="the probes in the report")
-    assert report[closed]["last_probe"] == "unreachable" and report[closed]["error"].startswith("unreachable"), report
+    # "unreachable: ..." (refused) as a rule; a probe thread starved past its 0.5 s deadline on a loaded machine
+    # says "timeout: ..." first. Both are the class the report shows, "unreachable": no timing decides the test.
+    assert report[closed]["last_probe"] == "unreachable", report
+    assert report[closed]["error"].startswith(("unreachable", "timeout")), report
     assert report[stopped_address]["last_probe"] == "consistent", report

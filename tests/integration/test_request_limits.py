@@ -17,7 +17,6 @@ import orjson
 import pytest
 import yaml
 
-from guard.lab.harness import GuardProcess
 from guard.core.settings import Settings
 
 pytestmark = pytest.mark.timeout(180)
@@ -42,17 +41,15 @@ def vm_kib(pid: int, key: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def guard(tmp_path_factory):
+def guard(tmp_path_factory, module_guard):
     tmp = tmp_path_factory.mktemp("limits")
     kubeconfig = tmp / "kubeconfig"
     kubeconfig.write_text("apiVersion: v1\nkind: Config\nclusters:\n- name: dead\n  cluster: {server: 'http://127.0.0.1:9'}\n"
                           "users:\n- name: u\n  user: {token: t}\ncontexts:\n- name: c\n  context: {cluster: dead, user: u}\n"
                           "current-context: c\n")
     # --fail-closed: every pod is rejected, so a names-mode reply names every node (the costliest reply)
-    with GuardProcess(["--kubeconfig", str(kubeconfig), "--get-timeout", "0.2", "--no-prepare", "--fail-closed",
-                       "--audit-db", str(tmp / "audit.db")], clean_env=True) as g:
-        g.wait("/healthz")
-        yield g
+    return module_guard(["--kubeconfig", str(kubeconfig), "--get-timeout", "0.2", "--no-prepare", "--fail-closed",
+                         "--audit-db", str(tmp / "audit.db")], clean_env=True, wait="/healthz")
 
 
 def go_names_body(names: list[str]) -> bytes:

@@ -22,7 +22,7 @@ import orjson
 import pytest
 
 from guard.tools.certs import generate
-from guard.lab.harness import GuardProcess, tls_files
+from guard.lab.harness import tls_files
 from role_calls import CALLS, OWNER
 
 
@@ -69,11 +69,10 @@ def pki(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mtls_guard(pki, dead_kubeconfig, tmp_path_factory):
-    with GuardProcess(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--no-prepare",
-                       "--audit-db", str(tmp_path_factory.mktemp("db") / "audit.db")], tls=tls_files(pki)) as g:
-        g.wait("/healthz")
-        yield g
+def mtls_guard(pki, dead_kubeconfig, tmp_path_factory, module_guard):
+    return module_guard(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--no-prepare",
+                         "--audit-db", str(tmp_path_factory.mktemp("db") / "audit.db")], tls=tls_files(pki),
+                        wait="/healthz")
 
 
 def context(pki, role: str | None) -> ssl.SSLContext:

@@ -12,7 +12,7 @@
 - the RBAC in ``manifests/`` grants exactly what ``guard/`` calls, derived from
   the code (every kubernetes client call) and from the client's own paths. The CLI's
   light twin of the client (guard/kube/api.py) has the same method names and sends the
-  same requests for every method the code calls (tests/unit/test_light_api.py), so the
+  same requests for every method the code calls (tests/component/test_light_api.py), so the
   derivation covers it too.
 """
 
@@ -56,13 +56,12 @@ def pki(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mtls_guard(pki, dead_kubeconfig, tmp_path_factory):
+def mtls_guard(pki, dead_kubeconfig, tmp_path_factory, module_guard):
     ours = pki["ours"]
     tls = tls_files(ours)
     db = tmp_path_factory.mktemp("mtls") / "audit.db"
-    with GuardProcess(["--kubeconfig", dead_kubeconfig, "--audit-db", str(db), "--get-timeout", "0.2"], tls=tls) as g:
-        g.wait("/healthz")
-        yield g
+    return module_guard(["--kubeconfig", dead_kubeconfig, "--audit-db", str(db), "--get-timeout", "0.2"], tls=tls,
+                        wait="/healthz")
 
 
 def client_hello(version: int) -> bytes:
@@ -169,7 +168,7 @@ def secret_markers(*texts: str) -> list[str]:
             any(m in t for t in texts)]
 
 
-def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace, pki, tmp_path):
+def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace, pki, tmp_path, start_guard):
     """Debug logging, TLS with mTLS, apiserver answering 500/429/401 and hanging: nothing secret leaks."""
     ours = pki["ours"]
     lab = shared_lab
@@ -184,10 +183,9 @@ def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace
     bodies: list[str] = []
     try:
         for kubeconfig in (lab.kubeconfig(0), str(wrong)):
-            g = GuardProcess(["--kubeconfig", kubeconfig, "--log-level", "debug", "--get-timeout", "0.3",
-                              "--audit-db", str(tmp_path / f"audit-{len(guards)}.db")], tls=tls)
-            guards.append(g)
-            g.wait("/healthz")
+            guards.append(start_guard(["--kubeconfig", kubeconfig, "--log-level", "debug", "--get-timeout", "0.3",
+                                       "--audit-db", str(tmp_path / f"audit-{len(guards)}.db")], tls=tls,
+                                      wait="/healthz"))
         good, bad = guards
         uid = make_ghost(lab, lab_namespace, "g")
         pods = f"/api/v1/namespaces/{lab_namespace}/pods"
@@ -219,8 +217,7 @@ def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace
         bodies.append(bad.get("/readyz", timeout=5).text)
         assert "401" in bodies[-1], bodies[-1]  # the wrong token really failed
         assert good.metric("ghost_guard_fail_open_total", reason="apiserver") >= 3
-        for g in guards:
-            g.stop()  # everything the guards will ever log is written once they have exited
+        start_guard.stop(*guards)  # everything the guards will ever log is written once they have exited
         texts = [g.logs(tail=None) + g.stdout() for g in guards] + bodies
         everything = "\n".join(texts)
         assert '"level":"debug"' in everything  # debug logging was really on
@@ -229,8 +226,7 @@ def test_no_token_key_or_certificate_in_logs_or_bodies(shared_lab, lab_namespace
             assert secret not in everything, f"secret material {secret[:8]}... found in logs or bodies"
         assert secret_markers(everything) == []
     finally:
-        for g in guards:
-            g.stop()
+        start_guard.stop(*guards)
 
 
 # --- audit CLI ---------------------------------------------------------------------------------
@@ -314,16 +310,15 @@ def test_audit_cli_filters_are_data_not_sql(recorded_store, namespace):
 
 
 @pytest.fixture(scope="module")
-def recorded_store(_shared_lab_session, tmp_path_factory):
+def recorded_store(_shared_lab_session, tmp_path_factory, module_guard):
     """An audit store written by a real guard that blocked one real ghost."""
     lab = _shared_lab_session
     tmp = tmp_path_factory.mktemp("recorded")
     ns = f"sec-{os.urandom(4).hex()}"
     lab.core_v1(0).create_namespace({"metadata": {"name": ns}}, _request_timeout=5)
     db = tmp / "audit.db"
-    g = GuardProcess(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(db), "--no-events"])
+    g = module_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(db), "--no-events"])
     try:
-        g.wait()
         uid = make_ghost(lab, ns, "ghost")
         body = {"Pod": {"metadata": {"name": "ghost", "namespace": ns, "uid": uid}}, "NodeNames": NAMES}
         deadline = time.monotonic() + 10  # for both
@@ -336,7 +331,7 @@ def recorded_store(_shared_lab_session, tmp_path_factory):
 
         eventually(recorded, deadline - time.monotonic(), what="the ghost in the audit", interval=0.2, process=g)
     finally:
-        g.stop()
+        module_guard.stop(g)
     return db, ns
 
 

@@ -154,7 +154,7 @@ class Attack:
             out = {kind: sum(1 for s in socks if id(s) in self.closed_at) for kind, socks in self.socks.items()}
             if out == MIX or now > deadline:
                 return out
-            time.sleep(0.05)
+            time.sleep(0.05)  # poll interval: the kernel's TCP state is read until every connection is closed
 
     def last_closed(self) -> dict[str, float]:
         """Per kind, seconds from the attack's start until the last of its connections was closed."""
@@ -262,7 +262,7 @@ def test_a_slow_body_is_served_within_its_deadline_and_cut_off_past_it(start_gua
         s.sendall(head)
         for i in range(0, len(body), 20):  # within the 1 s body deadline
             s.sendall(body[i:i + 20])
-            time.sleep(0.01)
+            time.sleep(0.01)  # the behaviour: a client that drips its body on purpose
         assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
     before = time.monotonic()  # before the connection exists: the guard's deadline starts later
     with dial(guard.port, "127.0.0.2") as s:

@@ -3,8 +3,8 @@ waits for that GET instead of making its own: one quorum GET per pod, counted as
 
 from __future__ import annotations
 
-import orjson
 import pytest
+from payloads import filter_body
 
 from guard.lab.harness import eventually, pod_manifest
 
@@ -24,8 +24,7 @@ def test_a_call_during_the_background_get_shares_it(lab, start_guard, tmp_path):
     # The background GET has reached a replica (a rule counts its hit on arrival) and is held there for 1.5 s.
     eventually(lambda: sum(rule.hits for rule in rules) >= 1, 5, what="the background quorum GET under way",
                interval=0.01)
-    body = orjson.dumps({"Pod": {"metadata": {"name": "slow", "namespace": "default", "uid": uid}},
-                         "Nodes": None, "NodeNames": ["n1"]})
+    body = filter_body("default", "slow", uid, spec=False)
     assert g.post("/filter", body).json()["NodeNames"] == ["n1"]
     # It waited for the rest of the background GET, not a GET of its own:
     assert (g.metric("ghost_guard_verdicts_shared_read_total"), g.metric("ghost_guard_verdicts_inline_total"),

@@ -19,7 +19,6 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -227,6 +226,7 @@ def test_renewal_under_load_zero_failures(installed):
     ctx = client_ctx(certs, role="monitoring")
     failures: list[str] = []
     serials: list[int] = []
+    on_last: list[int] = [0]  # calls answered with the newest serial
     done = threading.Event()
 
     def load() -> None:
@@ -240,6 +240,9 @@ def test_renewal_under_load_zero_failures(installed):
                 failures.append(f"HTTP {status}")
             elif not serials or serials[-1] != s:
                 serials.append(s)
+                on_last[0] = 1
+            else:
+                on_last[0] += 1
 
     threads = [threading.Thread(target=load, daemon=True) for _ in range(3)]
     for t in threads:
@@ -248,7 +251,7 @@ def test_renewal_under_load_zero_failures(installed):
         wait_until(lambda: len(serials) >= 1, "load running")
         kubelet_secret_volume(vol, "v2", renewed)  # the kubelet's atomic ..data swap
         wait_until(lambda: serials and serials[-1] == serial(renewed / "tls.crt"), "renewed certificate served")
-        time.sleep(0.3)  # keep the load going on the new certificate
+        wait_until(lambda: on_last[0] >= 20, "20 calls on the new certificate")  # the load goes on with it
     finally:
         done.set()
         for t in threads:

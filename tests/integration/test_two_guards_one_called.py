@@ -10,19 +10,14 @@ later calls find their verdicts prepared, and it watches one replica (of three) 
 
 from __future__ import annotations
 
-import orjson
 import pytest
+from payloads import filter_body
 
 from guard.lab.harness import eventually, pod_manifest
 
 pytestmark = pytest.mark.timeout(120)
 
 PODS = 8
-
-
-def filter_body(name: str, uid: str) -> bytes:
-    return orjson.dumps({"Pod": {"metadata": {"name": name, "namespace": "default", "uid": uid}},
-                         "Nodes": None, "NodeNames": ["n1"]})
 
 
 def prepare_detail(g) -> dict:
@@ -60,7 +55,7 @@ def test_only_the_called_guard_verifies_and_the_backlog_is_ready_after_the_takeo
     assert quorum_gets() == 0
 
     # The takeover: p-0 is answered inline; the rest of the backlog is verified in the background.
-    assert called.post("/filter", filter_body("p-0", uids["p-0"])).json()["NodeNames"] == ["n1"]
+    assert called.post("/filter", filter_body("default", "p-0", uids["p-0"])).json()["NodeNames"] == ["n1"]
     assert called.metric("ghost_guard_verdicts_inline_total") == 1
     eventually(lambda: called.metric("ghost_guard_prepare_verified_total", verdict="alive") == PODS - 1, 10,
                what="the backlog verified in the background", process=called)
@@ -69,7 +64,7 @@ def test_only_the_called_guard_verifies_and_the_backlog_is_ready_after_the_takeo
     eventually(lambda: (d := prepare_detail(called))["active"] is True and d["backlog"] == 0, 5,
                what="/readyz: verifying ahead", process=called)
     for i in range(1, PODS):
-        assert called.post("/filter", filter_body(f"p-{i}", uids[f"p-{i}"])).json()["NodeNames"] == ["n1"]
+        assert called.post("/filter", filter_body("default", f"p-{i}", uids[f"p-{i}"])).json()["NodeNames"] == ["n1"]
     assert called.metric("ghost_guard_verdicts_prepared_total") == PODS - 1
     assert called.metric("ghost_guard_verdicts_inline_total") == 1
     eventually(lambda: called.metric("ghost_guard_prepare_active") == 1, 5, what="the gauge sampled",

@@ -1,4 +1,4 @@
-"""The real twin of tests/integration/test_lab_fidelity.py: the same requests (tests/fidelity_cases.py) answered by
+"""The real twin of tests/lab/test_lab_fidelity.py: the same requests (tests/fidelity_cases.py) answered by
 a real kube-apiserver, on both replicas (one through its etcd fault proxy, both through their watch caches), so
 the table of expected answers the lab is held to stays the real apiserver's (docs/LAB.md, "Lab fidelity")."""
 

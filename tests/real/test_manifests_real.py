@@ -62,10 +62,10 @@ def test_every_overlay_passes_a_server_side_dry_run_unchanged(real_lab, guard_na
 
 
 def test_install_site_overlay_with_the_cidr_component_passes_a_server_side_dry_run(real_lab, guard_namespace, tmp_path):
-    """docs/INSTALL.md step 3, as written there (the test in tests/unit/test_manifests.py extracts the same text)."""
+    """docs/INSTALL.md step 3, as written there (the test in tests/repo/test_manifests.py extracts the same text)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("unit_manifests", REPO / "tests/unit/test_manifests.py")
+    spec = importlib.util.spec_from_file_location("unit_manifests", REPO / "tests/repo/test_manifests.py")
     assert spec and spec.loader
     unit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(unit)

@@ -2,7 +2,7 @@
 
 Chains are checked with cryptography's X.509 path validation (the same RFC 5280
 rules Go's crypto/x509 applies in kube-scheduler); the live TLS behaviour
-(mTLS, reload under load) is in tests/integration/test_certs_tls.py.
+(mTLS, reload under load) is in tests/component/test_certs_tls.py.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def test_two_replicas_converge_on_one_object_and_lose_no_count(shared_lab, lab_n
             block(a, lab_namespace, "web-0", "uid-1", now + i)
             block(b, lab_namespace, "web-0", "uid-1", now + i + 0.5)
             if i % 10 == 0:
-                time.sleep(0.05)
+                time.sleep(0.05)  # the behaviour: pacing, so that later creates race the writers' patches
         block(b, lab_namespace, "web-0", "uid-1", now + 100)
         assert a.flush(20) and b.flush(20)
         (record,) = a.records(namespace=lab_namespace)
@@ -76,7 +76,7 @@ def test_a_looping_ghost_costs_one_write_per_interval(shared_lab, lab_namespace)
         while time.time() - start < 2.5:  # the scheduler retrying one ghost as fast as it can
             block(store, lab_namespace, "loop-0", "uid-loop")
             calls += 1
-            time.sleep(0.002)
+            time.sleep(0.002)  # the behaviour: a scheduler retrying one ghost over a wall-clock window (the rate bound)
         assert store.flush(10)
         w = writes(shared_lab, lab_namespace, start - 0.1)
         (record,) = store.records(namespace=lab_namespace)

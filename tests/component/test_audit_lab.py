@@ -15,13 +15,12 @@ no sleeping. The CLI runs as a subprocess.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from clirun import ghost_guard_json
 
 from guard.audit.backend import AuditBackend, GuardAudit
 from guard.engine.checker import Checker
@@ -70,12 +69,6 @@ def worker(lab, tmp_path: Path) -> Iterator[Worker]:
     kube.close()
 
 
-def cli(*args: str, status: int = 0) -> dict | list:
-    result = subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True, timeout=60)
-    assert result.returncode == status, result.stderr
-    return json.loads(result.stdout)
-
-
 def announced(capsys: pytest.CaptureFixture[str]) -> list[dict]:
     """The new-ghost lines written to stdout since the last call."""
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -120,7 +113,7 @@ def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker, caps
     assert [(r.query, r.source) for r in lab.replicas[1].requests(method="GET", path=PODS)] == [
         ({"fieldSelector": "metadata.name=web-1", "resourceVersion": "0"}, "cache")] * 2
 
-    report = cli("report", "--db", db, "-o", "json", status=1)  # a replica serves a ghost: exit 1, as diagnose
+    report = ghost_guard_json("report", "--db", db, "-o", "json", status=1)  # a replica serves a ghost: exit 1, as diagnose
     assert [r["replica"] for r in report["stale_replicas"]] == [stale]
     assert [(g["namespace"], g["name"], g["uid"]) for g in report["stale_replicas"][0]["ghosts"]] == [
         ("default", "web-1", uid)]
@@ -136,7 +129,7 @@ def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker, caps
     assert announced(capsys) == []  # not new any more
     assert len(worker.delays) == 1  # nobody serves it: nothing to confirm
 
-    (record,) = cli("audit", "--db", db, "-o", "json", "--replica", stale)
+    (record,) = ghost_guard_json("audit", "--db", db, "-o", "json", "--replica", stale)
     assert (record["uid"], record["verdict"], record["times_blocked"], record["stale_replicas"]) == (
         uid, "ghost-deleted", 2, [])
     # The sighting knew less (no read): what the quorum GET said is kept.
@@ -144,6 +137,6 @@ def test_stale_replica_named_then_healed_after_restart(lab, worker: Worker, caps
     entry = next(r for r in record["replicas"] if r["replica"] == stale)
     assert (entry["state"], entry["serves"]) == ("consistent", False)
     assert entry["first_seen_serving"] is not None and entry["healed_at"] is not None
-    report = cli("report", "--db", db, "-o", "json")
+    report = ghost_guard_json("report", "--db", db, "-o", "json")
     assert report["stale_replicas"] == []
     assert [h["replica"] for h in report["healed_replicas"]] == [stale]

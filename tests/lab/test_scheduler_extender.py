@@ -195,7 +195,7 @@ def test_extender_failure_is_a_scheduling_error_unless_ignorable(lab, harness, f
         if failure == "status-500":
             return 500, {"error": "boom"}
         if failure == "timeout":
-            time.sleep(1.0)
+            time.sleep(1.0)  # the behaviour: an extender that stalls past the scheduler's 0.2 s httpTimeout
             return pass_all(verb, body)
         return 200, {"Nodes": None, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {},
                      "Error": "cannot decide"}

@@ -3,7 +3,7 @@
 Each server answers in one way that the apiserver, a proxy or a broken peer may answer:
 Content-Length or chunked, keep-alive or close, an idle close, a drip, garbage, too much.
 Over TLS and against the lab's apiserver it is tested through ``Kube.quorum_get``
-(tests/integration/test_quorum_get.py).
+(tests/component/test_quorum_get.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 
 from guard.kube import transport as httpget
 from guard.kube.transport import Connections, GetError
+from guard.lab.harness import eventually
 
 POD = b'{"kind":"Pod","metadata":{"name":"p","uid":"u-1"}}'
 
@@ -41,6 +42,7 @@ class Server:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.connections = 0
+        self.closed = 0  # connections this server has closed (its FIN sent)
         self.requests: list[bytes] = []
         self._stop = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -60,6 +62,7 @@ class Server:
                 self.script(conn, index)
             except OSError:
                 pass
+        self.closed += 1
 
     def read_request(self, conn: socket.socket) -> bytes:
         data = b""
@@ -179,7 +182,8 @@ def test_a_connection_the_server_closed_while_idle_is_not_used_and_the_get_is_se
     wire = Connections(server.url, {}, keep=2)
     try:
         assert wire.get("/x", {}, 2.0).status == 200
-        time.sleep(0.1)  # the server's FIN arrives at the idle connection
+        eventually(lambda: server.closed == 1, 5, what="the server's close (its FIN, on loopback at once)",
+                   interval=0.005)
         assert wire.get("/x", {}, 2.0).status == 200
     finally:
         wire.close()
@@ -201,7 +205,7 @@ def test_a_dripping_reply_times_out_within_the_whole_deadline(serve):
         server.read_request(conn)
         for byte in length_reply():
             conn.sendall(bytes([byte]))
-            time.sleep(0.05)
+            time.sleep(0.05)  # the behaviour: a peer that drips its reply on purpose
 
     server = serve(drip)
     start = time.monotonic()
