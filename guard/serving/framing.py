@@ -6,7 +6,7 @@ head ends and how large it may be (:func:`head_end`), where its body ends (:func
 (:func:`plain_call`, handed to the app's direct lane), and the bytes of a reply (:func:`plain_reply`,
 :func:`error_reply`). Every refusal is a :class:`FramingError` with the status, the reason the client
 reads and the ``ghost_guard_connections_rejected_total`` label. Unit tests:
-tests/unit/test_worker_framing.py, tests/unit/test_plain_call.py.
+tests/unit/test_framing.py, tests/unit/test_plain_call.py.
 """
 
 from __future__ import annotations
