@@ -176,9 +176,8 @@ NODE_POLICY = "ValidatingAdmissionPolicy 'ghost-guard-heal-nodes' with binding '
 def test_heal_node_heals_a_ghost_node_through_the_policy_and_touches_no_real_node(real_lab, heal_installed):
     """As the guard's ServiceAccount: `heal node/NAME` creates and deletes its placeholder Node, and the
     policy refuses deleting a real Node and creating any other Node (issue 27)."""
-    from kubernetes.client.exceptions import ApiException
-
     from guard.engine import node_healer as nodeheal
+    from guard.kube.api import ApiError  # the guard's client raises its own error (guard/kube/api.py)
 
     api = real_lab.core_v1(0)
     sa = sa_kube(heal_installed).core
@@ -187,7 +186,7 @@ def test_heal_node_heals_a_ghost_node_through_the_policy_and_touches_no_real_nod
     def refused_delete() -> bool:
         try:
             sa.delete_node("victim-node", _request_timeout=5)
-        except ApiException as e:
+        except ApiError as e:
             return e.status == 403 and NODE_POLICY in str(e.body)
         create(api, node_manifest("victim-node"))  # deleted before the policy took effect: again
         return False
@@ -196,7 +195,7 @@ def test_heal_node_heals_a_ghost_node_through_the_policy_and_touches_no_real_nod
     assert api.read_node("victim-node", _request_timeout=5).metadata.name == "victim-node"
     for body in (node_manifest("evil-node"), {**nodeheal.placeholder("evil-node"),
                                               "metadata": {"name": "evil-node", "labels": {"app": "x"}}}):
-        with pytest.raises(ApiException) as e:
+        with pytest.raises(ApiError) as e:
             sa.create_node(body, _request_timeout=5)
         assert e.value.status == 403 and NODE_POLICY in str(e.value.body)
 
