@@ -62,8 +62,10 @@ def test_cluster_commands_with_a_plain_kubeconfig_never_import_the_kubernetes_cl
         extra += ["--db", str(tmp_path / "none.db")]
     held, out = imported_after([*args, "--kubeconfig", shared_lab.kubeconfig(0), *extra])
     assert "kubernetes" not in held, (args, held, out)
-    expected = {"diagnose": "verdict:", "heal": "default/web-1", "report": "replica", "audit": "no audit records"}
-    assert expected[args[0]] in out, out
+    # the shared lab may hold other tests' GhostPods: the audit table or its absence, both read from the cluster
+    expected = {"diagnose": ["verdict:"], "heal": ["default/web-1"], "report": ["replica"],
+                "audit": ["no audit records", "LAST SEEN"]}
+    assert any(e in out for e in expected[args[0]]), out
 
 
 def test_top_level_help_lists_every_command_uncut():
