@@ -196,7 +196,13 @@ class IncidentRecorder:
         """One parallel probe of every replica, for a ghost etcd was just asked about."""
         clients = self.pool.clients()
         now = time.time()
-        observations = list(self._probes.map(lambda c: c.probe(pod.namespace, pod.name, pod.uid, at=now), clients))
+        try:
+            observations = list(self._probes.map(lambda c: c.probe(pod.namespace, pod.name, pod.uid, at=now), clients))
+        except RuntimeError:  # "cannot schedule new futures after shutdown": a follow-up that ran into the close
+            if not self._closed:
+                raise
+            log.debug("probe round for %s/%s skipped: the guard is stopping", pod.namespace, pod.name)
+            return []
         with self._lock:
             confirmed = {r for r, ghosts in self._stale.items() if pod in ghosts}
         for obs in observations:

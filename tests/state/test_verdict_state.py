@@ -292,6 +292,22 @@ def test_a_replica_serving_the_live_pod_is_never_blamed(world, audit):
     assert check(checker, pod("web-0", b)).verdict is Verdict.ALIVE
 
 
+def test_a_probe_round_that_runs_into_the_close_is_skipped_quietly(world, audit, caplog):
+    """A follow-up still queued at SIGTERM probes after the recorder closed its probe pool: no error line
+    (log-based alerting on a rollout), no record, nobody blamed."""
+    etcd, gets, clock, checker = world
+    stale = ReplicaModel("10.0.0.1:6443", etcd)
+    a = etcd.create("web-0")
+    stale.deliver()
+    etcd.delete("web-0")
+    rec, delays = recorder(checker, etcd, [stale], audit)
+    rec.close()
+    with caplog.at_level("DEBUG"):
+        assert rec.probe(pod("web-0", a)) == []
+    assert not [r for r in caplog.records if r.levelno >= 30], caplog.text
+    assert delays == [] and audit.records() == []
+
+
 def test_a_ghost_verdict_contradicted_by_etcd_is_withdrawn_and_nobody_is_blamed(world, audit):
     etcd, gets, clock, checker = world
     r1, r2 = ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)
