@@ -13,7 +13,7 @@ through :mod:`guard.kube.reads` and :mod:`guard.kube.writes`:
    whose cache revision stayed below the heal's own write is *frozen*.
 
 AlreadyExists or Conflict (the name changed under us) re-reads and re-plans, at most
-``healing.MAX_ATTEMPTS`` times. A pod etcd has pending that every replica serves is never touched.
+``heal_plan.MAX_ATTEMPTS`` times. A pod etcd has pending that every replica serves is never touched.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from guard.core import heal_plan as healing
+from guard.core import heal_plan
 from guard.core.heal_plan import Action, CacheView, HealResult, Outcome, Plan, ReplicaResult
 from guard.engine.background import Background
 from guard.kube.reads import Kube
@@ -114,11 +114,11 @@ class Healer:
         before = self._observe(clients, namespace, name)
         views = before
         read = QuorumRead.failed("not read")
-        for attempt in range(healing.MAX_ATTEMPTS):
+        for attempt in range(heal_plan.MAX_ATTEMPTS):
             if attempt:
                 views = self._observe(clients, namespace, name)
             read = self.kube.quorum_get(namespace, name, timeout=max(0.1, deadline - time.monotonic()))
-            p = healing.plan(read, views)
+            p = heal_plan.plan(read, views)
             if p.outcome is not None or dry_run:
                 detail = p.reason if not dry_run or p.action is Action.NONE else f"dry run: would {p.action}: {p.reason}"
                 unreadable = [v.replica for v in views if not v.reachable]
@@ -136,13 +136,13 @@ class Healer:
                 log.info("heal %s/%s: %s; reading again", namespace, name, e)
                 continue
         return self._result(namespace, name, Action.NONE, Outcome.FAILED,
-                            f"the name changed under every one of {healing.MAX_ATTEMPTS} attempts; nothing left behind",
+                            f"the name changed under every one of {heal_plan.MAX_ATTEMPTS} attempts; nothing left behind",
                             start, 0, None, read, before, views, {}, ())
 
     def _placeholder(self, clients, namespace: str, name: str, read: QuorumRead, p: Plan, before, start: float,
                      deadline: float) -> HealResult:
         at = _now_iso()
-        body = healing.placeholder_pod(name, p.ghosts, at=at)
+        body = heal_plan.placeholder_pod(name, p.ghosts, at=at)
         writes = 0
         try:
             created = self.kube.create_pod(namespace, body, timeout=max(0.1, min(self.kube.timeout * 5, deadline - time.monotonic())))
@@ -169,7 +169,7 @@ class Healer:
             # every reachable replica shows the placeholder (or its cache is already past it); a frozen one never
             # will, so this wait takes at most half of what is left: the delete and its wait get the rest
             self._wait(clients, namespace, name,
-                       lambda v: healing.shows(v, uid) or (v.reachable and v.revision is not None and v.revision >= write_rv),
+                       lambda v: heal_plan.shows(v, uid) or (v.reachable and v.revision is not None and v.revision >= write_rv),
                        min(deadline, written + max(0.0, deadline - written) / 2), written, {})
         finally:
             delete_error = self._delete_placeholder(namespace, name, uid)
@@ -178,7 +178,7 @@ class Healer:
                       "for every replica's cache to drop the ghost (a frozen one never does)")
         views = self._wait(clients, namespace, name, lambda v: v.reachable and not any(c.uid in bad for c in v.copies),
                            deadline, written, first_ok)
-        frozen = tuple(v.replica for v in views if healing.behind(v, write_rv) and any(c.uid in bad for c in v.copies))
+        frozen = tuple(v.replica for v in views if heal_plan.behind(v, write_rv) and any(c.uid in bad for c in v.copies))
         if delete_error:
             return self._result(namespace, name, Action.PLACEHOLDER, Outcome.FAILED,
                                 f"placeholder uid {uid} could NOT be deleted ({delete_error}): delete it with "
@@ -216,14 +216,14 @@ class Healer:
                 time.sleep(0.2)
                 continue
             meta = pod.get("metadata") or {}
-            if (meta.get("annotations") or {}).get(f"{healing.DOMAIN}/created-at") == at and \
-                    (meta.get("labels") or {}).get("app.kubernetes.io/managed-by") == healing.MANAGED_BY:
+            if (meta.get("annotations") or {}).get(f"{heal_plan.DOMAIN}/created-at") == at and \
+                    (meta.get("labels") or {}).get("app.kubernetes.io/managed-by") == heal_plan.MANAGED_BY:
                 self._delete_placeholder(namespace, name, str(meta.get("uid") or ""))
             return
 
     def _annotate(self, clients, namespace: str, name: str, read: QuorumRead, p: Plan, before, start: float,
                   deadline: float) -> HealResult:
-        patch = healing.annotation_patch(read.resource_version, p.ghosts, at=_now_iso())
+        patch = heal_plan.annotation_patch(read.resource_version, p.ghosts, at=_now_iso())
         try:
             patched = self.kube.merge_patch_pod(namespace, name, patch,
                                                 timeout=max(0.1, min(self.kube.timeout * 5, deadline - time.monotonic())))
@@ -243,10 +243,10 @@ class Healer:
                       f"{max(0.0, deadline - written):.0f}s for every replica's cache to show it (a frozen one never does)")
 
         def done(v: CacheView) -> bool:
-            return healing.shows_live(v, fresh, write_rv)
+            return heal_plan.shows_live(v, fresh, write_rv)
 
         views = self._wait(clients, namespace, name, done, deadline, written, first_ok)
-        frozen = tuple(v.replica for v in views if healing.behind(v, write_rv))
+        frozen = tuple(v.replica for v in views if heal_plan.behind(v, write_rv))
         return self._finish(namespace, name, Action.ANNOTATE, start, 1, p, fresh, before, views, first_ok, frozen, done,
                             f"annotated uid {fresh.uid} (rv {read.resource_version} -> {write_rv})", etcd_read=read)
 
@@ -280,10 +280,10 @@ class Healer:
             if done is not None:
                 agrees = None if not a.reachable else bool(done(a))
             else:
-                agrees = None if not a.reachable or read.status is ReadStatus.ERROR else healing.disagreement(a, read) is None
+                agrees = None if not a.reachable or read.status is ReadStatus.ERROR else heal_plan.disagreement(a, read) is None
             rows.append(ReplicaResult(b.replica, b.describe(), a.describe(), agrees, first_ok.get(b.replica),
                                       b.replica in frozen))
-        advice = healing.frozen_advice(frozen, namespace, name) if frozen else ""
+        advice = heal_plan.frozen_advice(frozen, namespace, name) if frozen else ""
         return HealResult(namespace, name, action, outcome, detail, time.monotonic() - start, writes,
                           p.ghosts if p else (), _etcd_text(read), tuple(rows), advice, dry_run)
 
