@@ -159,6 +159,14 @@ def labelled(metric, *values: str):
     return metric.labels(*values)
 
 
+# Large calls decoded in helper processes (guard/serving/offload.py).
+OFFLOAD_FAILURES = Counter("ghost_guard_offload_helper_failures", "Large calls (over 256 KiB) whose helper process "
+                           "did not answer, by reason (late: past 90 % of --request-budget, the call got a 503 and the "
+                           "helper was replaced; failed: the helper died or answered out of turn, the worker decoded "
+                           "the call itself; start-failed: no helper process could be started, the worker decodes "
+                           "large calls itself). Should stay 0; a 503 fails open at kube-scheduler (the extender is "
+                           "ignorable).", ["reason"])
+
 HEALS = Counter("ghost_guard_heals", "Automatic heals of stale watch caches (serve --heal), by action (placeholder, "
                 "annotate, none) and outcome (healed, frozen, refused, failed, alive, timeout).", ["action", "outcome"])
 HEALS_DROPPED = Counter("ghost_guard_heals_dropped", "Automatic heals not queued because the heal queue was full.")
@@ -199,6 +207,7 @@ KNOWN_LABELS: tuple[tuple[Counter, tuple[tuple[str, ...], ...]], ...] = (
     (AUDIT_WRITE_ERRORS, (("block",), ("probe",), ("check",))),
     (AUDIT_WRITES, (("ok",), ("retry",), ("rejected",))),
     (AUDIT_RECORDS_DROPPED, (("queue-full",), ("rejected",))),
+    (OFFLOAD_FAILURES, (("late",), ("failed",), ("start-failed",))),
     (HEALS, tuple((a, o) for a in ("placeholder", "annotate", "none")
                   for o in ("healed", "frozen", "refused", "failed", "alive", "timeout"))),
 )

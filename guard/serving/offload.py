@@ -216,11 +216,21 @@ class HelperCodec:
             self.helper.close()
             self.helper = None
         if isinstance(e, HelperLate):
+            _count_failure("late")
             log.warning("the helper process for a large %s call missed its deadline (90%% of --request-budget); "
                         "it is replaced, the call gets a 503", self.path)
             raise Overloaded("the helper process decoding this large call did not finish within --request-budget "
                              "(the guard's machine is overloaded); retry")
+        _count_failure("failed")
         log.warning("the helper process for a large %s call failed (%s); the worker answers it itself", self.path, e)
+
+
+def _count_failure(reason: str) -> None:
+    """ghost_guard_offload_helper_failures_total (imported here: the helper process itself never loads the
+    metrics, whose multiprocess files belong to the worker)."""
+    from guard import metrics
+
+    metrics.labelled(metrics.OFFLOAD_FAILURES, reason).inc()
 
 
 def _protocol_error(reply: bytes | bytearray) -> ProtocolError:
@@ -245,6 +255,7 @@ class Offload:
         try:
             return Helper()
         except OSError as e:
+            _count_failure("start-failed")
             log.warning("could not start a helper process for large calls (%s); the worker decodes them itself", e)
             return None
 
@@ -266,6 +277,7 @@ class Offload:
                 if not helper.is_ready():  # still starting (a worker's first seconds): this call is decoded here
                     use = None
             except HelperFailed as e:
+                _count_failure("failed")
                 log.warning("a helper process for large calls exited (%s); replaced", e)
                 helper.close()
                 helper = use = None

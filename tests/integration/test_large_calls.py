@@ -158,6 +158,7 @@ def test_small_calls_are_answered_while_every_helper_holds_a_large_call(start_gu
     first_answer(guard, large)
     eventually(lambda: started(guard), 60, what=f"{HELPERS} helper processes started", process=guard)
     stopped = helpers(guard)
+    late_before = guard.metric("ghost_guard_offload_helper_failures_total", reason="late")
     sockets = []
     try:
         for pid in stopped:
@@ -194,14 +195,55 @@ def test_small_calls_are_answered_while_every_helper_holds_a_large_call(start_gu
     # Every large call answered: right, or (a helper stopped past its deadline, or the waiting call's turn
     # after its budget) refused with the reason, never a wrong answer.
     expected = {"Nodes": NODES, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""}
+    late = 0
     for k, s in enumerate(sockets):
         head, reply = one_reply(s)
         if head.startswith(b"HTTP/1.1 503 "):
             reason = b"too many large calls from 127.0.0." if k == HELPERS else b"did not finish within --request-budget"
             assert reason in reply, reply
+            late += b"did not finish within --request-budget" in reply
         else:
             assert head.startswith(b"HTTP/1.1 200 ") and orjson.loads(reply) == expected, head
         s.close()
+    # every late helper counted, once (0 when the helpers were let go before their calls' deadlines)
+    assert guard.metric("ghost_guard_offload_helper_failures_total", reason="late") - late_before == late
     # and the helpers serve again: a large call after all this is answered right
     head, reply = call(guard.port, "127.0.0.2", large)
     assert head.startswith(b"HTTP/1.1 200 ") and orjson.loads(reply) == expected, head
+
+
+def test_late_and_dead_helpers_are_counted_and_their_calls_answered(start_guard, dead_kubeconfig, tmp_path):
+    """ghost_guard_offload_helper_failures_total: every reason's series is there, at 0, before anything failed.
+    A helper stopped for a whole call: that call gets a 503 with the reason at its deadline, counted late. A
+    helper that died (an OOM kill, a crash) is found when a call is sent to it: the worker decodes that call
+    itself, the answer is the same, counted failed."""
+    guard = serving(start_guard, ["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--audit-db",
+                                  str(tmp_path / "a.db")])
+    eventually(lambda: started(guard), 60, what=f"{HELPERS} helper processes started", process=guard)
+    samples = guard.metrics()
+    for reason in ("late", "failed", "start-failed"):
+        assert samples[("ghost_guard_offload_helper_failures_total", (("reason", reason),))] == 0
+    expected = {"Nodes": NODES, "NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""}
+
+    stopped = helpers(guard)
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        head, reply = call(guard.port, "127.0.0.2", nodes_body())
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # killed at its call's deadline
+    assert head.startswith(b"HTTP/1.1 503 ") and b"did not finish within --request-budget" in reply, (head, reply)
+    assert guard.metric("ghost_guard_offload_helper_failures_total", reason="late") == 1
+    assert guard.metric("ghost_guard_offload_helper_failures_total", reason="failed") == 0
+
+    eventually(lambda: started(guard), 60, what="the late helper replaced", process=guard)
+    for pid in helpers(guard):
+        os.kill(pid, signal.SIGKILL)
+    head, reply = call(guard.port, "127.0.0.2", nodes_body())
+    assert head.startswith(b"HTTP/1.1 200 ") and orjson.loads(reply) == expected, head
+    assert guard.metric("ghost_guard_offload_helper_failures_total", reason="failed") == 1
+    assert guard.metric("ghost_guard_offload_helper_failures_total", reason="late") == 1
