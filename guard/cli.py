@@ -443,10 +443,12 @@ def _host_only(replica: str | None) -> str | None:
 @click.option("--kubeconfig", default=None, envvar="GHOST_GUARD_KUBECONFIG", show_envvar=True,
               type=click.Path(dir_okay=False), help="Cluster credentials for the kubernetes store.")
 def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
-    """Copy every record (retracted ones too) from a SQLite store into GhostPod objects.
+    """Copy every record (retracted ones too) from a SQLite store into GhostPod objects, and every ghost Node
+    record into GhostNode objects.
 
     Safe to run again: an existing object is only widened (larger count, wider time span, newer probes),
-    never counted twice. Prints how many objects were created and updated; exit 1 if any record failed."""
+    never counted twice. Prints how many objects were created and updated (a second line for ghost Nodes,
+    when there are any); exit 1 if any record failed."""
     from guard.audit.backend import StoreSpecError, parse_store
     from guard.core.records import AuditError
 
@@ -459,24 +461,33 @@ def audit_export(source: str, target: str, kubeconfig: str | None) -> None:
         raise click.UsageError("export copies --from sqlite:PATH --to kubernetes")
     reader = _open_audit_store("audit export", None, source)
     writer = _open_audit_store("audit export", None, "kubernetes", kubeconfig)
-    created = updated = failed = 0
+    counts = {"pods": [0, 0, 0], "nodes": [0, 0, 0]}  # created, existing, failed
+
+    def copy(kind: str, put, record) -> None:
+        try:
+            counts[kind][0 if put(record) else 1] += 1
+        except AuditError as e:
+            counts[kind][2] += 1
+            click.echo(f"ghost-guard audit export: {e}", err=True)
+
     try:
         records = _audit_records("audit export", reader, namespace=None, verdict=None, replica=None, since=None,
                                  limit=None, retracted=True)
+        node_records = _node_records("audit export", reader, since=None, limit=None, quiet=False)
         for record in records:
-            try:
-                if writer.put(record):
-                    created += 1
-                else:
-                    updated += 1
-            except AuditError as e:
-                failed += 1
-                click.echo(f"ghost-guard audit export: {e}", err=True)
+            copy("pods", writer.put, record)
+        for node_record in node_records:
+            copy("nodes", writer.put_node, node_record)
     finally:
         reader.close()
         writer.close()
+    created, updated, failed = counts["pods"]
     click.echo(f"{len(records)} records read, {created} GhostPods created, {updated} existing, {failed} failed")
-    sys.exit(1 if failed else 0)
+    if node_records:
+        created, updated, failed = counts["nodes"]
+        click.echo(f"{len(node_records)} ghost Node records read, {created} GhostNodes created, {updated} existing, "
+                   f"{failed} failed")
+    sys.exit(1 if counts["pods"][2] or counts["nodes"][2] else 0)
 
 
 @main.command("report", short_help="Which replica serves which ghost, and what to do.")

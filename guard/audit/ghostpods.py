@@ -57,8 +57,9 @@ from guard import metrics
 from guard.core import flood
 from guard.core.token_bucket import TokenBucket
 from guard.core.ghostpod_mapping import (
-    API_VERSION, KIND, LABEL_MANAGED_BY, NODE_KIND, Key, Pending, apply_ops, from_time, node_spec, node_to_record,
-    object_name, record_status, status_patch, to_record, widen,
+    API_VERSION, KIND, LABEL_MANAGED_BY, NODE_KIND, NODE_NAMESPACE, Key, Pending, apply_ops, from_time,
+    node_object_name, node_record_status, node_spec, node_to_record, object_name, record_status, status_patch,
+    to_record, widen, widen_node,
 )
 from guard.core.records import (
     MAX_NAMESPACE, MAX_REPLICA, MAX_UID, VERDICTS, AuditError, AuditRecord, NewRecordHook, NodeRecord, check_text,
@@ -543,29 +544,39 @@ class KubeAuditStore:
         """Write ``record`` as it is (``audit export``), synchronously: create, or bring an existing object up
         to it (``timesBlocked`` and the times widened, never counted twice: exporting again changes nothing).
         True if the object was created. Raises AuditError."""
-        namespace, obj_name = record.namespace, object_name(record.namespace, record.name, record.uid)
         spec = {"podName": record.name, "podUID": record.uid, "verdict": record.verdict,
                 "evidence": dict(record.evidence) if evidence_json(record.evidence, strict=False) else {}}
-        want = record_status(record)
+        return self._put(record.namespace, object_name(record.namespace, record.name, record.uid), spec,
+                         record_status(record), widen, f"{record.namespace}/{record.name}")
+
+    def put_node(self, record: NodeRecord) -> bool:
+        """:meth:`put` for a ghost Node's record: its GhostNode (``timesDetected`` widened, never counted twice)."""
+        spec = node_spec(record.name, record.uid,
+                         dict(record.evidence) if evidence_json(record.evidence, strict=False) else {})
+        return self._put(NODE_NAMESPACE, node_object_name(record.name, record.uid), spec, node_record_status(record),
+                         widen_node, f"node/{record.name}")
+
+    def _put(self, namespace: str, obj_name: str, spec: dict[str, Any], want: dict[str, Any],
+             widen_status: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]], what: str) -> bool:
+        api = self._api_for(namespace)
         try:
             obj, created = self._create_or_get(namespace, obj_name, spec)
             for _ in range(MAX_CONFLICT_RETRIES):
                 raw_status = obj.get("status")
                 old: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
-                new = widen(old, want)
+                new = widen_status(old, want)
                 if new == old:
                     return created
                 try:
-                    self.api.patch_status(namespace, obj_name,
-                                          status_patch(old, new, str(obj["metadata"]["resourceVersion"])))
+                    api.patch_status(namespace, obj_name, status_patch(old, new, str(obj["metadata"]["resourceVersion"])))
                     return created
                 except GhostPodError as e:
                     if e.reason != "Conflict":
                         raise
-                    obj = self.api.get(namespace, obj_name)
-            raise GhostPodError(409, "Conflict", f"ghostpod {namespace}/{obj_name}: still conflicting")
+                    obj = api.get(namespace, obj_name)
+            raise GhostPodError(409, "Conflict", f"{obj_name}: still conflicting")
         except GhostPodError as e:
-            raise AuditError(f"cannot write the record of {record.namespace}/{record.name}: {e}") from e
+            raise AuditError(f"cannot write the record of {what}: {e}") from e
 
     # -- retention ----------------------------------------------------------------------------
 

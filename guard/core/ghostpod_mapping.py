@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from guard.core.records import MAX_HEALS_PER_GHOST, AuditRecord, HealAttempt, NodeRecord, ReplicaState
+from guard.core.records import MAX_HEALS_PER_GHOST, NODE_VERDICT, AuditRecord, HealAttempt, NodeRecord, ReplicaState
 
 GROUP: Final = "kube-ghost-guard.io"
 VERSION: Final = "v1alpha1"
@@ -271,6 +271,29 @@ def widen(old: Mapping[str, Any], want: Mapping[str, Any]) -> dict[str, Any]:
             heals.append(h)
     heals.sort(key=lambda h: from_time(h.get("at")) or 0.0)
     out["heals"] = heals[-MAX_HEALS:]
+    return out
+
+
+def node_record_status(record: NodeRecord) -> dict[str, Any]:
+    """The GhostNode status that says what ``record`` says (``audit export``): a GhostPod's, counting
+    detections (``timesDetected``) instead of blocks."""
+    status = record_status(AuditRecord(uid=record.uid, namespace=NODE_NAMESPACE, name=record.name, verdict=NODE_VERDICT,
+                                       evidence=record.evidence, first_seen=record.first_seen,
+                                       last_seen=record.last_seen, times_blocked=record.times_detected,
+                                       replicas=record.replicas, heals=record.heals))
+    status["timesDetected"] = status.pop("timesBlocked")
+    return status
+
+
+def widen_node(old: Mapping[str, Any], want: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`widen` for a GhostNode's status (its counter is ``timesDetected``)."""
+    def as_pod(status: Mapping[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in status.items() if k != "timesDetected"}
+        out["timesBlocked"] = status.get("timesDetected")
+        return out
+
+    out = widen(as_pod(old), as_pod(want))
+    out["timesDetected"] = out.pop("timesBlocked")
     return out
 
 

@@ -106,12 +106,30 @@ def test_export_from_sqlite_migrates_every_record_and_is_safe_to_repeat(shared_l
         store.record_probe(uid="uid-1", replica="10.0.0.2:6443", serves=False, cache_resource_version="50", error=None,
                            at=now + 9)
         store.retract(uid="uid-2", at=now + 10)
+        node = f"ghost-node-{lab_namespace}"  # (GhostNodes are cluster-wide: a name of this test's own)
+        store.record_node(name=node, uid="node-uid-0", serving=["10.0.0.2:6443"], at=now + 1,
+                          evidence={"quorum_get": {"http_status": 404}})
+        store.record_node(name=node, uid="node-uid-0", serving=["10.0.0.2:6443"], at=now + 2)
+        store.record_node_heal(name=node, uid="node-uid-0", action="placeholder", outcome="healed", detail="ok",
+                               at=now + 3)
+        store.record_node(name=node, uid="node-uid-0", serving=[], healed=["10.0.0.2:6443"], at=now + 4)
     kc = shared_lab.kubeconfig(1)
     r = ghost_guard("audit", "export", "--from", f"sqlite:{db}", "--to", "kubernetes", "--kubeconfig", kc)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "3 records read, 3 GhostPods created, 0 existing, 0 failed"
+    assert r.stdout.splitlines() == ["3 records read, 3 GhostPods created, 0 existing, 0 failed",
+                                     "1 ghost Node records read, 1 GhostNodes created, 0 existing, 0 failed"]
     r = ghost_guard("audit", "export", "--from", f"sqlite:{db}", "--to", "kubernetes", "--kubeconfig", kc)
-    assert r.stdout.strip() == "3 records read, 0 GhostPods created, 3 existing, 0 failed", r.stderr
+    assert r.stdout.splitlines() == ["3 records read, 0 GhostPods created, 3 existing, 0 failed",
+                                     "1 ghost Node records read, 0 GhostNodes created, 1 existing, 0 failed"], r.stderr
+
+    def nodes(*store_args: str) -> list[dict]:
+        out = ghost_guard("audit", *store_args, "--nodes", "-o", "json")
+        assert out.returncode == 0, out.stderr
+        return [n for n in json.loads(out.stdout) if n["node"] == node]
+
+    (from_sqlite_node,) = nodes("--audit-store", f"sqlite:{db}")
+    assert from_sqlite_node["times_detected"] == 2 and from_sqlite_node["heals"], from_sqlite_node
+    assert nodes("--audit-store", "kubernetes", "--kubeconfig", kc) == [from_sqlite_node]  # exported twice, counted once
 
     def listing(*store_args: str) -> list[dict]:
         out = ghost_guard("audit", *store_args, "--namespace", lab_namespace, "--retracted", "-o", "json")
