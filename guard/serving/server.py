@@ -155,10 +155,13 @@ def preflight(settings: Settings) -> None:
 
     Raises ``StartupError`` with one line naming what to fix.
     """
-    from guard.kube.config import KubeConfigError, load_configuration
+    # The light reader: the same sources, order and errors as the official loader (which it defers to for
+    # anything but plain credentials), without importing `kubernetes` into the master (~23 MiB it would hold
+    # for its whole life; the workers import the client themselves).
+    from guard.kube.config import KubeConfigError, load_cli_configuration
 
     try:
-        load_configuration(settings.kubeconfig)
+        load_cli_configuration(settings.kubeconfig)
     except KubeConfigError as e:
         raise StartupError(str(e)) from e
     if settings.tls_cert:

@@ -68,6 +68,22 @@ def test_cluster_commands_with_a_plain_kubeconfig_never_import_the_kubernetes_cl
     assert any(e in out for e in expected[args[0]]), out
 
 
+def test_serve_s_credentials_check_leaves_the_kubernetes_client_out_of_the_master(shared_lab, tmp_path):
+    """`serve`'s preflight runs in the gunicorn master, which lives as long as the guard and serves nothing:
+    with a plain kubeconfig it checks the credentials without importing `kubernetes` (23 MiB of the master's
+    RSS for its whole life, issue 29); a kubeconfig that cannot load still fails there, with the same words."""
+    code = ("import sys\nfrom guard.core.settings import Settings\nfrom guard.serving.server import StartupError, preflight\n"
+            "for kc in sys.argv[1:]:\n    try:\n        preflight(Settings(kubeconfig=kc))\n        print('OK')\n"
+            "    except StartupError as e:\n        print('ERROR', e)\nprint('IMPORTED', 'kubernetes' in sys.modules)")
+    bad = tmp_path / "bad"
+    bad.write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
+    r = subprocess.run([sys.executable, "-c", code, shared_lab.kubeconfig(0)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout.splitlines() == ["OK", "IMPORTED False"], (r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.stdout.startswith(f"ERROR cannot load cluster credentials from {bad}:"), (r.stdout, r.stderr)
+
+
 def test_top_level_help_lists_every_command_uncut():
     r = ghost_guard("--help")
     commands = r.stdout.split("Commands:", 1)[1].strip().splitlines()
