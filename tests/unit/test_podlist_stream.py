@@ -55,7 +55,7 @@ def test_pieces_of_any_size_read_as_decoding_whole(size):
         assert read_pod_list_stream(body[i:i + size] for i in range(0, len(body), size)) == whole(body)
 
 
-@settings(max_examples=200, deadline=None, database=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(pods=st.lists(st.fixed_dictionaries({"metadata": st.dictionaries(
     st.sampled_from(["name", "uid", "namespace", "x", "metadata"]),
     st.text(alphabet='ab"\\{}[],:é', max_size=8) | st.lists(st.dictionaries(st.sampled_from(["metadata", "a"]),
