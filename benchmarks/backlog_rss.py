@@ -6,8 +6,10 @@ are created in one namespace (no kube-scheduler runs), then for each round and e
 (``--trees A,B``: source trees, run with ``PYTHONPATH`` = the tree) a guard is started
 (``--apiserver-replicas`` every replica), asked once (the first call after its start is a takeover:
 the backlog it listed is queued for verification), and watched until it verified every pending pod;
-its peak RSS (``VmHWM`` of gunicorn's master + worker), its time to ready and to the whole backlog
-verified, and its CPU are recorded. One guard at a time.
+its peak RSS (``VmHWM`` of gunicorn's master + worker, as before; and of every process of its tree:
+master, worker, the worker's helper processes (``guard.serving.offload``), each and summed), its
+peak PSS (the tree's ``Pss`` summed, sampled every 0.5 s: pages the fork shares counted once), its
+time to ready and to the whole backlog verified, and its CPU are recorded. One guard at a time.
 
 Run from the repository root: ``python -m benchmarks.backlog_rss --lab-dir DIR --trees OLD,NEW
 [--pending 10000] [--rounds 2] [--json FILE]``.
@@ -21,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,7 +36,53 @@ from benchmarks.cpu_per_pod_real import loadavg
 from benchmarks.filter_latency import machine
 from benchmarks.prepared_burst import metric
 from benchmarks.scale_sweep_real import Poster, pending_bodies, peak_rss_mib, post_pods
-from guard.lab.harness import GuardProcess, eventually
+from guard.lab.harness import GuardProcess, child_pids, eventually
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (workers, their helpers), depth first."""
+    out = []
+    for c in child_pids(pid):
+        out += [c, *descendants(c)]
+    return out
+
+
+def status_kib(pid: int, field: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/{'smaps_rollup' if field == 'Pss:' else 'status'}").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class PssPeak(threading.Thread):
+    """The highest sum of ``Pss`` over a process tree, sampled every 0.5 s until ``stop``."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak_kib, self.done = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            self.peak_kib = max(self.peak_kib, sum(status_kib(p, "Pss:") for p in [self.pid, *descendants(self.pid)]))
+
+    def stop(self) -> float:
+        self.done.set()
+        self.join()
+        return self.peak_kib / 1024
+
+
+def tree_peaks(pid: int) -> dict[str, float]:
+    """VmHWM (MiB) of the master, its workers, and their helpers (every process below a worker), and the sum."""
+    workers = child_pids(pid)
+    helpers = [h for w in workers for h in descendants(w)]
+    mib = {"master": status_kib(pid, "VmHWM:") / 1024,
+           "worker": sum(status_kib(w, "VmHWM:") for w in workers) / 1024,
+           "helpers": sum(status_kib(h, "VmHWM:") for h in helpers) / 1024, "helper_count": len(helpers)}
+    mib["tree"] = mib["master"] + mib["worker"] + mib["helpers"]
+    return mib
 
 
 def main() -> int:
@@ -73,6 +122,8 @@ def main() -> int:
                 g = GuardProcess(["--no-access-log", "--no-events", "--log-level", "warning", "--kubeconfig",
                                   str(d / "kubeconfig-0"), "--apiserver-replicas", ",".join(urls), "--audit-db",
                                   f"{tmp}/{r}-{len(doc['rows'])}.db"], cwd=tree, env=env)
+                pss = PssPeak(g.proc.pid)
+                pss.start()
                 try:
                     g.wait("/readyz", timeout=300)
                     ready = time.perf_counter() - t0
@@ -83,22 +134,26 @@ def main() -> int:
                                what="the backlog verified", interval=1.0)
                     row = {"tree": label, "round": r, "ready_s": ready, "verified_s": time.perf_counter() - t0,
                            "peak_rss_mib": peak_rss_mib(g.proc.pid), "cpu_s": tree_cpu(g.proc.pid),
-                           "master_peak_rss_mib": peak_rss_mib(g.proc.pid) - sum(peak_rss_mib(w) for w in g.workers()),
-                           "load": loadavg()}
+                           "peaks_mib": tree_peaks(g.proc.pid), "peak_pss_mib": pss.stop(), "load": loadavg()}
                 finally:
+                    pss.stop()
                     g.stop()
                 doc["rows"].append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 if args.json:
                     Path(args.json).write_text(json.dumps(doc, indent=1))
     print(f"{doc['machine']}; {args.pending} pending pods, {len(replicas)} replicas\n")
-    print("| tree | rounds | peak RSS MiB (each) | median | ready s | backlog verified s | CPU s |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print("| tree | rounds | peak RSS MiB, master + worker (each) | median | master / worker / helpers (median) | "
+          "whole tree (each) | peak PSS, whole tree (each) | ready s | backlog verified s | CPU s |")
+    print("|---|---:|---|---:|---|---|---|---:|---:|---:|")
     for tree in trees:
         rows = [x for x in doc["rows"] if x["tree"] == tree]
         each = ", ".join(f"{x['peak_rss_mib']:.0f}" for x in rows)
+        parts = " / ".join(f"{statistics.median(x['peaks_mib'][k] for x in rows):.0f}" for k in ("master", "worker", "helpers"))
         print(f"| {tree} | {len(rows)} | {each} | "
-              f"{statistics.median(x['peak_rss_mib'] for x in rows):.0f} | "
+              f"{statistics.median(x['peak_rss_mib'] for x in rows):.0f} | {parts} | "
+              f"{', '.join(format(x['peaks_mib']['tree'], '.0f') for x in rows)} | "
+              f"{', '.join(format(x['peak_pss_mib'], '.0f') for x in rows)} | "
               f"{statistics.median(x['ready_s'] for x in rows):.1f} | "
               f"{statistics.median(x['verified_s'] for x in rows):.1f} | "
               f"{statistics.median(x['cpu_s'] for x in rows):.1f} |")

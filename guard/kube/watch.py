@@ -12,7 +12,7 @@ import orjson
 import urllib3
 
 from guard.core.attribution import ReplicaObservation, http_error, transport_error
-from guard.core.podlist import read_pod_list
+from guard.core.podlist import read_pod_list_stream
 from guard.core.names import namespace_problem, pod_identity_problem, pod_name_problem
 from guard.core.settings import Replica
 from guard.core.verdict import shows_pending
@@ -52,6 +52,8 @@ def only_object(items: object, namespace: str, name: str) -> list[dict]:
 
 # A watch event is one object (a pod: at most about 1.5 MiB in etcd); a line longer than this is no event.
 MAX_WATCH_EVENT_BYTES = 8 * 1024 * 1024
+# A listing of unscheduled pods is read in pieces of this size (guard.core.podlist.read_pod_list_stream).
+LIST_PIECE_BYTES = 64 * 1024
 # Node lists and watches ask for metadata only (names are all the ghost-Node check needs), with
 # plain JSON as the fallback for a server that does not offer it.
 _META_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1, application/json"
@@ -149,11 +151,18 @@ class ReplicaClient:
 
     def pending_pods(self, *, resource_version: str = "0") -> tuple[str, list[dict]]:
         """LIST unscheduled pods from this replica's cache: (list resourceVersion, items), each item
-        only the fields the guard reads (guard.core.podlist: decoded a pod at a time, so a backlog's
-        listing costs its bytes, not every field of every pod as Python objects)."""
+        only the fields the guard reads (guard.core.podlist: the body read in pieces and decoded a pod
+        at a time as they arrive, so a backlog's listing costs its lean items, not its bytes nor every
+        field of every pod as Python objects)."""
         resp = self.core.list_pod_for_all_namespaces(field_selector="spec.nodeName=", resource_version=resource_version,
                                                      _preload_content=False, _request_timeout=self.timeout * 5)
-        return read_pod_list(resp.data)
+        try:
+            return read_pod_list_stream(resp.stream(LIST_PIECE_BYTES, decode_content=True))
+        except BaseException:
+            resp.close()  # unread bytes may be left: this connection is not reused
+            raise
+        finally:
+            resp.release_conn()
 
     def watch_pending(self, resource_version: str, *, timeout_seconds: int = 300) -> Iterator[dict]:
         """WATCH unscheduled pods from ``resource_version``: yields raw watch events (dicts).

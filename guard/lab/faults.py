@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-ACTIONS = ("latency", "status", "hang")
+ACTIONS = ("latency", "status", "hang", "cut")
 
 
 class FaultError(ValueError):
@@ -23,11 +23,12 @@ class FaultError(ValueError):
 @dataclass
 class FaultRule:
     """A request fault: requests whose method, path and raw query string (regexes, full match) match it
-    are delayed, failed or hung (``query="resourceVersion=0.*"``; ``query=""`` only requests without one).
+    are delayed, failed, hung or cut (``query="resourceVersion=0.*"``; ``query=""`` only requests without one).
 
     ``latency``: served after ``seconds``, or as soon as the rule is removed or the faults cleared
     (a slow apiserver that recovers). ``hang``: no answer; the connection is closed when ``seconds``
-    pass or the rule goes."""
+    pass or the rule goes. ``cut``: the answer's status, headers (its whole ``Content-Length``) and the
+    first half of its body, then the connection closes (a read broken mid-body)."""
 
     id: int
     action: str
@@ -120,7 +121,7 @@ class Faults:
     def add(self, action: str, *, method: str | None = None, path: str | None = None, status: int | None = None,
             seconds: float | None = None, count: int | None = None, query: str | None = None) -> FaultRule:
         """Add a request fault. ``action``: "latency" (``seconds``; a removal lets delayed requests go at once),
-        "status" (``status``, e.g. 429/500), "hang"."""
+        "status" (``status``, e.g. 429/500), "hang", "cut" (half the body sent, then the connection closed)."""
         if action not in ACTIONS:
             raise FaultError(f"action must be one of {', '.join(ACTIONS)}, not {action!r}")
         if action == "latency" and (seconds is None or seconds < 0):

@@ -133,6 +133,7 @@ class _Ctx:
     started: float = 0.0
     t0: float = 0.0
     recorded: bool = False
+    cut: bool = False  # a "cut" fault: half the answer's body, then the connection closes
     body_cache: bytes | None = field(default=None, repr=False)
 
     def body(self) -> bytes:
@@ -505,6 +506,8 @@ class ApiserverReplica:
             reason = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict", 410: "Expired",
                       413: "RequestEntityTooLarge", 415: "UnsupportedMediaType", 422: "Invalid"}.get(code, "BadRequest")
             raise ApiError(code, reason, "lab fault")
+        elif rule.action == "cut":
+            ctx.source, ctx.cut = "fault", True  # answered, then cut in _send
         elif rule.action == "hang":
             ctx.source = "fault"
             self._record(ctx)  # logged on arrival: a hung request never gets an answer to log it by
@@ -529,6 +532,11 @@ class ApiserverReplica:
         h.end_headers()
         ctx.status = code
         self._record(ctx)
+        if ctx.cut:
+            h.wfile.write(data[:len(data) // 2])
+            h.wfile.flush()
+            h.close_connection = True
+            raise _Dropped()
         h.wfile.write(data)
 
     # --- routing ----------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_admin_endpoint_adds_lists_and_removes_faults(shared_lab):
 
 
 @pytest.mark.parametrize(("body", "message"), [
-    ({"action": "explode"}, "action must be one of latency, status, hang, not 'explode'"),
+    ({"action": "explode"}, "action must be one of latency, status, hang, cut, not 'explode'"),
     ({"action": "status", "status": 200}, "status needs a status code between 400 and 599"),
     ({"action": "latency"}, "latency needs seconds >= 0"),
     ({"action": "hang", "path": "("}, "path is not a valid regex: missing ), unterminated subpattern at position 0"),
