@@ -142,8 +142,9 @@ class Checker:
         waiting (an ``alive`` verdict verified ahead; a joined GET that has landed and can answer
         alone), else :attr:`Pending.JOINED` (``wake`` given and the pod's GET in flight: joined,
         ``wake`` is called when it lands, then ask again with ``now``) or :attr:`Pending.THREAD`
-        (ask again from a thread, within the same deadline). Nothing is counted until a Decision
-        is handed out (:meth:`_count`).
+        (ask again from a thread with the same Call, its deadline unchanged: the worker hands the
+        decoded call on, never decoding it again). Nothing is counted until a Decision is handed
+        out (:meth:`_count`).
 
         Never raises: apiserver trouble and the guard's own bugs come back ``unknown`` (fail open,
         counted, unless ``--fail-closed``). ``call.record`` False (a dry-run review) has no side
@@ -151,6 +152,10 @@ class Checker:
         """
         pod = call.pod
         try:
+            if call.flight is not None and not now:
+                # A joined call a pool thread took over (its GET could not answer it, or had not landed
+                # with the budget nearly out): the whole way from here, as any thread's call.
+                call.flight = None
             if call.flight is not None:  # joined a GET in flight (the event loop), woken when it landed
                 read = call.flight.landed()
                 if read is None:

@@ -17,8 +17,8 @@ from guard.lab.harness import pod_manifest
 pytestmark = pytest.mark.timeout(120)
 
 PREPARED = ["guard/serving/framing.py", "guard/http/filter.py", "guard/core/extender.py", "guard/engine/checker.py",
-            "guard/engine/cache.py", "guard/http/exchange.py"]
-MISS = PREPARED[:5] + ["guard/kube/reads.py", "guard/core/verdict.py", "guard/http/exchange.py"]
+            "guard/engine/cache.py"]
+MISS = PREPARED + ["guard/kube/reads.py", "guard/core/verdict.py"]
 
 
 def test_a_prepared_filter_and_a_miss_cross_the_files_the_architecture_draws(shared_lab):
@@ -42,6 +42,8 @@ def test_a_prepared_filter_and_a_miss_cross_the_files_the_architecture_draws(sha
         answer = orjson.loads(body.partition(b"\r\n\r\n")[2])
         assert answer["NodeNames"] == ["node-0", "node-1", "node-2"] and not answer["FailedAndUnresolvableNodes"]
         assert path.hops == hops, path.render()
-    prepared = paths["prepared"][1]
-    assert prepared.files["guard/core/extender.py"]["decode"] == 1, prepared.render()  # decoded once
+    prepared, missed = paths["prepared"][1], paths["miss"][1]
+    for path in (prepared, missed):  # framed and decoded once, a miss too (the loop hands its decoded call on)
+        assert path.files["guard/core/extender.py"]["decode"] == 1, path.render()
+        assert path.files["guard/serving/framing.py"]["plain_call"] == 1, path.render()
     assert "guard/engine/prepare.py" not in prepared.files and "guard/metrics.py" not in prepared.files
