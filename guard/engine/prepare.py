@@ -5,7 +5,7 @@ quorum GET there costs the whole cluster throughput. The guard therefore
 watches unscheduled pods (``fieldSelector=spec.nodeName=``) itself, like an
 informer, and quorum-verifies each newly seen pod UID in the background
 (bounded concurrency, rate limited). The ``alive`` verdict then waits in the
-cache for the pod's first ``/filter`` or ``/preempt`` call (guard.engine.cache).
+cache for the pod's first ``/filter`` or ``/preempt`` call (guard.engine.checker.VerdictCache).
 
 What it costs the control plane is one watch stream for the whole cluster,
 whatever the number of apiserver and guard replicas:
