@@ -52,12 +52,14 @@ What bytes mean (heads, bodies, replies) is guard.serving.framing, pure; this mo
    answers it itself, with no hand-off to a pool thread and back; that is
    bounded CPU work with no waiting on the apiserver or the client (the reply is
    written non-blocking; the access-log line, when on, goes to stderr as the
-   loop's own log lines do). When the pod's quorum GET is already in flight (a
+   loop's own log lines do). When it needs a thread (a miss: the pod's quorum GET), the lane
+   hands back the call it decoded (a Waiting), and the pool thread answers that (the lane's
+   ``answer_taken``): a call is framed and decoded once. When the pod's quorum GET is already in flight (a
    background verification not landed yet), the call is **parked** (state
    PARKED, no thread, the socket unwatched): the GET's thread wakes the loop
    when it lands (Host.defer), and the loop answers from that read
    (the lane's ``answer_landed``) or, when the read alone cannot answer (a
-   ghost, a pod gone since), hands the call to a pool thread. A call still
+   ghost, a pod gone since), hands the decoded call to a pool thread. A call still
    parked ``PARK_MARGIN`` before its budget ends goes to a pool thread too,
    which waits out the rest of the same budget. A request over ``LARGE_CALL``
    (16 KiB) takes a pool thread only while no other of its source address's
