@@ -139,6 +139,12 @@ class VerdictMachine(RuleBasedStateMachine):
         self.calls.append((Call(lambda: check(self.checker, p, deadline=self.clock() + FAR, record=record),
                                 f"{p}:{p.uid}"), p))
 
+    def _take_over(self, joined, p):
+        """A pool thread takes over the loop's joined call as it is (the worker hands the decoded call on:
+        guard.http.filter.DirectLane.answer_taken): Checker.answer with the same Call."""
+        joined.deadline = self.clock() + FAR
+        self.calls.append((Call(lambda: self.checker.answer(joined), f"{p}:{p.uid}"), p))
+
     @precondition(lambda self: self.etcd.history)
     @rule(data=st.data(), cross=st.booleans())
     def loop_call(self, data, cross):
@@ -165,7 +171,7 @@ class VerdictMachine(RuleBasedStateMachine):
         if waiting:
             entry = waiting[pick % len(waiting)]
             self.parked.remove(entry)
-            self._check_on_thread(entry[2])
+            self._take_over(entry[0], entry[2])
 
     def land(self):
         """The loop's side of a landed GET (guard.serving.connection.ConnectionLoop._landed): answer, or hand to a pool thread."""
@@ -174,7 +180,7 @@ class VerdictMachine(RuleBasedStateMachine):
             joined, _, p = entry
             decision = answer_joined(self.checker, joined, self.clock() + FAR)
             if decision is None:
-                self._check_on_thread(p)
+                self._take_over(joined, p)
             else:
                 STEPS["landed"] += 1
                 self._answered(decision, p)
