@@ -18,8 +18,8 @@ Runs on background threads, never on the scheduling path:
 4. later sightings of the same ghost re-probe at most every
    ``--reprobe-interval``, so a restarted replica is seen to have healed;
 5. with ``serve --heal``, a ghost confirmed stale on a replica is handed to
-   :class:`guard.engine.autoheal.AutoHealer` (``heal``), which probes again after
-   each heal (:meth:`IncidentRecorder.after_heal`).
+   :class:`guard.engine.autoheal.AutoHealer` (``heal``); the recorder probes again
+   when the heal it was handed back is done (:meth:`IncidentRecorder.after_heal`).
 
 The pure rules (what counts as stale, healed, missed delete) are in
 :mod:`guard.core.attribution`.
@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from guard import metrics
 from guard.core import attribution
@@ -42,6 +43,7 @@ from guard.engine.checker import Checker
 from guard.kube.reads import Kube
 from guard.kube.watch import ReplicaClient
 from guard.kube.writes import emit_event
+from guard.core.heal_plan import HealResult
 from guard.core.records import AuditRecord, block_evidence
 from guard.engine.replicas import ReplicaPool
 from guard.core.rendering import format_time, new_ghost_line
@@ -80,7 +82,7 @@ class IncidentRecorder:
     def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: GuardAudit | AuditBackend | None, *,
                  retract: Callable[[PodRef], bool] | None = None,
                  later: Callable[..., None] | None = None, audit_error: str | None = None,
-                 heal: Callable[[PodRef], bool] | None = None) -> None:
+                 heal: Callable[[PodRef], Future[HealResult] | None] | None = None) -> None:
         self.settings = settings
         self.kube = kube
         self.pool = pool
@@ -260,12 +262,16 @@ class IncidentRecorder:
         if self.settings.events:
             self._event(pod, "StaleWatchCache", message, key=replica)
         if self._heal is not None and not frozen:
-            self._heal(pod)
+            healing = self._heal(pod)
+            if healing is not None:  # the heal's result comes back here: no callback into the recorder to set
+                healing.add_done_callback(lambda done: self.after_heal(pod, done))
 
-    def after_heal(self, pod: PodRef, result) -> None:
-        """After an automatic heal (serve --heal): probe the replicas again, so the stale gauge and the audit
-        show which replicas no longer serve the ghost."""
-        if result.ok:
+    def after_heal(self, pod: PodRef, healing: Future[HealResult]) -> None:
+        """After an automatic heal (serve --heal), on the healer's thread: probe the replicas again, so the
+        stale gauge and the audit show which replicas no longer serve the ghost."""
+        if healing.cancelled() or healing.exception() is not None:
+            return
+        if healing.result().ok:
             self.probe(pod, confirm=False)
 
     def _healed(self, pod: PodRef, replica: str) -> None:

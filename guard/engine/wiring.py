@@ -104,8 +104,6 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
     healer = AutoHealer(settings, kube, pool, audit.store) if settings.heal else None
     incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract,
                                  heal=healer.submit if healer is not None else None)
-    if healer is not None:
-        healer.done = incidents.after_heal
     incidents.attach(checker)
     # Every replica's view of its unscheduled pods (guard/engine/replica_views.py), the pre-verifier's when on.
     preparer = None
