@@ -55,9 +55,9 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, overload
+from typing import Literal, NamedTuple, Protocol, overload
 
 import cachetools
 from prometheus_client import Counter
@@ -75,13 +75,48 @@ FOLLOWUP_OVERFLOW = 100_000
 # Shed first sightings remembered (so that the ghost's next call asks the budget again) at most.
 MAX_SHED = 100_000
 
-# Called once per newly seen ghost UID, off the request path.
-GhostListener = Callable[[PodRef, Decision, QuorumRead], None]
-# Called when a known ghost is blocked again (for bounded-rate re-probes), off the request path.
-SightingListener = Callable[[PodRef, Decision], None]
-# Called on the request path for every block of a ghost (the first one with its read, later ones with
-# None): only for work that takes microseconds and never waits (queueing an audit record in memory).
-BlockRecorder = Callable[[PodRef, Decision, "QuorumRead | None"], None]
+class CheckerEvents(Protocol):
+    """What the checker tells the rest of the running guard, and the one thing it asks: one object,
+    given to the Checker at construction (:class:`Events`; the running guard's is built by
+    guard.engine.wiring). A method that fails is logged, never the call's answer."""
+
+    def called(self) -> None:
+        """A scheduler call arrived, before its verdict (the pre-verifier learns that this guard
+        replica is the one being asked, --prepare-idle-after). On the request path: microseconds."""
+
+    def record_block(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
+        """Every block of a ghost, on the request path (the first one with its read, later ones with
+        None): only work that takes microseconds and never waits (queueing an audit record in memory)."""
+
+    def new_ghost(self, pod: PodRef, decision: Decision, read: QuorumRead) -> None:
+        """Once per newly seen ghost UID, off the request path."""
+
+    def sighting(self, pod: PodRef, decision: Decision) -> None:
+        """A known ghost blocked again (for bounded-rate re-probes), off the request path."""
+
+    def tier(self, pod: PodRef) -> str | None:
+        """The ghost's tier (guard/core/flood.py); None: no tiers, every ghost treated as sighted."""
+
+
+def _nothing(*args: object) -> None:
+    return None
+
+
+def _no_tier(pod: PodRef) -> str | None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Events:
+    """A :class:`CheckerEvents` made of functions, each nothing unless given (``Events()`` hears
+    nothing: a checker on its own). The running guard's is built by guard.engine.wiring from the
+    pre-verifier's and the incident recorder's methods, called directly: no module between."""
+
+    called: Callable[[], None] = _nothing
+    record_block: Callable[[PodRef, Decision, QuorumRead | None], None] = _nothing
+    new_ghost: Callable[[PodRef, Decision, QuorumRead], None] = _nothing
+    sighting: Callable[[PodRef, Decision], None] = _nothing
+    tier: Callable[[PodRef], str | None] = _no_tier
 
 
 class Pending(enum.Enum):
@@ -107,7 +142,12 @@ class Call:
 
 
 class Checker:
+    """``events``: who hears the checker (a :class:`CheckerEvents`), or a function that makes it from
+    the checker, called once at the end of construction (the pre-verifier and the incident recorder
+    are built on the checker they hear)."""
+
     def __init__(self, settings: Settings, quorum_get: Callable[[str, str, float], QuorumRead], *,
+                 events: CheckerEvents | Callable[[Checker], CheckerEvents] | None = None,
                  timer: Callable[[], float] = time.monotonic, background: bool = True) -> None:
         self.settings = settings
         self._quorum_get = quorum_get
@@ -116,12 +156,6 @@ class Checker:
                                   read_ttl=settings.alive_ttl, read_size=settings.read_cache_size,
                                   prepared_max_age=settings.prepared_max_age, prepared_grace=settings.prepared_grace,
                                   timer=timer)
-        self.listeners: list[GhostListener] = []
-        # Called at the start of every scheduler call (answer), before its verdict: the pre-verifier
-        # learns that this guard replica is the one being asked (guard.engine.prepare, --prepare-idle-after).
-        self.call_hooks: list[Callable[[], None]] = []
-        self.sighting_listeners: list[SightingListener] = []
-        self.block_recorders: list[BlockRecorder] = []
         # The counters of a call (_count, the one place a call is counted), bound once: the hot path
         # looks no label up.
         self._ghost_hit = metrics.labelled(metrics.CACHE_LOOKUPS, "ghosts", "hit")
@@ -138,12 +172,14 @@ class Checker:
             backlog=FOLLOWUP_BACKLOG, overflow=FOLLOWUP_OVERFLOW, background=background, low=self._unsighted,
             shed=lambda: metrics.labelled(metrics.FLOOD_SHED, flood.QUEUE_FULL).inc())
         # What a first sighting costs besides the verdict (record, Event, follow-up), for ghosts no
-        # replica ever listed (guard/core/flood.py). ``tier`` (set by guard.engine.wiring) says which tier a
-        # ghost is in; None: every ghost is treated as sighted (nothing budgeted).
-        self.tier: Callable[[PodRef], str] | None = None
+        # replica ever listed (guard/core/flood.py). ``events.tier`` says which tier a ghost is in; None:
+        # every ghost is treated as sighted (nothing budgeted).
         self.budget = flood.FloodBudget(settings.unsighted_ghost_rate, settings.unsighted_ghost_burst, timer)
         self._shed: collections.OrderedDict[PodRef, None] = collections.OrderedDict()
         self._shed_lock = threading.Lock()
+        # Last: a function that makes the events from this checker gets it whole.
+        self.events: CheckerEvents = (Events() if events is None else
+                                      events(self) if callable(events) else events)
 
     def _timed_get(self, namespace: str, name: str, timeout: float) -> QuorumRead:
         start = time.perf_counter()
@@ -204,8 +240,7 @@ class Checker:
                     return Pending.THREAD
                 return self._count(decision, call.deadline, self._ghost_miss, self._read_hit, metrics.VERDICTS_SHARED)
             known_at = 0 if now else self.cache.tick()  # the guard knows this identity from here on
-            for hook in self.call_hooks:
-                hook()
+            self.events.called()
             cached = self.cache.ghost(pod)
             if cached is not None:
                 if now:
@@ -337,14 +372,13 @@ class Checker:
             self._first_sighting(pod, entry.decision, entry.read)
         else:
             self._record_block(pod, entry.decision, None)
-            if self.sighting_listeners:
-                self._followup(self.sighting_listeners, pod, entry.decision)
+            self._followup(True, self.events.sighting, pod, entry.decision)
 
     def _admitted(self, pod: PodRef) -> bool:
         """Whether this first sighting gets its record, Event and follow-up: always for a ghost some
         replica listed or served; for one no replica ever showed, if the flood budget has a token for
         its namespace (guard/core/flood.py). A shed one is remembered, so its next call asks again."""
-        tier = self.tier(pod) if self.tier is not None else flood.SIGHTED
+        tier = self.events.tier(pod) or flood.SIGHTED
         reason = self.budget.admit(pod.namespace) if tier == flood.UNSIGHTED else None
         with self._shed_lock:
             if reason is None:
@@ -363,39 +397,39 @@ class Checker:
         metrics.labelled(metrics.GHOSTS_BLOCKED, decision.verdict.value).inc()
         log.warning("%s", decision.reason)
         self._record_block(pod, decision, read)
-        self._followup(self.listeners, pod, decision, read)
+        self._followup(False, self.events.new_ghost, pod, decision, read)
 
     def _record_block(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
-        """The block recorders, inline: a record queued here survives a full follow-up queue and an exit."""
-        for recorder in self.block_recorders:
-            try:
-                recorder(pod, decision, read)
-            except Exception:
-                log.exception("block recorder %s failed for %s", getattr(recorder, "__name__", recorder), pod)
+        """The block recorded inline (events.record_block): a record queued here survives a full
+        follow-up queue and an exit."""
+        recorder = self.events.record_block
+        try:
+            recorder(pod, decision, read)
+        except Exception:
+            log.exception("block recorder %s failed for %s", getattr(recorder, "__name__", recorder), pod)
 
-    def _followup(self, listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
-        """Call each of ``listeners`` (GhostListener or SightingListener) with ``pod, *args``, off the request
-        path. A ghost no replica ever listed has one sighting follow-up at a time, the rest coalesced
-        (counted), so a caller repeating a forged identity cannot fill the queue."""
-        sighting = listeners is not self.listeners
-        self.followups.submit("sighting" if sighting else "new", pod, self._notify, listeners, pod, *args,
+    def _followup(self, sighting: bool, event: Callable[..., None], pod: PodRef, *args: object) -> None:
+        """Call ``event`` (events.new_ghost, or with ``sighting`` events.sighting) with ``pod, *args``, off
+        the request path. A ghost no replica ever listed has one sighting follow-up at a time, the rest
+        coalesced (counted), so a caller repeating a forged identity cannot fill the queue."""
+        self.followups.submit("sighting" if sighting else "new", pod, self._notify, event, pod, *args,
                               once=sighting, newest=sighting)
 
     def _unsighted(self, pod: PodRef) -> bool | None:
         """Whether no replica ever showed this ghost (None: no tiers, every ghost treated alike)."""
-        return None if self.tier is None else self.tier(pod) == flood.UNSIGHTED
+        tier = self.events.tier(pod)
+        return None if tier is None else tier == flood.UNSIGHTED
 
     def followups_waiting(self) -> int:
         """Follow-ups waiting in the overflow (beyond the running and queued ones)."""
         return self.followups.waiting()
 
     @staticmethod
-    def _notify(listeners: Sequence[Callable[..., None]], pod: PodRef, *args: object) -> None:
-        for listener in listeners:
-            try:
-                listener(pod, *args)
-            except Exception:
-                log.exception("ghost follow-up %s failed for %s", getattr(listener, "__name__", listener), pod)
+    def _notify(event: Callable[..., None], pod: PodRef, *args: object) -> None:
+        try:
+            event(pod, *args)
+        except Exception:
+            log.exception("ghost follow-up %s failed for %s", getattr(event, "__name__", event), pod)
 
 
 # --- the verdict state -------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 from concurrent.futures import Future
 
 from guard import metrics
@@ -39,7 +40,7 @@ from guard.core import attribution
 from guard.core.attribution import ReplicaObservation
 from guard.audit.backend import AuditBackend, GuardAudit
 from guard.engine.background import Background
-from guard.engine.checker import Checker
+from guard.engine.checker import Events
 from guard.kube.reads import Kube
 from guard.kube.watch import ReplicaClient
 from guard.kube.writes import emit_event
@@ -104,21 +105,20 @@ class IncidentRecorder:
         # guard.engine.wiring): then no advice says a write heals it.
         self.frozen: Callable[[str], bool] = lambda replica: False
 
-    # -- entry points (Checker listeners) ----------------------------------------
+    # -- entry points (the Checker's events: guard.engine.wiring.GuardEvents) ------
 
     @property
     def records_inline(self) -> bool:
-        """Whether blocks are recorded on the request path (:meth:`record_block_now`, a
-        ``Checker.block_recorders`` entry): for a store that only queues them in memory (GhostPods), so
+        """Whether blocks are recorded on the request path (:meth:`record_block_now`, the
+        Checker's ``record_block`` event): for a store that only queues them in memory (GhostPods), so
         that a block is recorded even when its follow-up waits or the process exits first."""
         return self.audit.writes_in_background
 
-    def attach(self, checker: Checker) -> None:
-        """Hear the checker's ghosts: a first sighting (:meth:`new_ghost`), every later one
-        (:meth:`sighting`), and each block on the request path (:meth:`record_block_now`)."""
-        checker.listeners.append(self.new_ghost)
-        checker.sighting_listeners.append(self.sighting)
-        checker.block_recorders.append(self.record_block_now)
+    def events(self, **more: Any) -> Events:
+        """The Checker's events this recorder hears: each block on the request path
+        (:meth:`record_block_now`), a first sighting (:meth:`new_ghost`), every later one
+        (:meth:`sighting`); ``more``: the others (Events' fields: ``called``, ``tier``)."""
+        return Events(record_block=self.record_block_now, new_ghost=self.new_ghost, sighting=self.sighting, **more)
 
     def record_block_now(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
         if self.records_inline:
