@@ -281,11 +281,14 @@ class DirectLane:
         try:
             decision = self.fast.guard.checker.answer(waiting.call)
             return self._reply(waiting.path, waiting.args, decision, waiting.remote, waiting.start)
+        except ProtocolError as e:  # found encoding a refusal (a candidate name that is not one): FastLane.reply's 4xx
+            payload, status = orjson.dumps({"error": str(e)}), e.status
         except Exception:
             log.exception("unhandled error on POST %s", waiting.path)
-            record_request(self.fast.settings, "POST", waiting.path, 500, time.perf_counter() - waiting.start,
-                           waiting.remote)
-            return 500, orjson.dumps({"error": "internal error; see the guard's log"})
+            payload, status = orjson.dumps({"error": "internal error; see the guard's log"}), 500
+        record_request(self.fast.settings, "POST", waiting.path, status, time.perf_counter() - waiting.start,
+                       waiting.remote)
+        return status, payload
 
     def _reply(self, path: str, args: Any, decision: Decision, remote: str | None, start: float) -> Reply:
         payload = _encode(self.fast.guard, path, args, decision)
