@@ -41,7 +41,7 @@ LAYERS = [
     ("TLS and socket I/O (ssl, socket, selectors)", ("ssl.py", "socket.py", "selectors.py")),
     ("Flask / werkzeug", ("flask/", "werkzeug/")),
     ("metrics (prometheus_client)", ("prometheus_client/",)),
-    ("verdict cache (guard/engine/cache.py, cachetools)", ("guard/engine/cache.py", "cachetools/")),
+    ("verdict cache (guard/engine/checker.py VerdictCache, cachetools)", ("cachetools/",)),
     ("watch decoding and views (guard/kube/watch.py, guard/engine/prepare.py, attribution)",
      ("guard/engine/prepare.py", "guard/core/attribution.py", "ReplicaClient.watch_pending")),
     ("quorum GET decoding (guard/kube/reads.py)", ("guard/kube/reads.py",)),

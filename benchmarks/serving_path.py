@@ -9,8 +9,9 @@ files under ``guard/`` among them are the files the call crosses.
 
 - **prepared**: the event loop's call (``answer_now``) for a pod whose ``alive`` verdict was
   verified ahead (``Checker.verify``, as the pre-verifier does).
-- **miss**: a pod the guard has never seen: the loop's ``answer_now`` finds nothing to answer
-  with, then a pool thread's call (``lane(...)``) makes the quorum GET.
+- **miss**: a pod the guard has never seen: the loop's ``answer_now`` decodes it and finds nothing
+  to answer with (a Waiting, not joined), then a pool thread's call (``lane.answer_taken``) makes the
+  quorum GET for that decoded call.
 
 Run from the repository root: ``python -m benchmarks.serving_path`` (prints both paths, file by
 file, with the functions entered in each). tests/component/test_serving_path.py asserts the bound.
@@ -134,28 +135,27 @@ def serving_paths(kubeconfig: str, create: Callable[[str], str]) -> dict[str, tu
                 raise AssertionError("no GET is in flight: nothing to wake")
 
             def loop_call(request: bytes) -> Any:
-                """The event loop's turn (GuardWorker._answer_now): frame, ask the lane, write the reply."""
+                """The event loop's turn (ConnectionLoop._answer_now): frame, ask the lane, write the reply."""
                 call = plain_call(request, paths, lane.max_body)
                 assert call is not None
                 path, body, keep = call
                 answered = lane.answer_now(path, body, "127.0.0.1", None, wake)
-                if answered is None:
-                    return None
+                if not isinstance(answered, tuple):
+                    return answered, keep  # decoded, not answered: a pool thread takes it as it is
                 status, payload = answered
                 return plain_reply(status, "OK", payload, keep)
 
-            def pool_call(request: bytes) -> bytes:
-                """A pool thread's turn (GuardWorker._serve): frame, the lane's answer, the reply."""
-                call = plain_call(request, paths, settings.max_body_bytes)
-                assert call is not None
-                path, body, keep = call
-                status, payload = lane(path, body, "127.0.0.1", None, None)
+            def pool_call(waiting: Any, keep: bool) -> bytes:
+                """A pool thread's turn (ConnectionLoop._serve): the lane's answer to the call the loop
+                decoded, the reply."""
+                status, payload = lane.answer_taken(waiting)
                 return plain_reply(status, "OK", payload, keep)
 
             def miss(name: str, uid: str) -> bytes:
                 request = filter_request("default", name, uid, nodes)
-                assert loop_call(request) is None  # nothing to answer with in the loop: a pool thread
-                return pool_call(request)
+                waiting, keep = loop_call(request)  # nothing to answer with in the loop: a pool thread
+                assert waiting is not None and not waiting.joined
+                return pool_call(waiting, keep)
 
             # Warm: one call of each kind first (lazily bound metric children, the kept connection), so
             # the traced calls are a running guard's.

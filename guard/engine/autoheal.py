@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from guard import metrics
 from guard.engine.background import Background
@@ -38,36 +39,38 @@ MAX_QUEUED = 1000  # ghosts waiting for a heal at most; more are dropped (counte
 
 class AutoHealer:
     def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit, *,
-                 done: Callable[[PodRef, HealResult], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.kube = kube
         self.audit = audit
-        self.done = done  # called with (pod, result) after each heal (the incident recorder re-probes)
         self._healer = Healer(kube, pool.clients, timeout=settings.heal_timeout)
         self._bucket = TokenBucket(settings.heal_rate, settings.heal_burst, clock)
         self._cond = threading.Condition()
-        self._queue: collections.deque[PodRef] = collections.deque()
+        # The heals waiting, each with the Future its submitter holds (the incident recorder re-probes when it is done).
+        self._queue: collections.deque[tuple[PodRef, Future[HealResult]]] = collections.deque()
         self._names: set[tuple[str, str]] = set()  # queued or being healed
         self._stopping = False
         self._bg = Background(log)
         self._thread: threading.Thread | None = None
 
-    def submit(self, pod: PodRef) -> bool:
-        """Queue a heal of ``pod``'s name; False if that name is already queued or being healed, or the queue is full."""
+    def submit(self, pod: PodRef) -> Future[HealResult] | None:
+        """Queue a heal of ``pod``'s name: its result to come (the caller decides what follows it; the
+        healer calls no one back), or None if that name is already queued or being healed, or the queue
+        is full. A heal still queued at close() is cancelled."""
         key = (pod.namespace, pod.name)
         with self._cond:
             if self._stopping or key in self._names:
-                return False
+                return None
             if len(self._queue) >= MAX_QUEUED:
                 metrics.HEALS_DROPPED.inc()
-                return False
+                return None
             self._names.add(key)
-            self._queue.append(pod)
+            future: Future[HealResult] = Future()
+            self._queue.append((pod, future))
             if self._thread is None:
                 self._thread = self._bg.thread("ghost-heal", self._run)
             self._cond.notify_all()
-        return True
+        return future
 
     def _run(self) -> None:
         while True:
@@ -76,21 +79,24 @@ class AutoHealer:
                     self._cond.wait()
                 if self._stopping:
                     return
-                pod = self._queue[0]
+                pod, future = self._queue[0]
                 wait = self._bucket.take()
                 if wait > 0:
                     self._cond.wait(wait)  # the rate bound; a new submit or close() wakes it early, then it re-checks
                     continue
                 self._queue.popleft()
             try:
-                self._heal(pod)
-            except Exception:  # noqa: BLE001 - one heal's bug never stops the others
+                result = self._heal(pod)
+            except Exception as e:  # noqa: BLE001 - one heal's bug never stops the others
                 log.exception("automatic heal of %s failed", pod)
+                future.set_exception(e)
+            else:
+                future.set_result(result)
             finally:
                 with self._cond:
                     self._names.discard((pod.namespace, pod.name))
 
-    def _heal(self, pod: PodRef) -> None:
+    def _heal(self, pod: PodRef) -> HealResult:
         result = self._healer.heal(pod.namespace, pod.name)
         metrics.HEALS.labels(result.action.value, result.outcome.value).inc()
         text = (f"kube-ghost-guard heal of {pod} (ghost uid {pod.uid}): {result.outcome} by {result.action}, "
@@ -115,12 +121,13 @@ class AutoHealer:
                            key=f"heal-{result.outcome.value}", event_type="Normal" if healed else "Warning")
             except Exception as e:  # noqa: BLE001 - Events are best effort
                 log.warning("cannot emit the heal Event for %s: %s", pod, str(e)[:200])
-        if self.done is not None:
-            self.done(pod, result)
+        return result
 
     def close(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+            for _, future in self._queue:
+                future.cancel()
         self._bg.close()
         self._healer.close()

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from guard import metrics
-from guard.core import cache_health as replica_health
+from guard.core import cache_health
 from guard.kube.reads import Kube
 from guard.kube.watch import ReplicaClient
 from guard.kube.writes import emit_event
@@ -120,7 +120,7 @@ class CacheHealthMonitor:
             # A replica whose cache was last seen behind etcd lags or froze: what it does not show yet
             # is not missing (the frozen rule speaks for it); checking each pod would cost a GET apiece.
             behind = {r for r, t in self._tracks.items() if t.behind_since is not None}
-            suspects = [(r, u) for r, u in replica_health.missing_suspects(
+            suspects = [(r, u) for r, u in cache_health.missing_suspects(
                 shown, synced, self._first_seen, now=now, missing_after=self.settings.missing_after)
                 if r not in behind and u not in self._missing.get(r, {}) and self._next_check.get((r, u), -1e18) <= now]
         for replica, uid in suspects[:MAX_CONFIRMATIONS_PER_TICK]:
@@ -130,7 +130,7 @@ class CacheHealthMonitor:
         outcome, read, cache_rv = confirm_pod(self.kube, client, pod)
         replica = client.replica.address
         with self._lock:
-            if outcome != replica_health.MISSING:
+            if outcome != cache_health.MISSING:
                 self._next_check[(replica, pod.uid)] = now + self.settings.revision_interval
                 return outcome
             new = pod.uid not in self._missing.setdefault(replica, {})
@@ -160,7 +160,7 @@ class CacheHealthMonitor:
         with self._lock:
             self._errors = errors
             before = self._tracks
-            self._tracks = after = replica_health.assess(
+            self._tracks = after = cache_health.assess(
                 {a: t for a, t in before.items() if a in clients}, samples, frozen_after=self.settings.frozen_after)
         for a in order:
             was, now_frozen = before.get(a, CacheTrack()).frozen, after.get(a, CacheTrack()).frozen
@@ -205,7 +205,7 @@ class CacheHealthMonitor:
 
 
 def confirm_pod(kube: Kube, client: ReplicaClient, pod: PodRef) -> tuple[str, QuorumRead, int | None]:
-    """Is ``pod`` missing from ``client``'s replica? (replica_health outcome, the quorum read, the cache
+    """Is ``pod`` missing from ``client``'s replica? (cache_health outcome, the quorum read, the cache
     revision). A quorum GET first; only for a pod etcd has pending, a consistent read on the replica
     (a flowing cache catches up with etcd) and then its cache read directly (resourceVersion=0)."""
     read = kube.quorum_get(pod.namespace, pod.name)
@@ -216,7 +216,7 @@ def confirm_pod(kube: Kube, client: ReplicaClient, pod: PodRef) -> tuple[str, Qu
         if error is None:
             shows = any((i.get("metadata") or {}).get("uid") == pod.uid for i in items)
             cache_rv = _int(rv)
-    return replica_health.confirm_missing(read, pod.uid, cache_shows=shows, cache_rv=cache_rv), read, cache_rv
+    return cache_health.confirm_missing(read, pod.uid, cache_shows=shows, cache_rv=cache_rv), read, cache_rv
 
 
 def read_revisions(pool: ThreadPoolExecutor, clients: dict[str, ReplicaClient], at: float
@@ -228,7 +228,7 @@ def read_revisions(pool: ThreadPoolExecutor, clients: dict[str, ReplicaClient], 
     consistent = list(pool.map(
         lambda a: clients[a].consistent_revision(REVISION_PROBE_NAMESPACE, REVISION_PROBE_NAME), order))
     caches = list(pool.map(lambda a: clients[a].read_cache(REVISION_PROBE_NAMESPACE, REVISION_PROBE_NAME), order))
-    etcd = replica_health.round_etcd_revision({a: rv for a, (rv, _) in zip(order, consistent)})
+    etcd = cache_health.round_etcd_revision({a: rv for a, (rv, _) in zip(order, consistent)})
     samples = [RevisionSample(a, at, etcd[a], None if error else _int(rv)) for a, (_, rv, error) in zip(order, caches)]
     return etcd, samples, {a: error for a, (_, _, error) in zip(order, caches)}
 
@@ -248,23 +248,23 @@ def check_now(kube: Kube, clients: list[ReplicaClient], *, window: float = LIVE_
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ghost-cache-check") as pool:
         progress(f"reading the cache revision of {len(by_address)} replica(s) and etcd's")
         etcd, samples, _ = read_revisions(pool, by_address, 0.0)
-        tracks = replica_health.assess({}, samples, frozen_after=window)
+        tracks = cache_health.assess({}, samples, frozen_after=window)
         progress(f"waiting {window:g}s to read them again (a frozen cache does not move)")
         sleep(window)
         etcd, samples, _ = read_revisions(pool, by_address, window)
-        tracks = replica_health.assess(tracks, samples, frozen_after=window)
+        tracks = cache_health.assess(tracks, samples, frozen_after=window)
         progress("listing every replica's pending pods (a cache that misses one is named)")
         listed = dict(zip(sorted(by_address), pool.map(_pending_or_none, [by_address[a] for a in sorted(by_address)])))
     errors = {s.replica: None for s in samples if s.cache_rv is not None}
     views = {a: set(p) for a, p in listed.items() if p is not None}
     pods = {uid: pod for p in listed.values() if p for uid, pod in p.items()}
     missing: dict[str, list[dict]] = {a: [] for a in by_address}
-    for replica, uid in replica_health.missing_suspects(views, list(views), {u: 0.0 for u in pods}, now=0.0,
+    for replica, uid in cache_health.missing_suspects(views, list(views), {u: 0.0 for u in pods}, now=0.0,
                                                         missing_after=0.0):
         if tracks.get(replica, CacheTrack()).behind_since is not None:
             continue  # behind etcd: it lags or froze, it does not show new pods yet
         outcome, read, cache_rv = confirm_pod(kube, by_address[replica], pods[uid])
-        if outcome == replica_health.MISSING:
+        if outcome == cache_health.MISSING:
             pod = pods[uid]
             missing[replica].append({"namespace": pod.namespace, "name": pod.name, "uid": uid,
                                      "resource_version": read.resource_version, "cache_resource_version": cache_rv})

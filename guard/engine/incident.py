@@ -18,8 +18,8 @@ Runs on background threads, never on the scheduling path:
 4. later sightings of the same ghost re-probe at most every
    ``--reprobe-interval``, so a restarted replica is seen to have healed;
 5. with ``serve --heal``, a ghost confirmed stale on a replica is handed to
-   :class:`guard.engine.autoheal.AutoHealer` (``heal``), which probes again after
-   each heal (:meth:`IncidentRecorder.after_heal`).
+   :class:`guard.engine.autoheal.AutoHealer` (``heal``); the recorder probes again
+   when the heal it was handed back is done (:meth:`IncidentRecorder.after_heal`).
 
 The pure rules (what counts as stale, healed, missed delete) are in
 :mod:`guard.core.attribution`.
@@ -32,16 +32,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
+from concurrent.futures import Future
 
 from guard import metrics
 from guard.core import attribution
 from guard.core.attribution import ReplicaObservation
 from guard.audit.backend import AuditBackend, GuardAudit
 from guard.engine.background import Background
-from guard.engine.checker import Checker
+from guard.engine.checker import Events
 from guard.kube.reads import Kube
 from guard.kube.watch import ReplicaClient
 from guard.kube.writes import emit_event
+from guard.core.heal_plan import HealResult
 from guard.core.records import AuditRecord, block_evidence
 from guard.engine.replicas import ReplicaPool
 from guard.core.rendering import format_time, new_ghost_line
@@ -80,7 +83,7 @@ class IncidentRecorder:
     def __init__(self, settings: Settings, kube: Kube, pool: ReplicaPool, audit: GuardAudit | AuditBackend | None, *,
                  retract: Callable[[PodRef], bool] | None = None,
                  later: Callable[..., None] | None = None, audit_error: str | None = None,
-                 heal: Callable[[PodRef], bool] | None = None) -> None:
+                 heal: Callable[[PodRef], Future[HealResult] | None] | None = None) -> None:
         self.settings = settings
         self.kube = kube
         self.pool = pool
@@ -102,21 +105,20 @@ class IncidentRecorder:
         # guard.engine.wiring): then no advice says a write heals it.
         self.frozen: Callable[[str], bool] = lambda replica: False
 
-    # -- entry points (Checker listeners) ----------------------------------------
+    # -- entry points (the Checker's events: guard.engine.wiring.GuardEvents) ------
 
     @property
     def records_inline(self) -> bool:
-        """Whether blocks are recorded on the request path (:meth:`record_block_now`, a
-        ``Checker.block_recorders`` entry): for a store that only queues them in memory (GhostPods), so
+        """Whether blocks are recorded on the request path (:meth:`record_block_now`, the
+        Checker's ``record_block`` event): for a store that only queues them in memory (GhostPods), so
         that a block is recorded even when its follow-up waits or the process exits first."""
         return self.audit.writes_in_background
 
-    def attach(self, checker: Checker) -> None:
-        """Hear the checker's ghosts: a first sighting (:meth:`new_ghost`), every later one
-        (:meth:`sighting`), and each block on the request path (:meth:`record_block_now`)."""
-        checker.listeners.append(self.new_ghost)
-        checker.sighting_listeners.append(self.sighting)
-        checker.block_recorders.append(self.record_block_now)
+    def events(self, **more: Any) -> Events:
+        """The Checker's events this recorder hears: each block on the request path
+        (:meth:`record_block_now`), a first sighting (:meth:`new_ghost`), every later one
+        (:meth:`sighting`); ``more``: the others (Events' fields: ``called``, ``tier``)."""
+        return Events(record_block=self.record_block_now, new_ghost=self.new_ghost, sighting=self.sighting, **more)
 
     def record_block_now(self, pod: PodRef, decision: Decision, read: QuorumRead | None) -> None:
         if self.records_inline:
@@ -260,12 +262,16 @@ class IncidentRecorder:
         if self.settings.events:
             self._event(pod, "StaleWatchCache", message, key=replica)
         if self._heal is not None and not frozen:
-            self._heal(pod)
+            healing = self._heal(pod)
+            if healing is not None:  # the heal's result comes back here: no callback into the recorder to set
+                healing.add_done_callback(lambda done: self.after_heal(pod, done))
 
-    def after_heal(self, pod: PodRef, result) -> None:
-        """After an automatic heal (serve --heal): probe the replicas again, so the stale gauge and the audit
-        show which replicas no longer serve the ghost."""
-        if result.ok:
+    def after_heal(self, pod: PodRef, healing: Future[HealResult]) -> None:
+        """After an automatic heal (serve --heal), on the healer's thread: probe the replicas again, so the
+        stale gauge and the audit show which replicas no longer serve the ghost."""
+        if healing.cancelled() or healing.exception() is not None:
+            return
+        if healing.result().ok:
             self.probe(pod, confirm=False)
 
     def _healed(self, pod: PodRef, replica: str) -> None:

@@ -5,7 +5,7 @@ quorum GET there costs the whole cluster throughput. The guard therefore
 watches unscheduled pods (``fieldSelector=spec.nodeName=``) itself, like an
 informer, and quorum-verifies each newly seen pod UID in the background
 (bounded concurrency, rate limited). The ``alive`` verdict then waits in the
-cache for the pod's first ``/filter`` or ``/preempt`` call (guard.engine.cache).
+cache for the pod's first ``/filter`` or ``/preempt`` call (guard.engine.checker.VerdictCache).
 
 What it costs the control plane is one watch stream for the whole cluster,
 whatever the number of apiserver and guard replicas:
@@ -98,7 +98,6 @@ class Preparer:
         self._backlog: dict[PodRef, int] = {}
         self._queued: cachetools.TTLCache = cachetools.TTLCache(500_000, settings.prepared_max_age)
         self.takeovers = 0
-        checker.call_hooks.append(self.called)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -176,7 +175,7 @@ class Preparer:
         return last is not None and self._timer() - last < idle_after
 
     def called(self) -> None:
-        """A scheduler call reached this guard (Checker.check, before its verdict). The first one
+        """A scheduler call reached this guard (the Checker's ``called`` event, before its verdict). The first one
         after idle is a takeover: a verification thread queues the backlog (:meth:`verify_next`),
         off the call's path; the call itself is answered inline if no verdict is prepared."""
         now = self._timer()

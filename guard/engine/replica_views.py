@@ -134,7 +134,7 @@ class ReplicaView:
 class ReplicaViews:
     """Every replica's view of unscheduled pods (one per replica of the pool, made and dropped as the
     pool changes), kept by listing or by the one watch, and the tick at which any of them first
-    showed each pod. ``tick`` is the verdict cache's clock (guard.engine.cache: a view listed at tick
+    showed each pod. ``tick`` is the verdict cache's clock (guard.engine.checker: a view listed at tick
     T is complete as of T); ``listener`` the pre-verifier, None with ``--no-prepare`` (then nothing
     is watched: every replica is listed)."""
 

@@ -12,11 +12,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from guard.core import flood
 from guard.engine.autoheal import AutoHealer
 from guard.engine.cache_health import CacheHealthMonitor
-from guard.engine.checker import Checker
+from guard.engine.checker import Checker, Events
 from guard.engine.ghost_nodes import GhostNodes
 from guard.audit.backend import GuardAudit
 from guard.engine.incident import IncidentRecorder, announce_new_ghost
@@ -96,21 +97,28 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
     # a connection closed for want of room is a new TLS handshake (about 2 ms of CPU) later.
     kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.get_timeout,
                 pool_size=settings.threads + settings.verify_concurrency)
-    checker = Checker(settings, kube.quorum_get)
     # An audit store that cannot be opened or written never changes a verdict nor readiness: its
     # health is a metric, a log line and a /readyz detail (guard/audit/backend.py GuardAudit).
     audit = GuardAudit.open(settings, on_new=announce_new_ghost)
     pool = ReplicaPool(settings, kube)
     healer = AutoHealer(settings, kube, pool, audit.store) if settings.heal else None
-    incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract,
-                                 heal=healer.submit if healer is not None else None)
-    if healer is not None:
-        healer.done = incidents.after_heal
-    incidents.attach(checker)
+    # The checker's events (guard.engine.checker.CheckerEvents), given at its construction: the incident
+    # recorder hears its ghosts, the pre-verifier its calls; both are built on the checker they hear.
+    built: list[tuple[IncidentRecorder, Preparer | None]] = []
+
+    def events(checker: Checker) -> Events:
+        incidents = IncidentRecorder(settings, kube, pool, audit, retract=checker.retract,
+                                     heal=healer.submit if healer is not None else None)
+        preparer = (Preparer(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale]) if settings.prepare
+                    else None)
+        built.append((incidents, preparer))
+        return incidents.events(called=preparer.called if preparer is not None else Events().called,
+                                tier=partial(ghost_tier, incidents=incidents, preparer=preparer))
+
+    checker = Checker(settings, kube.quorum_get, events=events)
+    ((incidents, preparer),) = built
     # Every replica's view of its unscheduled pods (guard/engine/replica_views.py), the pre-verifier's when on.
-    preparer = None
-    if settings.prepare:
-        preparer = Preparer(settings, pool, checker, sweep_hooks=[incidents.reprobe_stale])
+    if preparer is not None:
         views, stop_views = preparer.views, preparer.close
         preparer.start()
     else:
@@ -118,7 +126,6 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
         stop_views = views.close
         views.start()
     # Replica caches that miss pods or froze: metrics, Events, a /readyz detail (guard/engine/cache_health.py).
-    checker.tier = lambda pod: ghost_tier(pod, incidents, preparer)
     cache_health = CacheHealthMonitor(settings, kube, pool, views.pending_views)
     incidents.frozen = cache_health.frozen  # advice for a frozen replica: a restart, never a write
     cache_health.start()

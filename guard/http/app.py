@@ -1,8 +1,9 @@
 """The Flask application factory: the worker's guard (guard.engine.wiring) -> routes, JSON errors, access log.
 
 The factory imports the routes (filter.py, binding.py, probes.py), each a blueprint closed over the
-worker's Guard and BodyBudget; what they share about a request is guard.http.exchange. No route
-imports this module back.
+worker's Guard and BodyBudget; what they share about a request is guard.http.exchange, and the
+request metrics and access-log line guard.http.filter's ``record_request``. No route imports this
+module back.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from guard import metrics
 from guard.core.extender import ProtocolError
 from guard.http import binding, probes
 from guard.http import filter as filter_routes
-from guard.http.exchange import BodyBudget, json_error, record_request
+from guard.http.filter import record_request
+from guard.http.exchange import BodyBudget, json_error
 from guard.core.identity import ROLE_OF_ENDPOINT, ROLE_OF_PATH, RolePolicy, exact_route
 from guard.core.names import visible
 from guard.core.settings import Settings

@@ -1,6 +1,7 @@
 """What every endpoint shares about one request and its reply, in both lanes (FastLane and Flask):
 the body's room in the worker's BodyBudget, reading a JSON body within ``--max-body-bytes``,
-JSON replies and errors, and the request metrics and access-log line.
+JSON replies and errors. The request metrics and access-log line are guard.http.filter's
+(``record_request``), where the verb calls are answered: one file fewer on their path.
 
 The routes (filter.py, binding.py, probes.py) and the factory (app.py) import this module;
 it imports none of them.
@@ -8,7 +9,6 @@ it imports none of them.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Any
@@ -16,17 +16,11 @@ from typing import Any
 import orjson
 from flask import Response, g, request
 
-from guard import metrics
 from guard.core.extender import ProtocolError
 from guard.core.settings import Settings
-from guard.core.verdict import PodRef
-
-access_log = logging.getLogger("guard.access")
 
 # Bodies up to this size are answered without taking room in the worker's BodyBudget.
 SMALL_BODY_BYTES = 256 * 1024
-
-ENDPOINTS = frozenset({"/filter", "/preempt", "/validate/binding", "/healthz", "/readyz", "/metrics"})
 
 
 class Overloaded(ProtocolError):
@@ -146,20 +140,3 @@ def json_response(payload: object, status: int = 200) -> Response:
 
 def json_error(status: int, reason: str) -> Response:
     return json_response({"error": reason}, status)
-
-
-def record_request(settings: Settings, method: str, path: str, status: int, elapsed: float, remote: str | None,
-                   pod: PodRef | None = None, verdict: str | None = None) -> None:
-    """Metrics and the access-log line of one answered request (both lanes)."""
-    endpoint = path if path in ENDPOINTS else "other"
-    metrics.labelled(metrics.REQUESTS, endpoint, str(status)).inc()
-    metrics.labelled(metrics.REQUEST_DURATION, endpoint).observe(elapsed)
-    if settings.access_log and endpoint not in ("/healthz", "/metrics"):
-        entry = {"method": method, "path": path[:200], "status": status, "duration_ms": round(elapsed * 1000, 3),
-                 "remote": remote}
-        if pod is not None:
-            entry["pod"] = f"{pod.namespace}/{pod.name}"  # str(pod), without a call on the verb path
-            entry["uid"] = pod.uid
-        if verdict is not None:
-            entry["verdict"] = verdict
-        access_log.info("request", extra={"access": entry})

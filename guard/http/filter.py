@@ -40,16 +40,20 @@ from werkzeug.wsgi import ClosingIterator
 from guard import metrics
 from guard.core import extender
 from guard.core.extender import ProtocolError
-from guard.http.exchange import BodyBudget, acquire_room, read_json_body, record_request
+from guard.http.exchange import BodyBudget, acquire_room, read_json_body
 from guard.core.verdict import Decision, PodRef
 from guard.engine.checker import Call, Pending
 from guard.engine.wiring import Guard
+from guard.core.settings import Settings
 from guard.http.lane import CODEC, Codec, PeerCert, Reply
 
 log = logging.getLogger(__name__)
 
 
+access_log = logging.getLogger("guard.access")
+
 VERBS = frozenset({"/filter", "/preempt"})
+ENDPOINTS = frozenset({"/filter", "/preempt", "/validate/binding", "/healthz", "/readyz", "/metrics"})
 
 
 class LocalCodec:
@@ -101,6 +105,24 @@ def _allow(guard: Guard, path: str, args: Any) -> bytes:
     """A live pod's answer: every candidate, except ghost Nodes. With no ghost Node known (the normal
     case) that is one attribute test, no work per node name."""
     return _encode(guard, path, args, None)
+
+
+def record_request(settings: Settings, method: str, path: str, status: int, elapsed: float, remote: str | None,
+                   pod: PodRef | None = None, verdict: str | None = None) -> None:
+    """Metrics and the access-log line of one answered request (every lane, every endpoint: app.py
+    records the others with it). Here, where the verb calls are answered: no file more on their path."""
+    endpoint = path if path in ENDPOINTS else "other"
+    metrics.labelled(metrics.REQUESTS, endpoint, str(status)).inc()
+    metrics.labelled(metrics.REQUEST_DURATION, endpoint).observe(elapsed)
+    if settings.access_log and endpoint not in ("/healthz", "/metrics"):
+        entry = {"method": method, "path": path[:200], "status": status, "duration_ms": round(elapsed * 1000, 3),
+                 "remote": remote}
+        if pod is not None:
+            entry["pod"] = f"{pod.namespace}/{pod.name}"  # str(pod), without a call on the verb path
+            entry["uid"] = pod.uid
+        if verdict is not None:
+            entry["verdict"] = verdict
+        access_log.info("request", extra={"access": entry})
 
 
 # --- the fast lane ---------------------------------------------------------------------------------
@@ -181,9 +203,10 @@ NOW_MAX_BODY = 128 * 1024
 
 @dataclass(frozen=True, slots=True)
 class Waiting:
-    """A verb call that joined its pod's quorum GET in flight (DirectLane.answer_now), to be answered
-    when it lands (DirectLane.answer_landed): the decoded call and the checker's Call, handed on,
-    never decoded again. ``start`` is time.perf_counter at arrival (the request's duration),
+    """A verb call the event loop decoded but could not answer (DirectLane.answer_now): ``joined``, it
+    waits for its pod's quorum GET in flight (answered when it lands, DirectLane.answer_landed); else a
+    pool thread answers it (DirectLane.answer_taken). The decoded call and the checker's Call are handed
+    on, never decoded again. ``start`` is time.perf_counter at arrival (the request's duration),
     ``arrived`` time.monotonic at arrival (its budget)."""
 
     path: str
@@ -192,6 +215,7 @@ class Waiting:
     remote: str | None
     start: float
     arrived: float
+    joined: bool
 
 
 class DirectLane:
@@ -219,11 +243,13 @@ class DirectLane:
         verified ahead (Checker.answer, ``now``).
 
         With ``wake``, a call whose pod's quorum GET is already in flight joins it and comes back
-        :class:`Waiting`: ``wake`` is called, on another thread, when the GET lands, and the caller
-        then asks :meth:`answer_landed`.
+        :class:`Waiting` (``joined``): ``wake`` is called, on another thread, when the GET lands, and
+        the caller then asks :meth:`answer_landed`. A decoded call that needs a thread (a miss, a
+        ghost to record) comes back :class:`Waiting`, not joined: a pool thread answers it
+        (:meth:`answer_taken`), without decoding it again.
 
-        Else None, with nothing counted: the worker then hands the call to a pool thread
-        (:meth:`__call__`), which answers everything else."""
+        Else None, with nothing counted (a caller not permitted, a body too large or malformed): the
+        worker then hands the request to a pool thread (:meth:`__call__`), which answers everything else."""
         if len(body) > NOW_MAX_BODY or (self.allowed is not None and not self.allowed(path, peer_cert)):
             return None
         start = time.perf_counter()
@@ -235,20 +261,34 @@ class DirectLane:
             return None
         call = guard.checker.call(args.pod, arrived)
         decision = guard.checker.answer(call, now=True, wake=wake)
-        if decision is Pending.JOINED:
-            return Waiting(path, args, call, remote, start, arrived)
-        if decision is Pending.THREAD:
-            return None
+        if isinstance(decision, Pending):
+            return Waiting(path, args, call, remote, start, arrived, decision is Pending.JOINED)
         return self._reply(path, args, decision, remote, start)
 
     def answer_landed(self, waiting: Waiting) -> Reply | None:
         """The answer of a :class:`Waiting` call once its GET has landed (Checker.answer, ``now``), or
-        None, with nothing counted: the worker hands the call to a pool thread, which goes through
-        Checker.answer within the same budget (``arrived``)."""
+        None, with nothing counted: the worker hands the call to a pool thread (:meth:`answer_taken`),
+        which goes through Checker.answer within the same budget (``arrived``)."""
         decision = self.fast.guard.checker.answer(waiting.call, now=True)
         if isinstance(decision, Pending):
             return None
         return self._reply(waiting.path, waiting.args, decision, waiting.remote, waiting.start)
+
+    def answer_taken(self, waiting: Waiting) -> Reply:
+        """From a pool thread: the answer of a call the event loop decoded and handed on (a
+        :class:`Waiting`, joined or not), within the budget that began at its arrival. Its caller was
+        permitted already (``allowed``, the same check as ``refuse``)."""
+        try:
+            decision = self.fast.guard.checker.answer(waiting.call)
+            return self._reply(waiting.path, waiting.args, decision, waiting.remote, waiting.start)
+        except ProtocolError as e:  # found encoding a refusal (a candidate name that is not one): FastLane.reply's 4xx
+            payload, status = orjson.dumps({"error": str(e)}), e.status
+        except Exception:
+            log.exception("unhandled error on POST %s", waiting.path)
+            payload, status = orjson.dumps({"error": "internal error; see the guard's log"}), 500
+        record_request(self.fast.settings, "POST", waiting.path, status, time.perf_counter() - waiting.start,
+                       waiting.remote)
+        return status, payload
 
     def _reply(self, path: str, args: Any, decision: Decision, remote: str | None, start: float) -> Reply:
         payload = _encode(self.fast.guard, path, args, decision)

@@ -37,11 +37,17 @@ Reply = tuple[int, bytes]
 
 
 class Waiting(Protocol):
-    """A call parked on its pod's quorum GET in flight (DirectLane.answer_now): the worker reads only
-    when its budget began (time.monotonic), to hand it to a pool thread before that budget ends."""
+    """A call the event loop decoded but could not answer (DirectLane.answer_now): ``joined``, it is
+    parked on its pod's quorum GET in flight; else it goes to a pool thread at once. Either way a pool
+    thread that takes it over answers it as it is (DirectLane.answer_taken), never decoding it again.
+    The worker reads only when its budget began (``arrived``, time.monotonic), to hand a parked one to
+    a pool thread before that budget ends."""
 
     @property
     def arrived(self) -> float: ...
+
+    @property
+    def joined(self) -> bool: ...
 
 
 W = TypeVar("W", bound=Waiting)
@@ -52,7 +58,8 @@ class DirectLane(Protocol[W]):
     JSON body with a Content-Length: guard.serving.framing.plain_call), without WSGI.
 
     In the event loop, which must never wait: :meth:`answer_now`, then, for a parked call, once the
-    GET it waits for has landed, :meth:`answer_landed`. From a pool thread: the lane itself."""
+    GET it waits for has landed, :meth:`answer_landed`. From a pool thread: :meth:`answer_taken` for a
+    call the loop decoded (a Waiting), the lane itself for the request's bytes."""
 
     # The paths it answers, and the largest body the event loop hands to answer_now.
     paths: frozenset[str]
@@ -60,12 +67,19 @@ class DirectLane(Protocol[W]):
 
     def answer_now(self, path: str, body: bytes, remote: str | None, peer_cert: PeerCert,
                    wake: Callable[[], None] | None = None) -> Reply | W | None:
-        """The reply when it needs no waiting; a Waiting (``wake`` is called, on another thread, when
-        its GET lands); or None, with nothing counted: the worker hands the call to a pool thread."""
+        """The reply when it needs no waiting; a Waiting, joined (``wake`` is called, on another
+        thread, when its GET lands) or for a pool thread (:meth:`answer_taken`); or None, with nothing
+        counted: the worker hands the request's bytes to a pool thread (the lane itself)."""
         ...
 
     def answer_landed(self, waiting: W) -> Reply | None:
-        """The reply of a parked call whose GET has landed, or None: a pool thread answers it."""
+        """The reply of a parked call whose GET has landed, or None: a pool thread answers it
+        (:meth:`answer_taken`)."""
+        ...
+
+    def answer_taken(self, waiting: W) -> Reply:
+        """The reply of a call the event loop decoded (a Waiting), from a pool thread: it may wait,
+        within the budget that began at the call's arrival."""
         ...
 
     def __call__(self, path: str, body: bytes, remote: str | None, peer_cert: PeerCert,

@@ -52,12 +52,14 @@ What bytes mean (heads, bodies, replies) is guard.serving.framing, pure; this mo
    answers it itself, with no hand-off to a pool thread and back; that is
    bounded CPU work with no waiting on the apiserver or the client (the reply is
    written non-blocking; the access-log line, when on, goes to stderr as the
-   loop's own log lines do). When the pod's quorum GET is already in flight (a
+   loop's own log lines do). When it needs a thread (a miss: the pod's quorum GET), the lane
+   hands back the call it decoded (a Waiting), and the pool thread answers that (the lane's
+   ``answer_taken``): a call is framed and decoded once. When the pod's quorum GET is already in flight (a
    background verification not landed yet), the call is **parked** (state
    PARKED, no thread, the socket unwatched): the GET's thread wakes the loop
    when it lands (Host.defer), and the loop answers from that read
    (the lane's ``answer_landed``) or, when the read alone cannot answer (a
-   ghost, a pod gone since), hands the call to a pool thread. A call still
+   ghost, a pod gone since), hands the decoded call to a pool thread. A call still
    parked ``PARK_MARGIN`` before its budget ends goes to a pool thread too,
    which waits out the rest of the same budget. A request over ``LARGE_CALL``
    (16 KiB) takes a pool thread only while no other of its source address's
@@ -165,7 +167,9 @@ class Conn:
 
 
 class _Parked:
-    """A parked call: the direct lane's Waiting, and what a pool thread needs if it takes the call over."""
+    """A call the direct lane decoded but did not answer (its Waiting: parked on a GET in flight, or for
+    a pool thread at once), and what a pool thread needs to answer it (the lane's answer_taken, never
+    decoding it again)."""
 
     __slots__ = ("waiting", "request", "keep")
 
@@ -538,7 +542,7 @@ class ConnectionLoop:
                 self._answering = False
         self._to_pool(conn, request)
 
-    def _to_pool(self, conn: Conn, request: bytes, arrived: float | None = None) -> None:
+    def _to_pool(self, conn: Conn, request: bytes, arrived: float | None = None, taken: _Parked | None = None) -> None:
         conn.state, conn.deadline = BUSY, 0.0
         self._unwatch(conn)
         if len(request) > LARGE_CALL:
@@ -546,13 +550,13 @@ class ConnectionLoop:
             if not self._turn_free(conn.ip, huge):  # wait for a turn (a free one is never left while one waits)
                 arrived = time.monotonic() if arrived is None else arrived
                 conn.state, conn.deadline = QUEUED, arrived + self.settings.request_budget
-                self.large_waiting.setdefault(conn.ip, deque()).append((conn, request, arrived))
+                self.large_waiting.setdefault(conn.ip, deque()).append((conn, request, arrived, taken))
                 return
             self._take_turn(conn, huge)
-        self._submit(conn, request, arrived)
+        self._submit(conn, request, arrived, taken)
 
-    def _submit(self, conn: Conn, request: bytes, arrived: float | None) -> None:
-        future = self.host.submit(self._serve_and_send, conn, request, arrived)
+    def _submit(self, conn: Conn, request: bytes, arrived: float | None, taken: _Parked | None = None) -> None:
+        future = self.host.submit(self._serve_and_send, conn, request, arrived, taken)
         future.add_done_callback(lambda f: self.host.defer(self._served, conn, f))
 
     def _turn_free(self, ip: str, huge: bool) -> bool:
@@ -581,14 +585,14 @@ class ConnectionLoop:
             while waiting and (waiting[0][0].closed or waiting[0][0].state != QUEUED):
                 waiting.popleft()
             if waiting:
-                first, request, arrived = waiting[0]
+                first, request, arrived, taken = waiting[0]
                 huge = len(request) > OFFLOAD_BYTES and self.offload is not None
                 if not self._turn_free(ip, huge):
                     continue
                 waiting.popleft()
                 first.state, first.deadline = BUSY, 0.0
                 self._take_turn(first, huge)
-                self._submit(first, request, arrived)
+                self._submit(first, request, arrived, taken)
             del self.large_waiting[ip]
             if waiting:
                 self.large_waiting[ip] = waiting  # to the back of the round
@@ -612,7 +616,8 @@ class ConnectionLoop:
     def _answer_now(self, conn: Conn, request: bytes) -> tuple[bytes, bool] | str | None:
         """(reply, keep-alive) when the app's direct lane can answer at once without waiting (its
         ``answer_now``); PARKED when the call waits for its pod's GET in flight (answered by
-        :meth:`_landed`); else None: the request goes to a pool thread as any other."""
+        :meth:`_landed`); BUSY when the lane decoded it but it needs a thread (handed to one with the
+        decoded call); else None: the request goes to a pool thread as any other."""
         call = plain_call(request, self.direct_paths, self.direct_max_body)
         if call is None:
             return None
@@ -628,6 +633,9 @@ class ConnectionLoop:
             return None
         if not isinstance(answered, tuple):
             parked.waiting = answered
+            if not answered.joined:  # decoded, but it needs a thread (a miss): handed on as it is
+                self._to_pool(conn, request, answered.arrived, parked)
+                return BUSY
             conn.parked = parked
             conn.state, conn.deadline = PARKED, answered.arrived + self.settings.request_budget - PARK_MARGIN
             self._unwatch(conn)
@@ -648,7 +656,7 @@ class ConnectionLoop:
             self.log.exception("answering a parked call in the event loop failed; a pool thread answers it")
             answered = None
         if answered is None:
-            self._to_pool(conn, parked.request, parked.waiting.arrived)
+            self._to_pool(conn, parked.request, parked.waiting.arrived, parked)
             return
         status, payload = answered
         keep = parked.keep and self.host.alive
@@ -663,11 +671,17 @@ class ConnectionLoop:
         takes it over and waits out the rest (Checker.check, the same budget)."""
         parked, conn.parked = conn.parked, None
         assert parked is not None
-        self._to_pool(conn, parked.request, parked.waiting.arrived)
+        self._to_pool(conn, parked.request, parked.waiting.arrived, parked)
 
-    def _serve(self, conn: Conn, request: bytes, arrived: float | None = None) -> tuple[bytes, bool]:
+    def _serve(self, conn: Conn, request: bytes, arrived: float | None = None,
+               taken: _Parked | None = None) -> tuple[bytes, bool]:
         """In a pool thread: the reply to a complete request, and whether the connection stays open.
-        ``arrived``: when the call's budget began, if it was parked first (default: now)."""
+        ``arrived``: when the call's budget began, if it was parked first (default: now). ``taken``: the
+        call as the direct lane decoded it in the loop (answered as it is, never decoded again)."""
+        if taken is not None:
+            status, payload = self.direct.answer_taken(taken.waiting)
+            keep = taken.keep and self.host.alive
+            return plain_reply(status, status_phrase(status), payload, keep), keep
         if self.direct is not None:
             # Any body the worker took (its bytes are held against --max-buffered-bytes already): gunicorn's
             # parser spends ~30 ms of GIL reading a 4 MiB body back out of memory, which the loop waits out.
@@ -688,14 +702,15 @@ class ConnectionLoop:
                 return self.host.serve_wsgi(conn, request, codec)
         return self.host.serve_wsgi(conn, request, None)
 
-    def _serve_and_send(self, conn: Conn, request: bytes, arrived: float | None = None) -> tuple[memoryview, bool, bool]:
+    def _serve_and_send(self, conn: Conn, request: bytes, arrived: float | None = None,
+                        taken: _Parked | None = None) -> tuple[memoryview, bool, bool]:
         """In a pool thread: the reply, and as much of it as the socket takes right now (never waiting).
 
         The loop does not touch a connection while its request runs, so the thread may write
         to it; whatever does not fit at once is left to the loop and its write deadline.
         Returns (the rest of the reply, keep-alive, the connection broke).
         """
-        data, keep = self._serve(conn, request, arrived)
+        data, keep = self._serve(conn, request, arrived, taken)
         rest = memoryview(data)
         if len(data) > SMALL_REQUEST:  # the loop reserves a large reply from the budget before a byte of it is sent
             return rest, keep, False

@@ -23,7 +23,7 @@ import pytest
 from clirun import ghost_guard_json
 
 from guard.audit.backend import AuditBackend, GuardAudit
-from guard.engine.checker import Checker
+from guard.engine.checker import Checker, Events
 from guard.engine.incident import IncidentRecorder, announce_new_ghost
 from guard.kube.config import load_configuration
 from guard.kube.reads import Kube
@@ -53,15 +53,20 @@ def worker(lab, tmp_path: Path) -> Iterator[Worker]:
     settings = Settings(kubeconfig=lab.kubeconfig(0), audit_db=str(tmp_path / "audit.db"), events=False,
                         probe_timeout=2.0, reprobe_interval=0.001)
     kube = Kube(load_configuration(settings.kubeconfig), timeout=2.0, pool_size=4)
-    checker = Checker(settings, kube.quorum_get, background=False)
     opened = GuardAudit.open(settings, on_new=announce_new_ghost)
     assert opened.store is not None, opened.health.detail()
     audit = opened.store
     pool = ReplicaPool(settings, kube)
     delays: list[tuple[float, object, tuple]] = []
-    incidents = IncidentRecorder(settings, kube, pool, opened, retract=checker.retract,
-                                 later=lambda delay, fn, *args: delays.append((delay, fn, args)))
-    incidents.attach(checker)  # as guard.engine.wiring.build_guard does
+    built: list[IncidentRecorder] = []
+
+    def events(checker: Checker) -> Events:  # as guard.engine.wiring.build_guard does
+        built.append(IncidentRecorder(settings, kube, pool, opened, retract=checker.retract,
+                                      later=lambda delay, fn, *args: delays.append((delay, fn, args))))
+        return built[0].events()
+
+    checker = Checker(settings, kube.quorum_get, events=events, background=False)
+    (incidents,) = built
     yield Worker(settings, checker, incidents, audit, delays)
     incidents.close()
     audit.close()

@@ -3,7 +3,6 @@ outcome in the audit store. Real etcd and replicas; the heals' writes are read f
 
 from __future__ import annotations
 
-import threading
 
 from guard.audit.sqlite import AuditStore
 from guard.engine.autoheal import AutoHealer
@@ -27,22 +26,17 @@ def test_heals_run_one_at_a_time_at_the_bounded_rate_and_are_audited(lab, tmp_pa
     store = AuditStore(str(tmp_path / "audit.db"))
     for name, uid in uids.items():
         store.record_block(uid=uid, namespace="default", name=name, verdict="ghost-deleted", evidence={}, at=1.0)
-    results = []
-    finished = threading.Event()
-
-    def done(pod, result):
-        results.append((pod.name, result.action.value, result.outcome.value))
-        if len(results) == 2:
-            finished.set()
-
-    healer = AutoHealer(settings, kube, pool, store, done=done)
+    healer = AutoHealer(settings, kube, pool, store)
     lab.replicas[0].clear_requests()
     try:
         web0, web1 = (PodRef("default", n, uids[n]) for n in ("web-0", "web-1"))
-        assert healer.submit(web0) is True
-        assert healer.submit(web0) is False  # already queued or being healed
-        assert healer.submit(web1) is True
-        assert finished.wait(30)
+        healing = [healer.submit(web0)]
+        assert healing[0] is not None
+        assert healer.submit(web0) is None  # already queued or being healed
+        healing.append(healer.submit(web1))
+        assert healing[1] is not None
+        results = [(pod.name, heal.action.value, heal.outcome.value)
+                   for pod, heal in zip((web0, web1), (f.result(30) for f in healing))]
     finally:
         healer.close()
         pool.close()

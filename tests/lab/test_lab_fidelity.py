@@ -19,9 +19,9 @@ def test_the_lab_answers_every_case_as_the_real_apiserver(shared_lab, lab_namesp
 
 def test_every_replica_refuses_a_placeholder_name_the_apiserver_refuses(shared_lab, lab_namespace):
     """Issue 24: the lab created (and deleted) a heal placeholder named ``<pod>,metadata.namespace=default``."""
-    from guard.core import heal_plan as healing
+    from guard.core import heal_plan
 
-    body = healing.placeholder_pod("web-0,metadata.namespace=default", ["u"], at="t")
+    body = heal_plan.placeholder_pod("web-0,metadata.namespace=default", ["u"], at="t")
     for i in range(len(shared_lab.replicas)):
         api = shared_lab.core_v1(i)
         with pytest.raises(Exception) as e:

@@ -8,7 +8,7 @@ import pytest
 
 import fidelity_cases
 
-from guard.core import heal_plan as healing
+from guard.core import heal_plan
 
 
 @pytest.mark.parametrize("replica", [0, 1])
@@ -24,7 +24,7 @@ def test_the_real_apiserver_answers_every_case_as_recorded(real_lab, real_namesp
 def test_the_real_apiserver_refuses_a_placeholder_under_a_forged_name(real_lab, real_namespace):
     from kubernetes.client.exceptions import ApiException
 
-    body = healing.placeholder_pod("web-0,metadata.namespace=default", ["u"], at="t")
+    body = heal_plan.placeholder_pod("web-0,metadata.namespace=default", ["u"], at="t")
     with pytest.raises(ApiException) as e:
         real_lab.core_v1(0).create_namespaced_pod(real_namespace, body, _request_timeout=5)
     assert e.value.status == 422

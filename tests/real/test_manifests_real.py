@@ -21,7 +21,7 @@ import yaml
 
 from clirun import ghost_guard
 
-from guard.core import heal_plan as healing
+from guard.core import heal_plan
 from guard.kube.config import load_configuration
 from guard.kube.reads import Kube
 from guard.kube.writes import KubeWriteError
@@ -105,7 +105,7 @@ def refused(kube: Kube, write) -> KubeWriteError:
 
 def wait_enforced(lab, kube: Kube, namespace: str) -> None:
     """The policy binds asynchronously (its type check, the informer): wait until a forbidden create is refused."""
-    body = healing.placeholder_pod("probe-enforced", ["u"], at="t")
+    body = heal_plan.placeholder_pod("probe-enforced", ["u"], at="t")
     body["metadata"]["labels"]["app"] = "x"
 
     def enforced() -> bool:
@@ -166,7 +166,7 @@ def test_heal_heals_a_replaced_ghost_by_its_one_annotation_as_the_service_accoun
     assert (res["action"], res["outcome"], res["writes"]) == ("annotate", "healed", 1)
     after = quorum_pod(api, "web-1", namespace=ns)
     assert after["metadata"]["uid"] == live["metadata"]["uid"]
-    assert healing.HEAL_ANNOTATION in after["metadata"]["annotations"]
+    assert heal_plan.HEAL_ANNOTATION in after["metadata"]["annotations"]
     assert after["metadata"]["labels"] == {"app": "web"}
 
 
@@ -176,7 +176,7 @@ NODE_POLICY = "ValidatingAdmissionPolicy 'ghost-guard-heal-nodes' with binding '
 def test_heal_node_heals_a_ghost_node_through_the_policy_and_touches_no_real_node(real_lab, heal_installed):
     """As the guard's ServiceAccount: `heal node/NAME` creates and deletes its placeholder Node, and the
     policy refuses deleting a real Node and creating any other Node (issue 27)."""
-    from guard.engine import node_healer as nodeheal
+    from guard.engine import node_healer
     from guard.kube.api import ApiError  # the guard's client raises its own error (guard/kube/api.py)
 
     api = real_lab.core_v1(0)
@@ -193,7 +193,7 @@ def test_heal_node_heals_a_ghost_node_through_the_policy_and_touches_no_real_nod
 
     eventually(refused_delete, 30, what="the heal-nodes policy enforced")
     assert api.read_node("victim-node", _request_timeout=5).metadata.name == "victim-node"
-    for body in (node_manifest("evil-node"), {**nodeheal.placeholder("evil-node"),
+    for body in (node_manifest("evil-node"), {**node_healer.placeholder("evil-node"),
                                               "metadata": {"name": "evil-node", "labels": {"app": "x"}}}):
         with pytest.raises(ApiError) as e:
             sa.create_node(body, _request_timeout=5)
@@ -218,7 +218,7 @@ def test_heal_node_heals_a_ghost_node_through_the_policy_and_touches_no_real_nod
 
 
 def _placeholder(name: str) -> dict:
-    return healing.placeholder_pod(name, ["00000000-0000-0000-0000-000000000000"], at="2026-12-02T00:00:00Z")
+    return heal_plan.placeholder_pod(name, ["00000000-0000-0000-0000-000000000000"], at="2026-12-02T00:00:00Z")
 
 
 def _forbidden_creates() -> list[tuple[str, dict, str]]:
@@ -290,7 +290,7 @@ def test_every_other_pod_write_of_the_service_account_is_refused_with_the_policy
     assert after["metadata"]["resourceVersion"] == rv  # nothing was written
 
     # what heal writes still goes through, written by the same code heal uses
-    patched = kube.merge_patch_pod(ns, "live", healing.annotation_patch(rv, ["u"], at="t"))
+    patched = kube.merge_patch_pod(ns, "live", heal_plan.annotation_patch(rv, ["u"], at="t"))
     assert patched["metadata"]["labels"] == {"app": "web"}
     created = kube.create_pod(ns, _placeholder("web-9"))
     kube.delete_pod(ns, "web-9", created["metadata"]["uid"])

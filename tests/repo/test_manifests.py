@@ -157,7 +157,7 @@ def named(objs: list[dict], kind: str, name: str) -> dict:
 def test_heal_nodes_policy_names_the_placeholder_node_heal_makes(rendered):
     """manifests/heal's ghost-guard-heal-nodes policy spells guard/engine/node_healer.py's placeholder Node (labels,
     taint) and allows only CREATE and DELETE of it; the heal role may create and delete nodes."""
-    from guard.engine import node_healer as nodeheal
+    from guard.engine import node_healer
 
     policy = named(rendered["heal"], "ValidatingAdmissionPolicy", "ghost-guard-heal-nodes")
     binding = named(rendered["heal"], "ValidatingAdmissionPolicyBinding", "ghost-guard-heal-nodes")
@@ -165,11 +165,11 @@ def test_heal_nodes_policy_names_the_placeholder_node_heal_makes(rendered):
     (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
     assert rule["resources"] == ["nodes", "nodes/*"]
     text = "\n".join(x["expression"] for x in policy["spec"]["variables"] + policy["spec"]["validations"])
-    for k, v in nodeheal.PLACEHOLDER_LABELS.items():
+    for k, v in node_healer.PLACEHOLDER_LABELS.items():
         assert f"'{k}'].orValue('') == '{v}'" in text
-    assert f"t.key == '{nodeheal.TAINT_KEY}'" in text
-    body = nodeheal.placeholder("n")
-    assert set(body["spec"]) == {"unschedulable", "taints"} and body["metadata"]["labels"] == nodeheal.PLACEHOLDER_LABELS
+    assert f"t.key == '{node_healer.TAINT_KEY}'" in text
+    body = node_healer.placeholder("n")
+    assert set(body["spec"]) == {"unschedulable", "taints"} and body["metadata"]["labels"] == node_healer.PLACEHOLDER_LABELS
     role = named(rendered["heal"], "ClusterRole", "ghost-guard-heal")
     assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["create", "delete"]} in role["rules"]
 
@@ -317,7 +317,7 @@ def test_heal_admission_policy_names_what_heal_writes(rendered):
     """The ValidatingAdmissionPolicy (manifests/heal) spells the placeholder the code makes, the one annotation it
     patches, and the identities heal runs as; it ships with the heal overlay. Its behaviour is tested on a real
     apiserver (tests/real/test_manifests_real.py)."""
-    from guard.core import heal_plan as healing
+    from guard.core import heal_plan
 
     for k in ("heal", "overlays/deployment-heal"):
         policy, binding = named(rendered[k], "ValidatingAdmissionPolicy", "ghost-guard-heal"), \
@@ -333,12 +333,12 @@ def test_heal_admission_policy_names_what_heal_writes(rendered):
     assert f"'system:serviceaccount:{sa['namespace']}:{sa['name']}'" in cond["expression"]
     assert f"'{SIDECAR_USER}'" in cond["expression"]
     text = yaml.safe_dump(spec)
-    body = healing.placeholder_pod("n", ["u"], at="t")
-    assert f"'{healing.PLACEHOLDER_IMAGE}'" in text and f"'{healing.PLACEHOLDER_GATE}'" in text
-    assert f"'{healing.HEAL_ANNOTATION}'" in text
+    body = heal_plan.placeholder_pod("n", ["u"], at="t")
+    assert f"'{heal_plan.PLACEHOLDER_IMAGE}'" in text and f"'{heal_plan.PLACEHOLDER_GATE}'" in text
+    assert f"'{heal_plan.HEAL_ANNOTATION}'" in text
     for key, value in body["metadata"]["labels"].items():
         assert f"'{key}'" in text, key
-        if key != healing.GHOST_UID_KEY:
+        if key != heal_plan.GHOST_UID_KEY:
             assert f"'{value}'" in text, value
     assert [c["name"] for c in body["spec"]["containers"]] == ["placeholder"] and "c.name == 'placeholder'" in text
 

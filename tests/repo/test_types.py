@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PURE, IO = "guard/core/verdict.py", "guard/engine/cache.py"
+PURE, IO = "guard/core/verdict.py", "guard/engine/checker.py"
 UNTYPED = "\n\ndef _untyped_helper(x):\n    return x\n"
 WRONG = '\n\ndef _wrong_type() -> int:\n    return "not an int"\n'
 

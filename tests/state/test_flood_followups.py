@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 from scripted import Etcd, FakeClock, ScriptedGets, check, settings
 
 from guard.core import flood
-from guard.engine.checker import Checker
+from guard.engine.checker import Checker, Events
 from guard.lab.harness import eventually
 from guard.core.verdict import PodRef
 
@@ -23,9 +23,7 @@ def shed(reason: str) -> float:
 
 def test_a_flood_of_forged_names_is_shed_within_its_budget_and_a_real_ghost_goes_first():
     clock = FakeClock()
-    checker = Checker(settings(unsighted_ghost_rate=0.5, unsighted_ghost_burst=2), ScriptedGets(Etcd()), timer=clock)
     real = PodRef("prod", "web-0", "uid-real")
-    checker.tier = lambda p: flood.SIGHTED if p == real else flood.UNSIGHTED
     gate = threading.Event()
     started: list[PodRef] = []
     lock = threading.Lock()
@@ -35,7 +33,8 @@ def test_a_flood_of_forged_names_is_shed_within_its_budget_and_a_real_ghost_goes
             started.append(p)
         gate.wait(30)  # the probes are slow: what is admitted queues up behind the first two
 
-    checker.listeners.append(on_new)
+    checker = Checker(settings(unsighted_ghost_rate=0.5, unsighted_ghost_burst=2), ScriptedGets(Etcd()), timer=clock,
+                      events=Events(new_ghost=on_new, tier=lambda p: flood.SIGHTED if p == real else flood.UNSIGHTED))
     before = {r: shed(r) for r in flood.SHED_REASONS}
     forged = [PodRef(f"ns-{i % 30}", f"forged-{i}", f"uid-{i}") for i in range(150)]  # 5 in each of 30 namespaces
     for p in sorted(forged, key=lambda p: p.namespace):
@@ -65,9 +64,7 @@ def test_a_flood_of_forged_names_is_shed_within_its_budget_and_a_real_ghost_goes
 def test_repeated_sightings_of_a_forged_ghost_wait_as_one_while_a_real_ghost_counts_each():
     """A caller replaying a forged identity that was admitted cannot fill the follow-up queue with it;
     a real ghost's every sighting is still recorded (times_blocked stays exact)."""
-    checker = Checker(settings(), ScriptedGets(Etcd()), timer=FakeClock())
     real, fake = PodRef("prod", "web-0", "uid-real"), PodRef("prod", "forged", "uid-forged")
-    checker.tier = lambda p: flood.SIGHTED if p == real else flood.UNSIGHTED
     gate = threading.Event()
     seen: list[PodRef] = []
     lock = threading.Lock()
@@ -77,7 +74,9 @@ def test_repeated_sightings_of_a_forged_ghost_wait_as_one_while_a_real_ghost_cou
         with lock:
             seen.append(p)
 
-    checker.sighting_listeners.append(on_sighting)
+    checker = Checker(settings(), ScriptedGets(Etcd()), timer=FakeClock(),
+                      events=Events(sighting=on_sighting,
+                                    tier=lambda p: flood.SIGHTED if p == real else flood.UNSIGHTED))
     for p in (real, fake):
         assert check(checker, p).is_ghost  # first sightings (no listener)
     for _ in range(50):

@@ -9,7 +9,7 @@ import threading
 from prometheus_client import REGISTRY
 from scripted import Etcd, ScriptedGets, check, pod, settings
 
-from guard.engine.checker import FOLLOWUP_BACKLOG, Checker
+from guard.engine.checker import FOLLOWUP_BACKLOG, Checker, Events
 from guard.lab.harness import eventually
 
 
@@ -19,7 +19,6 @@ def counter(name: str) -> float:
 
 def test_a_flood_of_distinct_ghosts_loses_no_follow_up_and_a_looping_ghost_is_coalesced():
     gets = ScriptedGets(Etcd())  # etcd has none of these pods: every one is a ghost
-    checker = Checker(settings(), gets)  # real background threads
     gate = threading.Event()
     new: list = []
     sightings: list = []
@@ -34,8 +33,8 @@ def test_a_flood_of_distinct_ghosts_loses_no_follow_up_and_a_looping_ghost_is_co
         with lock:
             sightings.append(p)
 
-    checker.listeners.append(on_new)
-    checker.sighting_listeners.append(on_sighting)
+    # real background threads
+    checker = Checker(settings(), gets, events=Events(new_ghost=on_new, sighting=on_sighting))
     coalesced0, dropped0 = counter("ghost_guard_followups_coalesced_total"), counter("ghost_guard_followups_dropped_total")
     n = 3 * FOLLOWUP_BACKLOG
     for i in range(n):

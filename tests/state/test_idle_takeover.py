@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import REGISTRY
 from scripted import Etcd, FakeClock, Pool, ReplicaModel, ScriptedGets, check, pod, settings
 
-from guard.engine.checker import Checker
+from guard.engine.checker import Checker, Events
 from guard.engine.prepare import Preparer
 from guard.engine.replica_views import ReplicaView
 from guard.core.verdict import Verdict
@@ -24,9 +24,15 @@ def world():
     etcd = Etcd()
     gets = ScriptedGets(etcd)
     clock = FakeClock()
-    checker = Checker(settings(prepare_idle_after=IDLE_AFTER), gets, timer=clock, background=False)
     replicas = [ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)]
-    pv = Preparer(checker.settings, Pool(replicas), checker)
+    built: list[Preparer] = []
+
+    def events(checker: Checker) -> Events:  # the pre-verifier hears the calls, as guard.engine.wiring wires it
+        built.append(Preparer(checker.settings, Pool(replicas), checker))
+        return Events(called=built[0].called)
+
+    checker = Checker(settings(prepare_idle_after=IDLE_AFTER), gets, events=events, timer=clock, background=False)
+    (pv,) = built
     views = [ReplicaView(r) for r in replicas]
     return etcd, gets, clock, checker, pv, replicas, views
 

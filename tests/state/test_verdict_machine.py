@@ -33,7 +33,7 @@ from scripted import (Call, Etcd, EtcdKube, FakeClock, Pool, ReplicaModel, Scrip
     answer_prepared, check, join_flight, pod, settings, settle)
 
 from guard.audit.sqlite import AuditStore
-from guard.engine.checker import Checker
+from guard.engine.checker import Checker, Events
 from guard.engine.incident import IncidentRecorder
 from guard.engine.prepare import Preparer
 
@@ -65,21 +65,25 @@ class VerdictMachine(RuleBasedStateMachine):
         self.gets = ScriptedGets(self.etcd)
         self.gets.hold = True
         self.clock = FakeClock()
-        self.checker = Checker(settings(), self.gets, timer=self.clock, background=False)
         self.replicas = [Blame(f"10.0.0.{i}:6443", self.etcd) for i in (1, 2)]
-        self.pv = Preparer(self.checker.settings, Pool(self.replicas), self.checker)
-        self.pv.called()  # starts active; idle_spell makes it idle, the next scheduler call takes over
-        self.views = self.pv.views.replicas_changed(self.replicas, [])  # the views (start() also runs the threads)
         self.tmp = tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
         self.audit = AuditStore(Path(self.tmp.name) / "audit.db")
         self.confirms: list[tuple] = []
-        self.recorder = IncidentRecorder(self.checker.settings, EtcdKube(self.etcd), Pool(self.replicas), self.audit,
-                                         retract=self.checker.retract,
-                                         later=lambda delay, fn, *args: self.confirms.append((fn, args)))
-        self.recorder.attach(self.checker)
+        self.checker = Checker(settings(), self.gets, events=self._events, timer=self.clock, background=False)
+        self.pv.called()  # starts active; idle_spell makes it idle, the next scheduler call takes over
+        self.views = self.pv.views.replicas_changed(self.replicas, [])  # the views (start() also runs the threads)
         self.calls: list[tuple[Call, object]] = []
         self.parked: list[tuple[object, list, object]] = []  # (the joined Call, landed flag, pod): loop calls waiting
         self.answers = 0
+
+    def _events(self, checker: Checker) -> Events:
+        """The checker's events, as guard.engine.wiring gives them: the pre-verifier hears its calls, the
+        incident recorder its ghosts."""
+        self.pv = Preparer(checker.settings, Pool(self.replicas), checker)
+        self.recorder = IncidentRecorder(checker.settings, EtcdKube(self.etcd), Pool(self.replicas), self.audit,
+                                         retract=checker.retract,
+                                         later=lambda delay, fn, *args: self.confirms.append((fn, args)))
+        return self.recorder.events(called=self.pv.called)
 
     # -- etcd ------------------------------------------------------------------------------------
 
@@ -139,6 +143,12 @@ class VerdictMachine(RuleBasedStateMachine):
         self.calls.append((Call(lambda: check(self.checker, p, deadline=self.clock() + FAR, record=record),
                                 f"{p}:{p.uid}"), p))
 
+    def _take_over(self, joined, p):
+        """A pool thread takes over the loop's joined call as it is (the worker hands the decoded call on:
+        guard.http.filter.DirectLane.answer_taken): Checker.answer with the same Call."""
+        joined.deadline = self.clock() + FAR
+        self.calls.append((Call(lambda: self.checker.answer(joined), f"{p}:{p.uid}"), p))
+
     @precondition(lambda self: self.etcd.history)
     @rule(data=st.data(), cross=st.booleans())
     def loop_call(self, data, cross):
@@ -165,7 +175,7 @@ class VerdictMachine(RuleBasedStateMachine):
         if waiting:
             entry = waiting[pick % len(waiting)]
             self.parked.remove(entry)
-            self._check_on_thread(entry[2])
+            self._take_over(entry[0], entry[2])
 
     def land(self):
         """The loop's side of a landed GET (guard.serving.connection.ConnectionLoop._landed): answer, or hand to a pool thread."""
@@ -174,7 +184,7 @@ class VerdictMachine(RuleBasedStateMachine):
             joined, _, p = entry
             decision = answer_joined(self.checker, joined, self.clock() + FAR)
             if decision is None:
-                self._check_on_thread(p)
+                self._take_over(joined, p)
             else:
                 STEPS["landed"] += 1
                 self._answered(decision, p)

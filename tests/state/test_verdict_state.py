@@ -15,11 +15,34 @@ from scripted import (Call, Etcd, EtcdKube, FakeClock, NS, Pool, ReplicaModel, S
     pod, settings)
 
 from guard.audit.sqlite import AuditStore
-from guard.engine.checker import Checker
+from guard.engine.checker import Checker, CheckerEvents, Events
 from guard.engine.incident import IncidentRecorder
 from guard.engine.prepare import Preparer
 from guard.engine.replica_views import ReplicaView
 from guard.core.verdict import Decision, Verdict
+
+
+class Relay:
+    """The checker's events, for a test that builds what hears them after the checker (the running guard
+    gives them at construction, guard.engine.wiring): each forwarded to ``to``."""
+
+    def __init__(self) -> None:
+        self.to: CheckerEvents = Events()
+
+    def called(self) -> None:
+        self.to.called()
+
+    def record_block(self, *args) -> None:
+        self.to.record_block(*args)
+
+    def new_ghost(self, *args) -> None:
+        self.to.new_ghost(*args)
+
+    def sighting(self, *args) -> None:
+        self.to.sighting(*args)
+
+    def tier(self, pod):
+        return self.to.tier(pod)
 
 
 @pytest.fixture
@@ -27,7 +50,7 @@ def world():
     etcd = Etcd()
     gets = ScriptedGets(etcd)
     clock = FakeClock()
-    checker = Checker(settings(), gets, timer=clock, background=False)
+    checker = Checker(settings(), gets, events=Relay(), timer=clock, background=False)
     return etcd, gets, clock, checker
 
 
@@ -211,7 +234,7 @@ def test_a_prepared_verdict_is_never_reached_by_another_name(world):
 def test_a_dry_run_records_nothing_and_the_next_real_call_records_once(world):
     etcd, gets, clock, checker = world
     seen = []
-    checker.listeners.append(lambda p, d, r: seen.append(p))
+    checker.events.to = Events(new_ghost=lambda p, d, r: seen.append(p))
     a = etcd.create("web-0")
     etcd.delete("web-0")
     assert check(checker, pod("web-0", a), record=False).is_ghost
@@ -260,7 +283,7 @@ def recorder(checker: Checker, etcd: Etcd, replicas: list[ReplicaModel], audit: 
     delays = []
     rec = IncidentRecorder(checker.settings, EtcdKube(etcd), Pool(replicas), audit, retract=checker.retract,
                            later=lambda delay, fn, *args: delays.append((delay, fn, args)))
-    checker.listeners.append(rec.new_ghost)
+    checker.events.to = Events(new_ghost=rec.new_ghost)
     return rec, delays
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from guard.core import heal_plan as healing
+from guard.core import heal_plan
 from guard.core.heal_plan import Action, CacheView, Copy, HealResult, Outcome, ReplicaResult
 from guard.core.verdict import QuorumRead
 
@@ -58,17 +58,17 @@ FAILED = QuorumRead.failed("timeout after 1s")
     pytest.param(FAILED, [view("b", pending(GHOST))], Action.NONE, Outcome.FAILED, (), id="etcd-unreadable-writes-nothing"),
 ])
 def test_plan(read, views, action, outcome, stale):
-    p = healing.plan(read, views)
+    p = heal_plan.plan(read, views)
     assert (p.action, p.outcome, p.stale) == (action, outcome, stale)
 
 
 def test_plan_names_the_ghost_uids():
-    p = healing.plan(LIVE_PENDING, [view("a", pending(LIVE)), view("b", pending(GHOST)), view("c", pending("uid-older"))])
+    p = heal_plan.plan(LIVE_PENDING, [view("a", pending(LIVE)), view("b", pending(GHOST)), view("c", pending("uid-older"))])
     assert p.ghosts == ("uid-ghost", "uid-older")
 
 
 def test_the_placeholder_is_gated_restricted_and_tiny():
-    pod = healing.placeholder_pod("web-0", [GHOST], at="2026-12-01T10:00:00Z")
+    pod = heal_plan.placeholder_pod("web-0", [GHOST], at="2026-12-01T10:00:00Z")
     spec, meta = pod["spec"], pod["metadata"]
     assert meta["name"] == "web-0" and "namespace" not in meta
     assert spec["schedulingGates"] == [{"name": "kube-ghost-guard.io/placeholder"}]
@@ -87,13 +87,13 @@ def test_the_placeholder_is_gated_restricted_and_tiny():
 
 def test_the_placeholder_passes_the_pod_schema():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    pod = healing.placeholder_pod("web-0", [GHOST], at="2026-12-01T10:00:00Z")
+    pod = heal_plan.placeholder_pod("web-0", [GHOST], at="2026-12-01T10:00:00Z")
     pod["metadata"]["namespace"] = "default"
     kubernetes_validate.validate(pod, "1.30", strict=True)
 
 
 def test_the_annotation_patch_is_one_annotation_at_one_resource_version():
-    patch = healing.annotation_patch("60", [GHOST], at="2026-12-01T10:00:00Z")
+    patch = heal_plan.annotation_patch("60", [GHOST], at="2026-12-01T10:00:00Z")
     assert list(patch) == ["metadata"]
     assert patch["metadata"]["resourceVersion"] == "60"
     assert list(patch["metadata"]["annotations"]) == ["kube-ghost-guard.io/cache-heal"]
@@ -107,7 +107,7 @@ def test_the_annotation_patch_is_one_annotation_at_one_resource_version():
     pytest.param(view("a", error="timeout"), False, id="unreadable"),
 ])
 def test_shows_live(v, expected):
-    assert healing.shows_live(v, QuorumRead.found(LIVE, resource_version="70"), 70) is expected
+    assert heal_plan.shows_live(v, QuorumRead.found(LIVE, resource_version="70"), 70) is expected
 
 
 @pytest.mark.parametrize("v, expected", [
@@ -116,7 +116,7 @@ def test_shows_live(v, expected):
     pytest.param(view("a", error="x"), False, id="unreadable-is-not-frozen"),
 ])
 def test_behind(v, expected):
-    assert healing.behind(v, 70) is expected
+    assert heal_plan.behind(v, 70) is expected
 
 
 def _result(outcome: Outcome, action: Action = Action.PLACEHOLDER, dry_run: bool = False) -> HealResult:
@@ -140,16 +140,16 @@ def test_ok_only_when_every_replica_agrees(result, ok):
 
 def test_render_json_and_table():
     r = _result(Outcome.HEALED)
-    doc = json.loads(healing.render([r], "json"))
+    doc = json.loads(heal_plan.render([r], "json"))
     assert doc["ok"] is True
     assert doc["results"][0]["replicas"][0] == {"replica": "10.0.0.2:6443", "before": "uid-ghost pending",
                                                 "after": "absent", "agrees": True, "seconds": 0.05, "frozen": False}
-    text = healing.render([r], "table")
+    text = heal_plan.render([r], "table")
     assert text.startswith("default/web-0: healed (action placeholder, 2 write(s), 0.25s)\n")
     assert "10.0.0.2:6443  yes     0.050     uid-ghost pending -> absent" in text
-    assert healing.render([], "table") == "nothing to heal: no replica serves a ghost\n"
+    assert heal_plan.render([], "table") == "nothing to heal: no replica serves a ghost\n"
     with pytest.raises(ValueError):
-        healing.render([r], "yaml")
+        heal_plan.render([r], "yaml")
 
 
 @pytest.mark.parametrize("kwargs, message", [
