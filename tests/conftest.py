@@ -13,6 +13,8 @@ Helpers to import: ``payloads`` (what callers send), ``clirun`` (the CLI in-proc
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from guard.lab.harness import GuardProcess
@@ -78,30 +80,54 @@ class _Guards:
         return g
 
     def stop(self, *guards: GuardProcess) -> None:
-        """Stop these guards (default: every one started here); their log files stay readable."""
+        """Stop these guards (default: every one started here) and wait until they exited; their log files
+        stay readable."""
         for g in guards or self.started:
             g.stop()
             if g in _RUNNING:
                 _RUNNING.remove(g)
 
+    def release(self) -> None:
+        """The fixture's teardown: every guard started here is stopped in the background (SIGTERM, SIGKILL
+        after 10 s, as ``stop``), so that the next test need not wait for a guard's exit (a few seconds of
+        thread joins after its worker's last request); the session's end waits for every one of them."""
+        for g in self.started:
+            if g in _RUNNING:
+                _RUNNING.remove(g)
+            t = threading.Thread(target=g.stop, name=f"stop guard {g.port}", daemon=True)
+            t.start()
+            _STOPPING.append(t)
+
+
+# Guards stopping in the background (``_Guards.release``): joined when the session ends.
+_STOPPING: list[threading.Thread] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for t in _STOPPING:
+        t.join(30)
+
 
 @pytest.fixture
 def start_guard():
     """Factory: ``start_guard(["--kubeconfig", k, ...], tls=..., wait="/readyz")`` -> GuardProcess, stopped
-    after the test. Other keywords (``port``, ``verbatim``, ``clean_env``, ...) go to :class:`GuardProcess`.
-    A failing test's report shows the log of every guard still running (the "guard log" sections)."""
+    after the test (in the background: the next test starts at once). Other keywords (``port``,
+    ``verbatim``, ``clean_env``, ...) go to :class:`GuardProcess`. ``start_guard.stop(g)`` stops one now and
+    waits for its exit. A failing test's report shows the log of every guard still running (the "guard log"
+    sections)."""
     guards = _Guards()
     yield guards
-    guards.stop()
+    guards.release()
 
 
 @pytest.fixture(scope="module")
 def module_guard():
     """``start_guard`` for a guard shared by a module's tests (start it from a module-scoped fixture):
-    stopped after the module; its log is in the report of each of the module's tests that fails."""
+    stopped after the module (in the background); its log is in the report of each of the module's tests
+    that fails."""
     guards = _Guards()
     yield guards
-    guards.stop()
+    guards.release()
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

@@ -133,10 +133,18 @@ def test_a_prepared_verdict_is_answered_while_every_pool_thread_waits_on_etcd(st
 BUDGET = 3.0
 
 
+@pytest.fixture(scope="module")
+def _parked_guard_process(_shared_lab_session, module_guard):
+    return module_guard(["--kubeconfig", _shared_lab_session.kubeconfig(0), "--threads", "1",
+                         "--get-timeout", str(BUDGET), "--request-budget", str(BUDGET), "--no-events"])
+
+
 @pytest.fixture
-def parked_guard(start_guard, shared_lab, lab_namespace):
-    g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--threads", "1", "--get-timeout", str(BUDGET),
-                     "--request-budget", str(BUDGET), "--no-events"])
+def parked_guard(_parked_guard_process, shared_lab, lab_namespace):
+    """The module's parked-call guard, with no call parked from an earlier test, just called by a scheduler
+    (so it verifies new pods ahead: --prepare-idle-after counts from the last call)."""
+    g = _parked_guard_process
+    eventually(lambda: g.metric("ghost_guard_calls_parked") == 0, 10, what="no call parked from an earlier test")
     warm = {"Pod": {"metadata": {"name": "warm", "namespace": lab_namespace, "uid": "w"}}, "NodeNames": ["a"]}
     exchange(g.port, call("/filter", orjson.dumps(warm)))  # a scheduler call: the guard verifies new pods ahead
     return g
