@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from guard.lab.harness import GuardProcess
+from guard.serving.offload import OFFLOAD_BYTES
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -152,8 +153,20 @@ def assert_binding_reply(request_doc: Any, resp: requests.Response) -> None:
 CHECKS = {"/filter": assert_filter_reply, "/preempt": assert_preempt_reply, "/validate/binding": assert_binding_reply}
 
 
-def send(guard: GuardProcess, path: str, doc: Any) -> requests.Response:
-    return guard.post(path, orjson.dumps(doc))
+OVERLOADED = "(the guard's machine is overloaded); retry"
+
+
+def send(guard: GuardProcess, path: str, doc: Any, attempts: int = 5) -> requests.Response:
+    """POST ``doc``. A body over OFFLOAD_BYTES is decoded by a helper process (guard.serving.offload): on a loaded
+    machine the helper may miss the call's deadline, and the guard answers 503 "overloaded; retry" (by
+    design: the worker does not decode it itself) and replaces the helper. Such a call is retried, as
+    kube-scheduler would, at most ``attempts`` times; any other answer is returned at once."""
+    body = orjson.dumps(doc)
+    for _ in range(attempts):
+        resp = guard.post(path, body)
+        if len(body) <= OFFLOAD_BYTES or not (resp.status_code == 503 and OVERLOADED in resp.text):
+            break
+    return resp
 
 
 # --- strategies --------------------------------------------------------------
