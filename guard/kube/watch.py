@@ -8,7 +8,6 @@ import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httptools
 import orjson
 import urllib3
 
@@ -57,72 +56,6 @@ MAX_WATCH_EVENT_BYTES = 8 * 1024 * 1024
 # plain JSON as the fallback for a server that does not offer it.
 _META_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1, application/json"
 _META_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1, application/json"
-
-
-WATCH_READ_SIZE = 64 * 1024
-# What the reply's head said (already read by http.client): its body is chunked.
-_CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-
-
-class _Chunks:
-    """httptools' callbacks for a chunked body: the data of each chunk, and its end."""
-
-    __slots__ = ("parts", "done")
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-        self.done = False
-
-    def on_body(self, data: bytes) -> None:
-        self.parts.append(data)
-
-    def on_message_complete(self) -> None:
-        self.done = True
-
-
-def unchunk(reads: Iterator[bytes]) -> Iterator[bytes]:
-    """The data of a chunked HTTP/1.1 body, from the raw bytes after the reply's head as they are
-    read (``reads``: each read of the connection; an empty one is its end), undone by httptools
-    (llhttp) in one call per read: a piece per read, whatever the chunks. Ends at the last chunk;
-    a connection that ends before it, or bytes that are no chunked body, raise urllib3's
-    ``ProtocolError``, as urllib3's own chunk reading does."""
-    sink = _Chunks()
-    parser = httptools.HttpResponseParser(sink)
-    parser.feed_data(_CHUNKED_HEAD)
-    for data in reads:
-        if not data:
-            raise urllib3.exceptions.ProtocolError("Connection broken: the watch ended before its last chunk")
-        try:
-            parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            raise urllib3.exceptions.ProtocolError(f"Connection broken: not a chunked body ({type(e).__name__})") from e
-        if sink.parts:
-            piece = sink.parts[0] if len(sink.parts) == 1 else b"".join(sink.parts)
-            sink.parts.clear()
-            yield piece
-        if sink.done:
-            return
-    raise urllib3.exceptions.ProtocolError("Connection broken: the watch ended before its last chunk")
-
-
-def body_pieces(resp: Any) -> Iterator[bytes]:
-    """A watch's body as it arrives. A chunked reply (every watch over HTTP/1.1) is read straight
-    from the connection's buffered reader, as urllib3 itself reads chunks, and unchunked by
-    :func:`unchunk`: one read and one C call per arrival, where ``urllib3.HTTPResponse.stream``
-    makes a line read, a read and a Python parse per chunk (one chunk per event: a quarter of the
-    watch thread's CPU per pod in a profile, issue 29). The connection is closed after it (nothing
-    of it is left for the pool to reuse half-read). Any other reply: urllib3's own ``stream``."""
-    original = getattr(resp, "_fp", None)
-    reader = getattr(original, "fp", None)
-    if (not getattr(resp, "chunked", False) or getattr(original, "chunked", False) is not True
-            or getattr(original, "chunk_left", 0) is not None or not hasattr(reader, "read1")
-            or getattr(resp, "_fp_bytes_read", 1) != 0):
-        yield from resp.stream(WATCH_READ_SIZE, decode_content=False)
-        return
-    try:
-        yield from unchunk(iter(lambda: reader.read1(WATCH_READ_SIZE), None))  # type: ignore[union-attr]
-    finally:
-        resp.close()
 
 
 class ReplicaClient:
@@ -278,7 +211,7 @@ class ReplicaClient:
                 raise WatchExpired(resource_version) from e
             raise
         try:
-            yield from self._events(body_pieces(resp), resource_version)
+            yield from self._events(resp.stream(64 * 1024, decode_content=False), resource_version)
         finally:
             resp.release_conn()
 
