@@ -53,7 +53,9 @@ Phases:
 
 Run from the repository root (binaries: ``--kube-bin DIR``, ``$GHOST_GUARD_KUBE_BIN``, ``$KUBEBUILDER_ASSETS``):
 ``python -m benchmarks.cpu_per_pod_real [--kube-bin DIR] [--pods 500] [--nodes 100,1000] [--rounds 2]
-[--phases live,backlog] [--json FILE] [-- GUARD FLAGS]``. Prints one JSON line per case on stderr and a
+[--phases live,backlog] [--json FILE] [--baseline TREE] [-- GUARD FLAGS]``; ``--baseline`` adds a third
+extender, the guard of another source tree (``guard-baseline``), after the guard in each round: before and after a
+change in one run. Prints one JSON line per case on stderr and a
 Markdown table (means of the rounds; the pods/s ratio also as each round's guard / pass-through pair).
 """
 
@@ -265,12 +267,13 @@ def size(path: str) -> int:
 
 
 def run_case(lab: RealLab, which: str, phase: str, pods: int, n: int, tmp: str, guard_flags: list[str],
-             timeout: float) -> dict[str, Any]:
+             timeout: float, baseline: str | None = None) -> dict[str, Any]:
     namespace = f"{phase}-{n}"
     lab.ensure_namespace(namespace, replica=CREATE_REPLICA)
     guard: GuardProcess | None = None
-    if which == "guard":
-        guard = start_guard(lab, tmp, n, ["--apiserver-replicas", ",".join(lab.urls), *guard_flags])  # type: ignore[arg-type]
+    if which in ("guard", "guard-baseline"):
+        guard = start_guard(lab, tmp, n, ["--apiserver-replicas", ",".join(lab.urls), *guard_flags],  # type: ignore[arg-type]
+                            tree=baseline if which == "guard-baseline" else None)
         proc, url = guard.proc, guard.base
     else:
         proc, url = start_passthrough()
@@ -401,6 +404,9 @@ def main() -> int:
                     "this harness the others (default: no pinning, everyone shares every core)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for a case's pods to be bound")
     ap.add_argument("--json", metavar="FILE", help="also write every case's result to FILE")
+    ap.add_argument("--baseline", metavar="TREE", help="also run the guard of another source tree (e.g. "
+                    "`git archive main | tar -x -C TREE`) as a third extender, `guard-baseline`, after the guard in "
+                    "each round: before and after a change in one run (its cases in the per-case table)")
     ap.add_argument("guard_flags", nargs="*", help="extra flags for ghost-guard serve (after --)")
     args = ap.parse_args()
     phases = [p.strip() for p in args.phases.split(",")]
@@ -421,11 +427,13 @@ def main() -> int:
                 add_nodes(lab, have, nodes)
                 have = nodes
                 for phase in phases:
-                    agg: dict[str, list[dict[str, Any]]] = {"guard": [], "pass-through": []}
+                    extenders = ["guard", *(["guard-baseline"] if args.baseline else []), "pass-through"]
+                    agg: dict[str, list[dict[str, Any]]] = {w: [] for w in extenders}
                     for _ in range(args.rounds):
-                        for which in ("guard", "pass-through"):
+                        for which in extenders:
                             n += 1
-                            res = run_case(lab, which, phase, args.pods, n, tmp, args.guard_flags, args.timeout)
+                            res = run_case(lab, which, phase, args.pods, n, tmp, args.guard_flags, args.timeout,
+                                           baseline=args.baseline)
                             res.update(nodes=nodes, n=n)
                             agg[which].append(res)
                             results.append(res)
