@@ -206,8 +206,12 @@ def test_ctrl_c_while_waiting_leaves_no_placeholder(lab):
     lab.replicas[1].faults.clear()
     lab.replicas[1].faults.freeze_watch()  # the heal waits for replica 1 to show the placeholder
     try:
+        # Ctrl-C as a terminal sends it: SIGINT with its default disposition in the child. A suite started in the
+        # background (`cmd &` from a script) has SIGINT ignored, and Python then installs no KeyboardInterrupt
+        # handler in its children: the heal would rightly ignore the signal (seen in a full run started so).
         proc = subprocess.Popen([sys.executable, "-m", "guard", "heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0),
-                                 "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         placeholder = eventually(lambda: quorum_pod(lab.core_v1(2), "web-0"), 20, what="the placeholder created")
         assert placeholder["spec"]["schedulingGates"] == [{"name": "kube-ghost-guard.io/placeholder"}]
         proc.send_signal(signal.SIGINT)
