@@ -763,12 +763,25 @@ def heal(pods: tuple[str, ...], all_: bool, dry_run: bool, kubeconfig: str | Non
                 click.echo(render_nodes(node_results, output), nl=False)
     except KeyboardInterrupt:
         click.echo("ghost-guard heal: interrupted (no placeholder left behind)", err=True)
-        sys.exit(130)
+        _exit_now(130)
     finally:
         healer.close()
         pool.close()
         kube.close()
     sys.exit(0 if all(r.ok for r in results) and all(r.ok for r in node_results) else 1)
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once, after an interrupt whose clean-up is done: never wait for replica reads still in
+    flight on pool threads. The interpreter's exit joins those threads, and one may never end: a read can take up
+    to --probe-timeout, and a KeyboardInterrupt raised inside a ``with lock:`` of the main thread (a future's
+    condition, a connection pool's) can leave that lock held for good (Ctrl-C printed "interrupted" and the
+    process then hung, once in a full CI run)."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _record_node_heals(spec: str, kubeconfig: str | None, results: list) -> None:

@@ -223,6 +223,33 @@ def test_ctrl_c_while_waiting_leaves_no_placeholder(lab):
         lab.replicas[1].faults.unfreeze_watch()
 
 
+def test_ctrl_c_while_a_replica_read_hangs_ends_at_once(lab):
+    """Ctrl-C ends the heal at once, reads still in flight or not: the interpreter's exit would otherwise join a
+    pool thread stuck in a read for up to --probe-timeout (or for good, behind a lock the interrupt left held)."""
+    make_ghost(lab, NS, "web-0", stale=1)
+    lab.replicas[1].faults.clear()
+    lab.replicas[1].faults.freeze_watch()  # the heal polls replica 1 until it shows the placeholder
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "guard", "heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0),
+                                 "--timeout", "120", "--probe-timeout", "60"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        eventually(lambda: quorum_pod(lab.core_v1(2), "web-0"), 20, what="the placeholder created")
+        hung = lab.replicas[1].faults.add("hang", method="GET", path=PODS, query=".*resourceVersion=0.*")
+        eventually(lambda: hung.hits >= 1, 20, what="one of the heal's cache reads hung in replica 1")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=15)  # the hung read alone would hold the exit for 60 s
+        assert proc.returncode == 130, err
+        assert "interrupted" in err and "Traceback" not in err
+        assert quorum_pod(lab.core_v1(2), "web-0") is None
+    finally:
+        lab.replicas[1].faults.clear()
+        lab.replicas[1].faults.unfreeze_watch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def test_a_pod_created_under_the_name_meanwhile_is_replanned_and_never_touched(lab):
     make_ghost(lab, NS, "web-0", stale=1)
     lab.replicas[1].faults.clear()
