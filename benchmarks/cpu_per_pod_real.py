@@ -103,7 +103,13 @@ def loadavg() -> str:
 
 
 class BindWatch(threading.Thread):
-    """A watch of one namespace's pods on one replica: when each pod was first seen with ``spec.nodeName``."""
+    """A watch of one namespace's pods on one replica: when each pod was first seen with ``spec.nodeName``.
+
+    It resumes as an informer does: a watch that ends before every pod is seen bound (kube-apiserver closes
+    a watcher that falls behind, "Forcing watcher close due to unresponsiveness", which a loaded machine
+    hits at 1,000 pods: the case then waited for its timeout) is opened again from the last resourceVersion
+    it delivered; one that is too old (410 Gone) is re-listed, the pods the list shows bound counted at the
+    list. ``restarts`` counts both (in the case's results)."""
 
     def __init__(self, lab: RealLab, namespace: str, expect: int) -> None:
         super().__init__(daemon=True)
@@ -119,36 +125,65 @@ class BindWatch(threading.Thread):
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.stopping = False
+        self.restarts = 0
 
-    def run(self) -> None:
-        resp = None
+    def _seen(self, obj: dict) -> None:
+        name = obj.get("metadata", {}).get("name")
+        if obj.get("spec", {}).get("nodeName") and name not in self.bound:
+            self.bound[name] = time.perf_counter()
+            if len(self.bound) >= self.expect:
+                self.done.set()
+
+    def _list(self) -> str:
+        lst = self.api.list_namespaced_pod(self.namespace, _preload_content=False, _request_timeout=30)
+        doc = orjson.loads(lst.data)
+        for item in doc.get("items") or []:
+            self._seen(item)
+        return doc["metadata"]["resourceVersion"]
+
+    def _watch(self, rv: str) -> str | None:
+        """One watch from ``rv`` to its end: the last resourceVersion delivered, or None when it expired (410)."""
+        resp = self.api.list_namespaced_pod(self.namespace, resource_version=rv, watch=True, timeout_seconds=900,
+                                            allow_watch_bookmarks=True, _preload_content=False)
         try:
-            lst = self.api.list_namespaced_pod(self.namespace, _preload_content=False, _request_timeout=30)
-            rv = orjson.loads(lst.data)["metadata"]["resourceVersion"]
-            resp = self.api.list_namespaced_pod(self.namespace, resource_version=rv, watch=True, timeout_seconds=900,
-                                                _preload_content=False)
             self.ready.set()
             buf = b""
             for chunk in resp.stream(65536):
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    obj = orjson.loads(line)["object"]
-                    name = obj.get("metadata", {}).get("name")
-                    if obj.get("spec", {}).get("nodeName") and name not in self.bound:
-                        self.bound[name] = time.perf_counter()
-                        if len(self.bound) >= self.expect:
-                            self.done.set()
+                    event = orjson.loads(line)
+                    obj = event.get("object") or {}
+                    if event.get("type") == "ERROR":
+                        if obj.get("code") == 410:
+                            return None
+                        raise RuntimeError(f"watch error event: {obj}")
+                    rv = obj.get("metadata", {}).get("resourceVersion") or rv
+                    if event.get("type") != "BOOKMARK":
+                        self._seen(obj)
                 if self.stopping or self.done.is_set():
                     break
+            return rv
+        finally:
+            resp.close()  # never back to a pool with the stream unread
+
+    def run(self) -> None:
+        try:
+            rv: str | None = self._list()
+            while not (self.stopping or self.done.is_set()):
+                if rv is None:  # expired: list again
+                    self.restarts += 1
+                    rv = self._list()
+                    continue
+                rv = self._watch(rv)
+                if not (self.stopping or self.done.is_set()):
+                    self.restarts += 1
         except BaseException as e:  # noqa: BLE001 - reported by the case
             if not self.stopping:
                 self.error = e
             self.ready.set()
             self.done.set()
         finally:
-            if resp is not None:
-                resp.close()  # never back to a pool with the stream unread
             self.client.close()
 
 
@@ -316,6 +351,7 @@ def run_case(lab: RealLab, which: str, phase: str, pods: int, n: int, tmp: str, 
         req1 = request_counts(lab)
         res["load_end"] = loadavg()
         res["extender_rss_mib"] = rss_mib(proc.pid)
+        res["bench_watch_restarts"] = watch.restarts  # its LISTs/WATCHes are in the requests, both servers alike
         times = sorted(watch.bound.values())
         user, system, switches = (b - a for a, b in zip(use0, use1))
         if phase == "live":

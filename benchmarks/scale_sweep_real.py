@@ -287,6 +287,7 @@ def run_case(lab: RealLab, which: str, phase: str, nodes: int, pending: int, n: 
         window = time.monotonic() - w0
         res["load_end"] = loadavg()
         res["peak_rss_mib"] = peak_rss_mib(proc.pid)
+        res["bench_watch_restarts"] = watch.restarts  # its LISTs/WATCHes are in the requests, both servers alike
         times = sorted(watch.bound.values())
         if phase == "live":
             res["pods_per_s"] = pending / (times[-1] - t0)
