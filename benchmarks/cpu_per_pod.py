@@ -76,12 +76,8 @@ def tree_cpu(pid: int) -> float:
     return sum(tree_usage(pid)[:2])
 
 
-def tree_usage(pid: int) -> tuple[float, float, int]:
-    """(user seconds, system seconds, context switches of the live threads) of ``pid``'s process tree.
-
-    User and system time include what reaped children used; the switches (voluntary and not, summed
-    over every thread in ``/proc/PID/task``) count each handoff between threads and each wait."""
-    parents: dict[int, int] = {}
+def proc_stats() -> dict[int, list[str]]:
+    """Every process's ``/proc/PID/stat`` fields after "pid (comm) " (``[1]`` is the parent)."""
     stats: dict[int, list[str]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -90,15 +86,29 @@ def tree_usage(pid: int) -> tuple[float, float, int]:
             raw = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
-        parents[int(entry)] = int(fields[1])
-        stats[int(entry)] = fields
+        stats[int(entry)] = raw[raw.rindex(")") + 2:].split()
+    return stats
+
+
+def tree_of(pid: int, stats: dict[int, list[str]]) -> set[int]:
+    """``pid`` and its live descendants, from :func:`proc_stats`."""
+    parents = {p: int(fields[1]) for p, fields in stats.items()}
     tree, frontier = {pid}, [pid]
     while frontier:
         p = frontier.pop()
         kids = [c for c, pp in parents.items() if pp == p and c not in tree]
         tree.update(kids)
         frontier.extend(kids)
+    return tree
+
+
+def tree_usage(pid: int) -> tuple[float, float, int]:
+    """(user seconds, system seconds, context switches of the live threads) of ``pid``'s process tree.
+
+    User and system time include what reaped children used; the switches (voluntary and not, summed
+    over every thread in ``/proc/PID/task``) count each handoff between threads and each wait."""
+    stats = proc_stats()
+    tree = tree_of(pid, stats)
     # fields[11..14] = utime, stime, cutime, cstime (stat fields 14-17)
     live = [stats[p] for p in tree if p in stats]
     user = sum(int(f[11]) + int(f[13]) for f in live) / TICK

@@ -8,7 +8,9 @@ Over TLS and against the lab's apiserver it is tested through ``Kube.quorum_get`
 
 from __future__ import annotations
 
+import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +20,7 @@ import pytest
 from guard.kube import transport as httpget
 from guard.kube.transport import Connections, GetError
 from guard.lab.harness import eventually
+from guard.lab.pki import CA
 
 POD = b'{"kind":"Pod","metadata":{"name":"p","uid":"u-1"}}'
 
@@ -258,3 +261,50 @@ def test_a_refused_connection_is_a_connection_error():
         wire.get("/x", {}, 2.0)
     assert (err.value.kind, err.value.name) == ("connection", "NewConnectionError")
 
+
+
+def test_tls_connections_share_one_context_and_a_rotated_ca_file_is_read_again(serve, tmp_path):
+    """urllib3 builds a TLS context and reads the CA into it at each connect (about 1 ms of CPU): the GET's
+    connections share one, built as urllib3 builds it, and built again once the CA file changes on disk
+    (a rotation: the next connection trusts the new CA only, as a fresh urllib3 context would)."""
+    lab_ca, other_ca = CA("lab-ca"), CA("other-ca")
+    pair = lab_ca.serving("127.0.0.1")
+    (tmp_path / "server.crt").write_bytes(pair.cert_pem)
+    (tmp_path / "server.key").write_bytes(pair.key_pem)
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(tmp_path / "server.crt", tmp_path / "server.key")
+    ca_file = tmp_path / "ca.crt"
+
+    def rotate(pem: bytes) -> None:
+        (tmp_path / "ca.new").write_bytes(pem)
+        os.replace(tmp_path / "ca.new", ca_file)  # a new file, as a rotation writes it
+
+    def script(server: Server, conn: socket.socket, index: int) -> None:
+        with server_tls.wrap_socket(conn, server_side=True) as tls:
+            if server.read_request(tls):  # type: ignore[arg-type]
+                tls.sendall(length_reply(extra=b"Connection: close\r\n"))
+
+    server = serve(script)
+    url = server.url.replace("http://", "https://")
+    rotate(lab_ca.cert_pem)
+    wire = Connections(url, {"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(ca_file)}, keep=2)
+    try:
+        contexts = []
+        for _ in range(3):
+            assert wire.get("/api/v1/namespaces/ns/pods/p", {}, 5.0).body == POD
+            contexts.append(wire._tls[1] if wire._tls else None)
+        assert server.connections == 3  # each GET's connection closed by the server: three connects
+        assert contexts[0] is not None and all(c is contexts[0] for c in contexts)  # one context for the three
+        rotate(other_ca.cert_pem)
+        with pytest.raises(GetError) as err:
+            wire.get("/api/v1/namespaces/ns/pods/p", {}, 5.0)
+        assert err.value.kind == "tls"  # the new CA file was read: the lab's certificate is not trusted now
+        rotate(lab_ca.cert_pem)
+        assert wire.get("/api/v1/namespaces/ns/pods/p", {}, 5.0).body == POD
+        assert wire._tls is not None and wire._tls[1] is not contexts[0]
+        os.remove(ca_file)
+        with pytest.raises(GetError) as err:
+            wire.get("/api/v1/namespaces/ns/pods/p", {}, 5.0)
+        assert err.value.kind == "tls"  # a CA file gone: no connection, as urllib3 fails to load it
+    finally:
+        wire.close()
