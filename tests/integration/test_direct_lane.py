@@ -7,6 +7,7 @@ other request (HTTP/1.0 here, which goes through FastLane).
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -64,8 +65,8 @@ def test_both_lanes_answer_alike_for_a_live_pod_and_a_ghost(guard, shared_lab, l
         body = orjson.dumps({"Pod": pod, "NodeNames": ["a", "b"], "Nodes": None} if path == "/filter" else
                             {"Pod": pod, "NodeNameToMetaVictims": {"a": {"Pods": [{"UID": "v"}], "NumPDBViolations": 0}}})
         before = guard.metric("ghost_guard_requests_total", endpoint=path, code="200")
-        direct = exchange(guard.port, call(path, body))
-        fast = exchange(guard.port, call(path, body, version="HTTP/1.0"))
+        direct = exchange(guard.port, call(path, body), closed=False)
+        fast = exchange(guard.port, call(path, body, version="HTTP/1.0"), closed=False)
         assert guard.metric("ghost_guard_requests_total", endpoint=path, code="200") == before + 2
         assert direct[0] == b"HTTP/1.1 200 OK" and fast[0].endswith(b" 200 OK [wsgi]")
         assert orjson.loads(direct[1]) == orjson.loads(fast[1])
@@ -84,43 +85,45 @@ def test_keep_alive_and_close_as_the_client_asks(guard):
 
 
 def test_a_bad_body_gets_the_same_400_reason_in_both_lanes(guard):
-    direct = exchange(guard.port, call("/filter", b'{"Pod": 1}'))
-    fast = exchange(guard.port, call("/filter", b'{"Pod": 1}', version="HTTP/1.0"))
+    direct = exchange(guard.port, call("/filter", b'{"Pod": 1}'), closed=False)
+    fast = exchange(guard.port, call("/filter", b'{"Pod": 1}', version="HTTP/1.0"), closed=False)
     assert direct[0] == b"HTTP/1.1 400 Bad Request" and fast[0].endswith(b" 400 Bad Request [wsgi]")
     assert orjson.loads(direct[1]) == orjson.loads(fast[1]) and orjson.loads(direct[1])["error"]
 
 
-def test_a_prepared_verdict_is_answered_while_every_pool_thread_waits_on_etcd(start_guard, shared_lab, lab_namespace):
-    """With one pool thread held by a call whose quorum GET hangs, a call for a pod verified ahead
-    is still answered at once: the worker's event loop answers it (Checker.answer, now), it
-    does not queue behind the pool."""
-    g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--threads", "1", "--get-timeout", "2",
-                     "--request-budget", "3", "--no-events"])
+def test_a_prepared_verdict_is_answered_while_every_pool_thread_waits_on_etcd(_parked_guard_process, shared_lab,
+                                                                            lab_namespace):
+    """With one pool thread held by a call whose quorum GET is held in the apiserver, a call for a pod
+    verified ahead is still answered at once: the worker's event loop answers it (Checker.answer, now), it
+    does not queue behind the pool. (The module's --threads 1 guard below; the held GET is let go only once
+    that answer is in, so a call queued behind the pool thread would be answered after the slow one.)"""
+    g = _parked_guard_process
     ns = lab_namespace
     exchange(g.port, call("/filter", orjson.dumps({"Pod": {"metadata": {"name": "warm", "namespace": ns,
                                                                         "uid": "w"}}, "NodeNames": ["a"]})))
+    verified = g.metric("ghost_guard_prepare_verified_total", verdict="alive")
     live = shared_lab.core_v1(0).create_namespaced_pod(ns, pod_manifest("ready"), _request_timeout=5)
-    eventually(lambda: g.metric("ghost_guard_prepare_verified_total", verdict="alive") >= 1, 20,
+    eventually(lambda: g.metric("ghost_guard_prepare_verified_total", verdict="alive") >= verified + 1, 20,
                what="the pod verified ahead")
-    rule = shared_lab.replicas[0].faults.add("hang", method="GET", path=f"/api/v1/namespaces/{ns}/pods/slow")
-    finished: dict[str, float] = {}
-
-    def slow() -> None:
-        body = orjson.dumps({"Pod": {"metadata": {"name": "slow", "namespace": ns, "uid": "s"}}, "NodeNames": ["a"]})
-        exchange(g.port, call("/filter", body))
-        finished["slow"] = time.monotonic()
-
+    faults = shared_lab.replicas[0].faults
+    rule = faults.add("latency", seconds=30, method="GET", path=f"/api/v1/namespaces/{ns}/pods/slow")
     before = g.metric("ghost_guard_verdicts_prepared_total")  # /metrics needs the pool thread: read it first
-    t = threading.Thread(target=slow)
-    t.start()
-    eventually(lambda: rule.hits >= 1, 10, what="the slow call's GET hanging in the apiserver")
-    status, body, _ = exchange(g.port, call("/filter", orjson.dumps(
-        {"Pod": {"metadata": {"name": "ready", "namespace": ns, "uid": live.metadata.uid}}, "NodeNames": ["a"]})))
-    finished["ready"] = time.monotonic()
-    t.join(10)
+    with socket.create_connection(("127.0.0.1", g.port), timeout=5) as slow:
+        slow.sendall(call("/filter", orjson.dumps(
+            {"Pod": {"metadata": {"name": "slow", "namespace": ns, "uid": "s"}}, "NodeNames": ["a"]})))
+        try:
+            eventually(lambda: rule.hits >= 1, 10, what="the slow call's GET held in the apiserver")
+            status, body, _ = exchange(g.port, call("/filter", orjson.dumps(
+                {"Pod": {"metadata": {"name": "ready", "namespace": ns, "uid": live.metadata.uid}},
+                 "NodeNames": ["a"]})), closed=False)
+            # Not queued behind the one pool thread: the slow call is not answered yet (its reply would be in
+            # this socket's buffer: a reply on loopback is delivered as it is sent).
+            assert select.select([slow], [], [], 0)[0] == [], "the slow call was answered first"
+        finally:
+            faults.remove(rule.id)  # the slow call's GET lands now (it would be cut at the budget otherwise)
+        assert slow.recv(65536).startswith(b"HTTP/1.1 200 ")
     assert status == b"HTTP/1.1 200 OK" and orjson.loads(body)["NodeNames"] == ["a"]
     assert g.metric("ghost_guard_verdicts_prepared_total") == before + 1
-    assert finished["ready"] < finished["slow"]  # not queued behind the one pool thread
 
 
 # --- parked calls -----------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ pytestmark = pytest.mark.timeout(180)
 NAMES = ["node-a", "node-b", "node-c"]
 FILTER_KEYS = {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
 GET_TIMEOUT = 0.5
+ALIVE_TTL = 0.1  # --alive-ttl (default 0.5 s): how long a quorum read is reused; each fault test waits it out once
 SCHEDULER_HTTP_TIMEOUT = 5.0  # kube-scheduler's default extender httpTimeout: a reply later than this is lost
 RECOVERY_DEADLINE = 20.0
 MEASURED: dict[str, list[float]] = {}
@@ -57,7 +58,8 @@ def lab():
 @pytest.fixture(scope="module")
 def guard(lab, module_guard, tmp_path_factory):
     db = str(tmp_path_factory.mktemp("faults") / "audit.db")
-    yield module_guard(["--kubeconfig", lab.kubeconfig(0), "--get-timeout", str(GET_TIMEOUT), "--audit-db", db,
+    yield module_guard(["--kubeconfig", lab.kubeconfig(0), "--get-timeout", str(GET_TIMEOUT),
+                        "--alive-ttl", str(ALIVE_TTL), "--audit-db", db,
                         "--no-events", "--prepare-idle-after", "0"])
     print_measurements()
 
@@ -166,7 +168,7 @@ class Scenario:
 
     def during(self, label: str, *, rounds: int = 3, concurrent: int = 24) -> None:
         g, ns = self.guard, self.ns
-        time.sleep(0.6)  # the behaviour: past --alive-ttl (a TTL running out), no read from before the fault is reused
+        time.sleep(ALIVE_TTL + 0.1)  # the behaviour: past --alive-ttl (a TTL running out), no read from before the fault is reused
         for _ in range(rounds):
             assert_passes(filter_once(g, ns, "live", self.live_uid, label))
             assert_passes(filter_once(g, ns, "during", self.fresh["during"], label))  # undecidable: fail open

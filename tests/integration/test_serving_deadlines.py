@@ -33,6 +33,10 @@ pytestmark = pytest.mark.timeout(240)
 ATTACKERS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 # Defaults of guard.core.settings.Settings: the deadlines under test.
 HANDSHAKE, HEADERS, BODY, WRITE = 2.0, 5.0, 5.0, 5.0
+# The hostile-connections test starts its guard with the header, body and write deadlines at 3 s (--header-timeout,
+# --body-timeout, --write-timeout): still past the 1.8 s of well-formed calls made while the hostile connections
+# are open, and past the TLS handshake's 2 s, so each kind is closed by its own deadline; every close is waited for.
+ATTACK_DEADLINE = 3.0
 # A call queued behind a thread that a hostile connection holds waits until that connection's deadline
 # (>= HANDSHAKE). Every call answered in under half the shortest deadline: no thread was held. (How fast
 # the calls are is a benchmark's question, not a test's: a latency bound flakes on a shared machine.)
@@ -216,6 +220,8 @@ def all_threads_answer(guard, pod: dict) -> None:
 def test_100_hostile_connections_never_hold_a_thread(scheme, shared_lab, live_pod, start_guard, pki, tmp_path):
     tls = tls_files(pki) if scheme != "http" else None
     guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--no-prepare", "--no-access-log",
+                         *(arg for flag in ("--header-timeout", "--body-timeout", "--write-timeout")
+                           for arg in (flag, str(ATTACK_DEADLINE))),
                          "--audit-db", str(tmp_path / "audit.db")], tls=tls)
     before = guard.metrics()
     assert guard.post("/filter", orjson.dumps({"Pod": live_pod, "NodeNames": NAMES})).status_code == 200
@@ -224,7 +230,7 @@ def test_100_hostile_connections_never_hold_a_thread(scheme, shared_lab, live_po
         started = time.monotonic()
         latencies = well_formed_calls(guard, live_pod, seconds=1.8)  # all hostile connections still open
         took_attack = time.monotonic() - started
-        closed = attack.closed_by_guard(within=max(HEADERS, BODY, WRITE) + 5 - took_attack)
+        closed = attack.closed_by_guard(within=ATTACK_DEADLINE + 5 - took_attack)
     finally:
         attack.close()
     measured = p99(latencies)
@@ -251,11 +257,27 @@ def test_100_hostile_connections_never_hold_a_thread(scheme, shared_lab, live_po
     all_threads_answer(guard, live_pod)
 
 
-def test_a_slow_body_is_served_within_its_deadline_and_cut_off_past_it(start_guard, tmp_path, pki,
-                                                                       shared_lab, live_pod):
+@pytest.fixture(scope="module")
+def limits_guard(_shared_lab_session, module_guard, tmp_path_factory):
+    """One guard for the slow-body and connection-limits tests (each reads its counts as differences, on
+    connections closed before it returns: no connection of theirs stays open to count towards a limit)."""
+    guard = module_guard(["--kubeconfig", _shared_lab_session.kubeconfig(0), "--no-prepare", "--body-timeout", "1",
+                          "--max-connections", "20", "--max-connections-per-client", "8",
+                          "--audit-db", str(tmp_path_factory.mktemp("limits") / "audit.db")], wait=None)
+    ready_without_keepalive(guard)
+    return guard
+
+
+def rejected(guard, reason: str) -> float:
+    """``ghost_guard_connections_rejected_total{reason}``, read on a connection closed before this returns."""
+    return metric_in(served_and_closed(guard.port, "127.0.0.1", METRICS), "ghost_guard_connections_rejected_total",
+                     reason=reason)
+
+
+def test_a_slow_body_is_served_within_its_deadline_and_cut_off_past_it(limits_guard, live_pod):
     """A body sent one byte at a time within the deadline is served; past it, closed and counted."""
-    guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--no-prepare", "--body-timeout", "1",
-                         "--audit-db", str(tmp_path / "audit.db")])
+    guard = limits_guard
+    cut = rejected(guard, "body-timeout")
     body = orjson.dumps({"Pod": live_pod, "NodeNames": NAMES})
     head = b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
     with dial(guard.port, "127.0.0.2") as s:
@@ -269,7 +291,7 @@ def test_a_slow_body_is_served_within_its_deadline_and_cut_off_past_it(start_gua
         s.sendall(head + body[:10])
         assert s.recv(65536) == b""  # closed by the guard, no reply (within dial's 5 s socket timeout)
         assert time.monotonic() - before >= 1.0 - TICK  # not before the 1 s body deadline
-    assert guard.metric("ghost_guard_connections_rejected_total", reason="body-timeout") == 1
+    assert rejected(guard, "body-timeout") == cut + 1
 
 
 def read_reply(s: socket.socket) -> bytes:
@@ -320,10 +342,10 @@ def kept_alive(port: int, source: str) -> socket.socket:
     return s
 
 
-def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_path, shared_lab, live_pod):
-    guard = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--no-prepare", "--max-connections", "20",
-                         "--max-connections-per-client", "8", "--audit-db", str(tmp_path / "audit.db")], wait=None)
+def test_connection_limits_answer_a_fast_503_with_the_reason(limits_guard, live_pod):
+    guard = limits_guard
     ready_without_keepalive(guard)
+    refused = {reason: rejected(guard, reason) for reason in ("over-client-limit", "over-total-limit")}
     # One event loop accepts the connections in the order they were made (the kernel's accept queue):
     # a connection dialled after others is admitted or refused after them, so no pause is needed between.
     held = [kept_alive(guard.port, "127.0.0.6") for _ in range(8)]
@@ -358,22 +380,34 @@ def test_connection_limits_answer_a_fast_503_with_the_reason(start_guard, tmp_pa
             h.setblocking(True)
         # read on an admitted connection (a new one would be refused): one refusal of each kind
         metrics = request_on(held.pop(), METRICS)
-        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="over-client-limit") == 1
-        assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason="over-total-limit") == 1
+        for reason, before in refused.items():
+            assert metric_in(metrics, "ghost_guard_connections_rejected_total", reason=reason) == before + 1, reason
     finally:
         for s in held:
             s.close()
-    # Once the guard has seen them closed, new clients are served again.
-    eventually(lambda: guard.post("/filter", orjson.dumps({"Pod": live_pod, "NodeNames": NAMES})).status_code == 200,
-               10, what="a call served after the held connections closed", process=guard)
+    # Once the guard has seen them closed, new clients are served again (on a connection closed after it).
+    body = orjson.dumps({"Pod": live_pod, "NodeNames": NAMES})
+    call = b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nConnection: close\r\n" \
+           b"Content-Length: %d\r\n\r\n" % len(body) + body
+    eventually(lambda: served_and_closed(guard.port, "127.0.0.1", call).startswith(b"HTTP/1.1 200 "),
+               10, what="a call served after the held connections closed", ignore=(OSError,), process=guard)
 
 
 # --- TLS: what is negotiated -----------------------------------------------------------------------
 
 
-def test_oversized_head_and_body_are_refused_before_they_are_read(start_guard, dead_kubeconfig, tmp_path):
-    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--max-body-bytes", "1000",
-                         "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")
+@pytest.fixture(scope="module")
+def small_guard(module_guard, dead_kubeconfig, tmp_path_factory):
+    """One guard on a dead apiserver for the oversized-request and keep-alive tests, which read their counts
+    as differences on connections the guard closes (its 1 s idle deadline would close a kept-alive one)."""
+    return module_guard(["--kubeconfig", dead_kubeconfig, "--max-body-bytes", "1000", "--keepalive-timeout", "1",
+                         "--get-timeout", "0.2", "--audit-db", str(tmp_path_factory.mktemp("small") / "audit.db")],
+                        wait="/healthz")
+
+
+def test_oversized_head_and_body_are_refused_before_they_are_read(small_guard):
+    guard = small_guard
+    before = {reason: rejected(guard, reason) for reason in ("body-too-large", "head-too-large")}
     with dial(guard.port, "127.0.0.2") as s:  # the body is never sent: the head alone is refused
         s.sendall(b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1001\r\n\r\n")
@@ -389,8 +423,8 @@ def test_oversized_head_and_body_are_refused_before_they_are_read(start_guard, d
         s.sendall(b"GET /healthz HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 70000)
         reply = read_reply(s)
     assert reply.startswith(b"HTTP/1.1 431 "), reply[:100]
-    assert guard.metric("ghost_guard_connections_rejected_total", reason="body-too-large") == 2
-    assert guard.metric("ghost_guard_connections_rejected_total", reason="head-too-large") == 1
+    assert rejected(guard, "body-too-large") == before["body-too-large"] + 2
+    assert rejected(guard, "head-too-large") == before["head-too-large"] + 1
 
 
 def handshake(port: int, ctx: ssl.SSLContext) -> tuple[str, str] | None:
@@ -410,9 +444,17 @@ def tls12_suites() -> list[str]:
                    or c["protocol"] == "SSLv3"})
 
 
-def test_tls_offers_only_ecdhe_with_aead(start_guard, pki, dead_kubeconfig, tmp_path):
-    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--audit-db", str(tmp_path / "audit.db")], tls=tls_files(pki),
+@pytest.fixture(scope="module")
+def tls_guard(module_guard, pki, dead_kubeconfig, tmp_path_factory):
+    """One HTTPS guard with the default TLS parameters for the cipher-suite test (its handshakes come from
+    127.0.0.1, one at a time) and the over-the-limit test (from 127.0.0.2, at most 2 admitted)."""
+    return module_guard(["--kubeconfig", dead_kubeconfig, "--max-connections-per-client", "2",
+                         "--audit-db", str(tmp_path_factory.mktemp("tls") / "audit.db")], tls=tls_files(pki),
                         wait="/healthz")
+
+
+def test_tls_offers_only_ecdhe_with_aead(tls_guard, pki):
+    guard = tls_guard
     accepted, refused = [], []
     for suite in tls12_suites():
         ctx = client_ctx(pki, "monitoring", maximum_version=ssl.TLSVersion.TLSv1_2)
@@ -472,9 +514,8 @@ def test_sigterm_lets_the_request_in_flight_finish(shared_lab, lab_namespace, st
         idle.close()
 
 
-def test_keepalive_pipelining_and_the_idle_deadline(start_guard, dead_kubeconfig, tmp_path):
-    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--keepalive-timeout", "1", "--get-timeout", "0.2",
-                         "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")
+def test_keepalive_pipelining_and_the_idle_deadline(small_guard):
+    guard = small_guard
     body = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}}, "NodeNames": NAMES})
     one = (b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
            % len(body)) + body
@@ -493,11 +534,21 @@ def test_keepalive_pipelining_and_the_idle_deadline(start_guard, dead_kubeconfig
         assert time.monotonic() - sent >= 1.0 - TICK
 
 
-def test_large_requests_share_a_memory_budget(start_guard, dead_kubeconfig, tmp_path):
+@pytest.fixture(scope="module")
+def budget_guard(module_guard, dead_kubeconfig, tmp_path_factory):
+    """One guard on a dead apiserver for the tests below that need no fresh one (each reads its counts as
+    differences): the large-requests budget and Expect/chunked framing."""
+    return module_guard(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--max-body-bytes", "1000000",
+                         "--max-buffered-bytes", "1500000",
+                         "--audit-db", str(tmp_path_factory.mktemp("budget") / "audit.db")], wait="/healthz")
+
+
+def test_large_requests_share_a_memory_budget(budget_guard):
     """Requests over 64 KiB reserve from --max-buffered-bytes what they have sent, as it arrives, until
     answered; a request whose bytes cross it gets a 503."""
-    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2", "--max-body-bytes", "1000000",
-                         "--max-buffered-bytes", "1500000", "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")
+    guard = budget_guard
+    refused = guard.metric("ghost_guard_connections_rejected_total", reason="over-buffer-limit")
+    assert guard.metric("ghost_guard_buffered_bytes") == 0
     head = (b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
             b"Content-Length: 900000\r\n\r\n")
     with dial(guard.port, "127.0.0.2") as holder:
@@ -519,12 +570,11 @@ def test_large_requests_share_a_memory_budget(start_guard, dead_kubeconfig, tmp_
                          "NodeNames": [f"node-{i:06d}" for i in range(14000)]})
     assert 65536 < len(body) < 1000000
     assert guard.post("/filter", body).status_code == 200
-    assert guard.metric("ghost_guard_connections_rejected_total", reason="over-buffer-limit") == 1
+    assert guard.metric("ghost_guard_connections_rejected_total", reason="over-buffer-limit") == refused + 1
 
 
-def test_expect_continue_and_chunked_trailers(start_guard, dead_kubeconfig, tmp_path):
-    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--get-timeout", "0.2",
-                         "--audit-db", str(tmp_path / "audit.db")], wait="/healthz")
+def test_expect_continue_and_chunked_trailers(budget_guard):
+    guard = budget_guard
     body = orjson.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}}, "NodeNames": NAMES})
     with dial(guard.port, "127.0.0.2") as s:
         s.sendall(b"POST /filter HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
@@ -542,9 +592,8 @@ def test_expect_continue_and_chunked_trailers(start_guard, dead_kubeconfig, tmp_
     assert orjson.loads(reply.partition(b"\r\n\r\n")[2])["NodeNames"] == NAMES
 
 
-def test_over_the_limit_on_https_the_503_comes_after_a_bounded_handshake(start_guard, pki, dead_kubeconfig, tmp_path):
-    guard = start_guard(["--kubeconfig", dead_kubeconfig, "--max-connections-per-client", "2",
-                         "--audit-db", str(tmp_path / "audit.db")], tls=tls_files(pki), wait="/healthz")
+def test_over_the_limit_on_https_the_503_comes_after_a_bounded_handshake(tls_guard, pki):
+    guard = tls_guard
     ctx = client_ctx(pki, "monitoring")
     held = [ctx.wrap_socket(dial(guard.port, "127.0.0.2"), server_hostname="localhost") for _ in range(2)]
     try:

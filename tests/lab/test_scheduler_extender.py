@@ -15,8 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from fixtures_lab import _report
+
+from guard.lab import Lab
 from guard.tools import certs as guard_certs
-from guard.lab.harness import node_manifest, pod_manifest
+from guard.lab.harness import eventually, node_manifest, pod_manifest
 from guard.lab.scheduler import ExtenderConfig, PodStats, Scheduler, Timings, TLSConfig
 
 FAST = Timings(pod_initial_backoff=0.05, pod_max_backoff=0.2, backoff_flush_period=0.02,
@@ -79,6 +82,31 @@ def pass_all(verb, body):
     return 200, {"NodeNameToMetaVictims": {
         node: {"Pods": [{"UID": p["metadata"]["uid"]} for p in v["Pods"]], "NumPDBViolations": 0}
         for node, v in body["NodeNameToVictims"].items()}}
+
+
+@pytest.fixture(scope="module")
+def _module_lab():
+    """One lab for the module, with one replica: the simulator reads and writes through replica 0 only
+    (``lab.kubeconfig(0)``)."""
+    with Lab(replicas=1) as lab:
+        yield lab
+
+
+@pytest.fixture
+def lab(_module_lab, request):
+    """The module's lab, emptied after each test of what the tests create (Nodes, Pods in ``default``) and
+    synced, so that each test's scheduler starts on its own objects only."""
+    lab = _module_lab
+    yield lab
+    _report(lab, request)
+    api = lab.core_v1(0)
+    for pod in api.list_namespaced_pod("default", _request_timeout=5).items:
+        api.delete_namespaced_pod(pod.metadata.name, "default", grace_period_seconds=0, _request_timeout=5)
+    for node in api.list_node(_request_timeout=5).items:
+        api.delete_node(node.metadata.name, _request_timeout=5)
+    eventually(lambda: not api.list_namespaced_pod("default", _request_timeout=5).items
+               and not api.list_node(_request_timeout=5).items, 10, what="the lab emptied for the next test")
+    assert lab.wait_synced()
 
 
 @pytest.fixture

@@ -36,10 +36,23 @@ def stat(stats, key):
 
 
 @pytest.fixture
+def lab(lab_factory, request):
+    """A fresh lab per test with as many replicas as the test reads (``replicas(n)``; default 3): a replica
+    that no request and no ghost reaches would only cost its start and stop."""
+    return lab_factory(replicas=getattr(request, "param", 3))
+
+
+def replicas(n: int):
+    """The test's lab has ``n`` replicas (replica 0 writes; a ghost's stale replica and the scheduler's are < n)."""
+    return pytest.mark.parametrize("lab", [n], indirect=True, ids=[f"{n}-replica" + "s" * (n > 1)])
+
+
+@pytest.fixture
 def scheduler_on(lab_scheduler):
     return functools.partial(lab_scheduler, timings=FAST)
 
 
+@replicas(2)
 def test_ghost_loops_on_bind_404_while_live_pods_schedule(lab, scheduler_on):
     api = lab.core_v1(0)
     for name in ("node-a", "node-b"):
@@ -86,6 +99,7 @@ def test_scheduler_on_a_healthy_replica_never_sees_the_ghost(lab, scheduler_on):
     assert "default/web-1" not in sched.informer_pods()
 
 
+@replicas(1)
 def test_unschedulable_pod_waits_then_requeues_on_node_add(lab, scheduler_on):
     api = lab.core_v1(0)
     create(api, node_manifest("node-a", cpu="2"))
@@ -104,6 +118,7 @@ def test_unschedulable_pod_waits_then_requeues_on_node_add(lab, scheduler_on):
     assert quorum_pod(api, "big")["spec"]["nodeName"] == "node-big"
 
 
+@replicas(1)
 def test_node_selector_and_requests_pick_the_node(lab, scheduler_on):
     api = lab.core_v1(0)
     create(api, node_manifest("node-a", cpu="2", labels={"disk": "ssd"}))
@@ -120,6 +135,7 @@ def test_node_selector_and_requests_pick_the_node(lab, scheduler_on):
                               "1 node(s) didn't match Pod's node affinity/selector.")
 
 
+@replicas(2)
 def test_ghost_that_only_fits_by_eviction_evicts_a_real_lower_priority_pod(lab, scheduler_on):
     api = lab.core_v1(0)
     create(api, node_manifest("node-a", cpu="2"))
@@ -143,6 +159,7 @@ def test_ghost_that_only_fits_by_eviction_evicts_a_real_lower_priority_pod(lab, 
     assert stat(sched.stats(), "default/web-1").evictions == ["default/batch-1"]
 
 
+@replicas(1)
 def test_live_high_priority_pod_preempts_and_binds(lab, scheduler_on):
     api = lab.core_v1(0)
     create(api, node_manifest("node-a", cpu="2"))
@@ -163,6 +180,7 @@ def test_live_high_priority_pod_preempts_and_binds(lab, scheduler_on):
     assert stats["default/noop"].evictions == []
 
 
+@replicas(2)
 def test_ghost_leaves_the_informer_only_when_it_relists(lab, scheduler_on):
     api = lab.core_v1(0)
     create(api, node_manifest("node-a"))
