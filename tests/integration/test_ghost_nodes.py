@@ -38,6 +38,27 @@ def cached_nodes(lab, replica: int) -> set[str]:
     return {n.metadata.name for n in lab.core_v1(replica).list_node(resource_version="0", _request_timeout=5).items}
 
 
+# First: its own lab and guard (--get-timeout 0.5) run before the module's shared ones start.
+def test_a_node_read_that_fails_passes_the_node(lab, start_guard):
+    """Fail open: while etcd cannot be read the replicas' disagreement condemns nothing."""
+    api = lab.core_v1(0)
+    api.create_node(node_manifest("ghost-node"), _request_timeout=5)
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), *FAST, "--get-timeout", "0.5"])
+    replicas = [f"{r.ip}:{r.port}" for r in lab.replicas]
+    eventually(lambda: all(g.metric("ghost_guard_node_watch_up", replica=r) == 1 for r in replicas),
+               what="every replica's Nodes watched")
+    pod = api.create_namespaced_pod("default", pod_manifest("web-2"), _request_timeout=5)
+    # the quorum read (through replica 0, the kubeconfig's) fails
+    lab.replicas[0].faults.add("status", method="GET", path="^/api/v1/nodes/ghost-node$", status=500)
+    lab.replicas[1].faults.drop_deletes(name="ghost-node", resource="nodes")
+    api.delete_node("ghost-node", _request_timeout=5)
+    eventually(lambda: "ghost-node" not in cached_nodes(lab, 0), what="replica 0 drops it")
+    eventually(lambda: g.metric("ghost_guard_node_reads_total", outcome="error") >= 1, what="a failed read")
+    out = g.post("/filter", {"Pod": scheduler_pod(pod), "Nodes": None, "NodeNames": ["ghost-node"]}).json()
+    assert out["NodeNames"] == ["ghost-node"] and out["FailedAndUnresolvableNodes"] == {}
+    assert g.metric("ghost_guard_ghost_nodes", replica=replicas[1]) == 0
+
+
 @pytest.fixture(scope="module")
 def nodes_guard(module_lab, module_guard):
     """One guard (``FAST``) for the module's tests that need no other flag: they use distinct Node names and
@@ -146,26 +167,6 @@ def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(shared):
     assert out["NodeNames"] == names and out["FailedAndUnresolvableNodes"] == {}
     r = ghost_guard("report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db", "-o", "json")
     assert json.loads(r.stdout)["ghost_nodes"] == []
-
-
-def test_a_node_read_that_fails_passes_the_node(lab, start_guard):
-    """Fail open: while etcd cannot be read the replicas' disagreement condemns nothing."""
-    api = lab.core_v1(0)
-    api.create_node(node_manifest("ghost-node"), _request_timeout=5)
-    g = start_guard(["--kubeconfig", lab.kubeconfig(0), *FAST, "--get-timeout", "0.5"])
-    replicas = [f"{r.ip}:{r.port}" for r in lab.replicas]
-    eventually(lambda: all(g.metric("ghost_guard_node_watch_up", replica=r) == 1 for r in replicas),
-               what="every replica's Nodes watched")
-    pod = api.create_namespaced_pod("default", pod_manifest("web-2"), _request_timeout=5)
-    # the quorum read (through replica 0, the kubeconfig's) fails
-    lab.replicas[0].faults.add("status", method="GET", path="^/api/v1/nodes/ghost-node$", status=500)
-    lab.replicas[1].faults.drop_deletes(name="ghost-node", resource="nodes")
-    api.delete_node("ghost-node", _request_timeout=5)
-    eventually(lambda: "ghost-node" not in cached_nodes(lab, 0), what="replica 0 drops it")
-    eventually(lambda: g.metric("ghost_guard_node_reads_total", outcome="error") >= 1, what="a failed read")
-    out = g.post("/filter", {"Pod": scheduler_pod(pod), "Nodes": None, "NodeNames": ["ghost-node"]}).json()
-    assert out["NodeNames"] == ["ghost-node"] and out["FailedAndUnresolvableNodes"] == {}
-    assert g.metric("ghost_guard_ghost_nodes", replica=replicas[1]) == 0
 
 
 def test_heal_node_drops_the_ghost_node_from_the_stale_cache_without_a_restart(shared):
