@@ -84,7 +84,8 @@ def test_with_no_prepare_a_pod_whose_creation_a_replica_lost_is_still_reported_m
 
 
 def test_a_replica_that_lags_past_missing_after_is_not_blamed(lab, start_guard, tmp_path):
-    g = start(lab, start_guard, tmp_path, "--missing-after", "1", "--frozen-after", "30")
+    # --frozen-after 15: far above the lag made here (a few seconds), and a revision round every 5 s
+    g = start(lab, start_guard, tmp_path, "--missing-after", "1", "--frozen-after", "15")
     lagging = lab.replicas[1]
     lagging.faults.freeze_watch()  # it will catch up: a lag longer than --missing-after
     since = time.time()
