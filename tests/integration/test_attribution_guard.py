@@ -12,7 +12,6 @@ import time
 
 import pytest
 from clirun import audit_records, ghost_guard
-from fixtures_lab import mend
 from payloads import filter_body
 from guard.lab.harness import eventually, make_ghost, pod_manifest
 
@@ -38,11 +37,8 @@ def attribution_guard(module_lab, module_guard, tmp_path_factory):
 
 
 @pytest.fixture
-def shared(module_lab, attribution_guard):
-    """(lab, guard, audit db) shared by the module; every replica's faults cleared after the test."""
-    g, db = attribution_guard
-    yield module_lab, g, db
-    mend(module_lab)
+def shared(mended_module_lab, attribution_guard):
+    return mended_module_lab, *attribution_guard
 
 
 def counter(g, name: str, **labels: str):

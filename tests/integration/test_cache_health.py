@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from fixtures_lab import mend
 
 from guard.lab.harness import cached_names, eventually, pod_manifest
 
@@ -152,10 +151,8 @@ def test_report_live_names_the_missing_pod_and_the_frozen_replica(lab, tmp_path)
     """``report --live`` looks for 5 s each run: the table run is the real ``python -m guard`` process, run
     while the JSON run goes in-process (tests/clirun.py) on the same lab state; the last run in-process."""
     import json
-    import subprocess
-    import sys
 
-    from clirun import ghost_guard
+    from clirun import ghost_guard, ghost_guard_beside_process
 
     lab.replicas[1].faults.drop_creates(namespace="default", name="lost")
     api = lab.core_v1(0)
@@ -164,18 +161,14 @@ def test_report_live_names_the_missing_pod_and_the_frozen_replica(lab, tmp_path)
     lab.replicas[2].faults.freeze_watch()
     api.create_namespaced_pod("default", pod_manifest("later"), _request_timeout=5)  # etcd moves on
     args = ["report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", str(tmp_path / "none.db")]
-    table = subprocess.Popen([sys.executable, "-m", "guard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
-    try:
+
+    def first(table) -> None:
         # what is ready first is printed first: the audit store's part while the replicas are still being read
         assert table.stdout.readline() == f"No audit store at {tmp_path / 'none.db'}: ghosts not reported.\n"
         assert table.poll() is None
-        r = ghost_guard(*args, "-o", "json")
-        out, err = table.communicate(timeout=120)
-    finally:
-        if table.poll() is None:
-            table.kill()
-            table.wait()
+
+    table, r = ghost_guard_beside_process(args, ["-o", "json"], first)
+    out, err = table.stdout, table.stderr
     assert r.returncode == 1, r.stdout + r.stderr
     caches = {c["replica"]: c for c in json.loads(r.stdout)["replica_caches"]}
     ok, lost, frozen = (replica(lab, i) for i in range(3))
@@ -209,10 +202,8 @@ def health_guard(module_lab, module_guard, tmp_path_factory):
 
 
 @pytest.fixture
-def shared(module_lab, health_guard):
-    """(lab, guard) shared by the module's last tests; every replica's faults cleared after the test."""
-    yield module_lab, health_guard
-    mend(module_lab)
+def shared(mended_module_lab, health_guard):
+    return mended_module_lab, health_guard
 
 
 def test_a_pod_whose_creation_a_replica_lost_is_reported_missing_there_until_it_is_written_again(shared):

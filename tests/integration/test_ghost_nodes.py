@@ -10,11 +10,9 @@ Real etcd, three real HTTPS apiserver replicas, a real `ghost-guard serve`.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from clirun import ghost_guard
+from clirun import ghost_guard, ghost_guard_beside_process
 from fixtures_lab import mend
 
 from guard.lab.harness import eventually, node_manifest, pod_manifest
@@ -50,10 +48,8 @@ def nodes_guard(module_lab, module_guard):
 
 
 @pytest.fixture
-def shared(module_lab, nodes_guard):
-    """(lab, guard) shared by the module; every replica's faults cleared after the test."""
-    yield module_lab, nodes_guard
-    mend(module_lab)
+def shared(mended_module_lab, nodes_guard):
+    return mended_module_lab, nodes_guard
 
 
 def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(shared):
@@ -124,20 +120,12 @@ def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(shared):
     # `report --live` names it too, from its own reads (no guard, no audit store needed). Each run looks for
     # 5 s: the table run is the real `python -m guard` process, run while the JSON run goes in-process.
     args = ["report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db"]
-    table = subprocess.Popen([sys.executable, "-m", "guard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
-    try:
-        r = ghost_guard(*args, "-o", "json")
-        out, err = table.communicate(timeout=120)
-    finally:
-        if table.poll() is None:
-            table.kill()
-            table.wait()
+    table, r = ghost_guard_beside_process(args, ["-o", "json"])
     assert r.returncode == 1, r.stdout + r.stderr
     doc = json.loads(r.stdout)
     assert doc["ghost_nodes"] == [{"node": "ghost-node", "replicas": [stale]}] and doc["ghost_node_errors"] == []
-    assert table.returncode == 1, out + err
-    assert "ghost-node" in out and stale in out
+    assert table.returncode == 1, table.stdout + table.stderr
+    assert "ghost-node" in table.stdout and stale in table.stdout
 
     # The Node is created again under that name: etcd has it, the guard never refuses it.
     api.create_node(node_manifest("ghost-node"), _request_timeout=5)
