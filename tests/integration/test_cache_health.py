@@ -255,8 +255,9 @@ def test_a_pod_whose_creation_a_replica_lost_is_reported_missing_there_until_it_
 
 
 def test_a_frozen_replica_is_named_and_a_thawed_one_cleared(shared):
-    # --frozen-after 3: revisions read every tick (1 s); --missing-after 2: the new pods the frozen replica
-    # lacks are suspected there after 2 s, and found behind, not missing
+    # The module's shared guard: --frozen-after 3 reads revisions every tick (1 s); its --missing-after 2 is the
+    # missing-pod test's (test_a_replica_that_lags_past_missing_after_is_not_blamed proves a cache behind etcd is
+    # not called missing)
     lab, g = shared
     frozen = replica(lab, 2)
     detections = g.metric("ghost_guard_replica_pods_missing_detections_total")
