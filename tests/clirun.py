@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from click.testing import CliRunner
@@ -33,6 +35,26 @@ def ghost_guard(*args: str, env: dict[str, str] | None = None, clean_env: bool =
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         raise r.exception
     return subprocess.CompletedProcess(["ghost-guard", *args], r.exit_code, r.stdout, r.stderr)
+
+
+def ghost_guard_beside_process(args: list[str], extra: list[str],
+                               first: Callable[[subprocess.Popen], None] | None = None
+                               ) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """``python -m guard *args`` as a real process, while ``ghost_guard(*args, *extra)`` runs in-process (two
+    runs of a command that waits, in the time of one): (the process's result, the in-process one).
+    ``first(proc)`` runs once the process started, before the in-process run (to read its first output)."""
+    proc = subprocess.Popen([sys.executable, "-m", "guard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        if first is not None:
+            first(proc)
+        r = ghost_guard(*args, *extra)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), r
 
 
 def ghost_guard_json(*args: str, status: int | tuple[int, ...] = 0, env: dict[str, str] | None = None) -> Any:

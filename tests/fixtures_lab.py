@@ -5,6 +5,10 @@
 - ``shared_lab``: one 3-replica lab per session for tests that only read and
   write objects; faults are cleared and stopped replicas restarted after each
   test. Use ``lab_namespace`` to keep objects apart.
+- ``module_lab``: a fresh 3-replica lab per test module, for a module whose tests share one guard
+  (``module_guard``); each test uses its own object names and clears the faults it set
+  (``mend``).
+- ``mended_module_lab``: ``module_lab`` for one test, mended (``mend``) after it.
 - ``lab_factory``: ``lab_factory(replicas=1, **options)`` for other shapes.
 - ``lab_scheduler``: ``lab_scheduler(kubeconfig, timings=..., extenders=...)`` starts the
   scheduler simulator (``guard.lab.scheduler.Scheduler``), stopped after the test.
@@ -23,7 +27,7 @@ import pytest
 from guard.lab import Lab
 
 
-__all__ = ["lab", "lab_factory", "lab_namespace", "lab_scheduler", "shared_lab", "_shared_lab_session"]
+__all__ = ["lab", "lab_factory", "module_lab", "mended_module_lab", "lab_namespace", "lab_scheduler", "shared_lab", "_shared_lab_session"]
 
 
 def _report(lab: Lab, request: pytest.FixtureRequest) -> None:
@@ -37,6 +41,19 @@ def lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
     with Lab(replicas=3) as lab:
         yield lab
         _report(lab, request)
+
+
+@pytest.fixture(scope="module")
+def module_lab() -> Iterator[Lab]:
+    with Lab(replicas=3) as lab:
+        yield lab
+
+
+@pytest.fixture
+def mended_module_lab(module_lab: Lab) -> Iterator[Lab]:
+    """``module_lab`` for one test: every replica's faults cleared (stopped ones started) after it."""
+    yield module_lab
+    mend(module_lab)
 
 
 @pytest.fixture

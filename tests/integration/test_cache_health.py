@@ -24,6 +24,10 @@ def replica(lab, i: int) -> str:
 def start(lab, start_guard, tmp_path, *extra: str):
     g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(tmp_path / "audit.db"),
                      "--discovery-interval", "5", *extra])
+    return synced(g)
+
+
+def synced(g):
     eventually(lambda: all(v["watch"] and v["watch"]["state"] == "synced"
                            for v in g.get("/readyz", timeout=5).json()["details"]["replicas"].values())
                and len(g.get("/readyz", timeout=5).json()["details"]["replicas"]) == 3,
@@ -52,49 +56,6 @@ def revision_rounds(lab, since: float) -> int:
                 and "resourceVersion" not in x.query])
 
 
-def test_a_pod_whose_creation_a_replica_lost_is_reported_missing_there_until_it_is_written_again(
-        lab, start_guard, tmp_path):
-    # --frozen-after 3: a revision round every tick (1 s), which the test counts as ticks below
-    g = start(lab, start_guard, tmp_path, "--missing-after", "2", "--frozen-after", "3")
-    lost = replica(lab, 1)
-    lab.replicas[1].faults.drop_creates(namespace="default", name="lost")
-    api = lab.core_v1(0)
-    created = time.monotonic()
-    uid = api.create_namespaced_pod("default", pod_manifest("lost"), _request_timeout=5).metadata.uid
-
-    eventually(lambda: g.metric("ghost_guard_replica_pods_missing", replica=lost) == 1, 30,
-               what="the missing-pod gauge", process=g)
-    took = time.monotonic() - created
-    print(f"\nmissing pod reported {took:.2f}s after its creation (--missing-after 2)")
-    assert took >= 2.0  # never before --missing-after
-    assert g.metric("ghost_guard_replica_pods_missing_detections_total", replica=lost) == 1
-    for other in (0, 2):
-        assert g.metric("ghost_guard_replica_pods_missing", replica=replica(lab, other)) == 0
-        assert g.metric("ghost_guard_replica_pods_missing_detections_total", replica=replica(lab, other)) == 0
-    assert "lost" not in cached_names(lab, 1, "default") and "lost" in cached_names(lab, 0, "default")
-
-    (event,) = eventually(lambda: missing_events(lab, uid), 10, what="the PodMissingFromReplica Event")
-    assert event.type == "Warning" and lost in event.message and "ghost-guard heal default/lost" in event.message
-    detail = caches(g, lambda d: d[lost]["pods_missing"])
-    assert (detail[lost]["pods_missing"], detail[lost]["missing"], detail[lost]["frozen"]) == (
-        1, [f"default/lost ({uid})"], False)
-    assert all(detail[replica(lab, i)]["pods_missing"] == 0 for i in (0, 2))
-    # three more ticks (counted by their revision reads): still one detection, one Event (deduplicated), count 1
-    since = time.time()
-    eventually(lambda: revision_rounds(lab, since) >= 3, 20, what="three more ticks", process=g)
-    assert g.metric("ghost_guard_replica_pods_missing_detections_total", replica=lost) == 1
-    (event,) = missing_events(lab, uid)
-    assert event.count == 1
-
-    # One write to the pod reaches every cache whose watch flows (what `ghost-guard heal` does):
-    # replica 2 stores it, its watchers see it ADDED, the guard sees it there.
-    api.patch_namespaced_pod("lost", "default", {"metadata": {"annotations": {"touched": "1"}}}, _request_timeout=5)
-    eventually(lambda: g.metric("ghost_guard_replica_pods_missing", replica=lost) == 0, 20,
-               what="the gauge to clear", process=g)
-    assert "lost" in cached_names(lab, 1, "default")
-    assert g.metric("ghost_guard_replica_frozen") == 0
-
-
 def test_with_no_prepare_a_pod_whose_creation_a_replica_lost_is_still_reported_missing(lab, start_guard, tmp_path):
     """--no-prepare turns off verifying ahead, not the per-replica views (guard/engine/replica_views.py): every
     replica's cache is listed all the same and the missing-pod check compares them."""
@@ -121,39 +82,9 @@ def test_with_no_prepare_a_pod_whose_creation_a_replica_lost_is_still_reported_m
     assert g.metric("ghost_guard_watch_fallback") == 0
 
 
-def test_a_frozen_replica_is_named_and_a_thawed_one_cleared(lab, start_guard, tmp_path):
-    g = start(lab, start_guard, tmp_path, "--frozen-after", "3")  # revisions read every tick (1 s)
-    frozen = replica(lab, 2)
-    lab.replicas[2].faults.freeze_watch()
-    froze = time.monotonic()
-    api = lab.core_v1(0)
-    for i in range(3):  # etcd moves on
-        api.create_namespaced_pod("default", pod_manifest(f"after-{i}"), _request_timeout=5)
-    eventually(lambda: g.metric("ghost_guard_replica_frozen", replica=frozen) == 1, 30,
-               what="the frozen gauge", process=g)
-    took = time.monotonic() - froze
-    print(f"\nfrozen replica named {took:.2f}s after its watch froze (--frozen-after 3)")
-    assert took >= 3.0
-    for other in (0, 1):
-        assert g.metric("ghost_guard_replica_frozen", replica=replica(lab, other)) == 0
-        assert g.metric("ghost_guard_replica_seconds_behind", replica=replica(lab, other)) == 0
-    assert g.metric("ghost_guard_replica_seconds_behind", replica=frozen) >= 3
-    # Its pods are behind, not missing: a frozen cache has not reached their revision.
-    assert g.metric("ghost_guard_replica_pods_missing_detections_total") == 0
-    detail = caches(g, lambda d: d[frozen]["frozen"])
-    assert detail[frozen]["frozen"] is True and detail[frozen]["cache_revision"] < lab.revision()
-    assert "watch is frozen" in g.logs()
-
-    lab.replicas[2].faults.unfreeze_watch()
-    eventually(lambda: g.metric("ghost_guard_replica_frozen", replica=frozen) == 0, 20,
-               what="the frozen gauge to clear", process=g)
-    eventually(lambda: g.metric("ghost_guard_replica_seconds_behind", replica=frozen) == 0, 10,
-               what="seconds behind to clear", process=g)
-    assert g.metric("ghost_guard_replica_pods_missing_detections_total") == 0
-
-
 def test_a_replica_that_lags_past_missing_after_is_not_blamed(lab, start_guard, tmp_path):
-    g = start(lab, start_guard, tmp_path, "--missing-after", "1", "--frozen-after", "30")
+    # --frozen-after 15: far above the lag made here (a few seconds), and a revision round every 5 s
+    g = start(lab, start_guard, tmp_path, "--missing-after", "1", "--frozen-after", "15")
     lagging = lab.replicas[1]
     lagging.faults.freeze_watch()  # it will catch up: a lag longer than --missing-after
     since = time.time()
@@ -220,10 +151,8 @@ def test_report_live_names_the_missing_pod_and_the_frozen_replica(lab, tmp_path)
     """``report --live`` looks for 5 s each run: the table run is the real ``python -m guard`` process, run
     while the JSON run goes in-process (tests/clirun.py) on the same lab state; the last run in-process."""
     import json
-    import subprocess
-    import sys
 
-    from clirun import ghost_guard
+    from clirun import ghost_guard, ghost_guard_beside_process
 
     lab.replicas[1].faults.drop_creates(namespace="default", name="lost")
     api = lab.core_v1(0)
@@ -232,18 +161,14 @@ def test_report_live_names_the_missing_pod_and_the_frozen_replica(lab, tmp_path)
     lab.replicas[2].faults.freeze_watch()
     api.create_namespaced_pod("default", pod_manifest("later"), _request_timeout=5)  # etcd moves on
     args = ["report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", str(tmp_path / "none.db")]
-    table = subprocess.Popen([sys.executable, "-m", "guard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
-    try:
+
+    def first(table) -> None:
         # what is ready first is printed first: the audit store's part while the replicas are still being read
         assert table.stdout.readline() == f"No audit store at {tmp_path / 'none.db'}: ghosts not reported.\n"
         assert table.poll() is None
-        r = ghost_guard(*args, "-o", "json")
-        out, err = table.communicate(timeout=120)
-    finally:
-        if table.poll() is None:
-            table.kill()
-            table.wait()
+
+    table, r = ghost_guard_beside_process(args, ["-o", "json"], first)
+    out, err = table.stdout, table.stderr
     assert r.returncode == 1, r.stdout + r.stderr
     caches = {c["replica"]: c for c in json.loads(r.stdout)["replica_caches"]}
     ok, lost, frozen = (replica(lab, i) for i in range(3))
@@ -265,3 +190,101 @@ def test_report_live_names_the_missing_pod_and_the_frozen_replica(lab, tmp_path)
     r = ghost_guard(*args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1] == "Every replica's cache keeps up with etcd and misses no pending pod."
+
+
+# The last two tests share one lab and one guard (started after the tests above, so it never runs beside
+# theirs): distinct pod names, counters compared with their value at the test's start, faults cleared after.
+@pytest.fixture(scope="module")
+def health_guard(module_lab, module_guard, tmp_path_factory):
+    audit = tmp_path_factory.mktemp("cache-health") / "audit.db"
+    return synced(module_guard(["--kubeconfig", module_lab.kubeconfig(0), "--audit-db", str(audit),
+                                "--discovery-interval", "5", "--missing-after", "2", "--frozen-after", "3"]))
+
+
+@pytest.fixture
+def shared(mended_module_lab, health_guard):
+    return mended_module_lab, health_guard
+
+
+def test_a_pod_whose_creation_a_replica_lost_is_reported_missing_there_until_it_is_written_again(shared):
+    # --frozen-after 3: a revision round every tick (1 s), which the test counts as ticks below
+    lab, g = shared
+    lost = replica(lab, 1)
+    detections = {i: g.metric("ghost_guard_replica_pods_missing_detections_total", replica=replica(lab, i))
+                  for i in range(3)}
+
+    def detected(i: int) -> float:  # since the test began (the guard is the module's)
+        return g.metric("ghost_guard_replica_pods_missing_detections_total", replica=replica(lab, i)) - detections[i]
+
+    lab.replicas[1].faults.drop_creates(namespace="default", name="lost")
+    api = lab.core_v1(0)
+    created = time.monotonic()
+    uid = api.create_namespaced_pod("default", pod_manifest("lost"), _request_timeout=5).metadata.uid
+
+    eventually(lambda: g.metric("ghost_guard_replica_pods_missing", replica=lost) == 1, 30,
+               what="the missing-pod gauge", process=g)
+    took = time.monotonic() - created
+    print(f"\nmissing pod reported {took:.2f}s after its creation (--missing-after 2)")
+    assert took >= 2.0  # never before --missing-after
+    assert detected(1) == 1
+    for other in (0, 2):
+        assert g.metric("ghost_guard_replica_pods_missing", replica=replica(lab, other)) == 0
+        assert detected(other) == 0
+    assert "lost" not in cached_names(lab, 1, "default") and "lost" in cached_names(lab, 0, "default")
+
+    (event,) = eventually(lambda: missing_events(lab, uid), 10, what="the PodMissingFromReplica Event")
+    assert event.type == "Warning" and lost in event.message and "ghost-guard heal default/lost" in event.message
+    detail = caches(g, lambda d: d[lost]["pods_missing"])
+    assert (detail[lost]["pods_missing"], detail[lost]["missing"], detail[lost]["frozen"]) == (
+        1, [f"default/lost ({uid})"], False)
+    assert all(detail[replica(lab, i)]["pods_missing"] == 0 for i in (0, 2))
+    # three more ticks (counted by their revision reads): still one detection, one Event (deduplicated), count 1
+    since = time.time()
+    eventually(lambda: revision_rounds(lab, since) >= 3, 20, what="three more ticks", process=g)
+    assert detected(1) == 1
+    (event,) = missing_events(lab, uid)
+    assert event.count == 1
+
+    # One write to the pod reaches every cache whose watch flows (what `ghost-guard heal` does):
+    # replica 2 stores it, its watchers see it ADDED, the guard sees it there.
+    api.patch_namespaced_pod("lost", "default", {"metadata": {"annotations": {"touched": "1"}}}, _request_timeout=5)
+    eventually(lambda: g.metric("ghost_guard_replica_pods_missing", replica=lost) == 0, 20,
+               what="the gauge to clear", process=g)
+    assert "lost" in cached_names(lab, 1, "default")
+    assert g.metric("ghost_guard_replica_frozen") == 0
+
+
+def test_a_frozen_replica_is_named_and_a_thawed_one_cleared(shared):
+    # The module's shared guard: --frozen-after 3 reads revisions every tick (1 s); its --missing-after 2 is the
+    # missing-pod test's (test_a_replica_that_lags_past_missing_after_is_not_blamed proves a cache behind etcd is
+    # not called missing)
+    lab, g = shared
+    frozen = replica(lab, 2)
+    detections = g.metric("ghost_guard_replica_pods_missing_detections_total")
+    logged = len(g.logs())
+    lab.replicas[2].faults.freeze_watch()
+    froze = time.monotonic()
+    api = lab.core_v1(0)
+    for i in range(3):  # etcd moves on
+        api.create_namespaced_pod("default", pod_manifest(f"after-{i}"), _request_timeout=5)
+    eventually(lambda: g.metric("ghost_guard_replica_frozen", replica=frozen) == 1, 30,
+               what="the frozen gauge", process=g)
+    took = time.monotonic() - froze
+    print(f"\nfrozen replica named {took:.2f}s after its watch froze (--frozen-after 3)")
+    assert took >= 3.0
+    for other in (0, 1):
+        assert g.metric("ghost_guard_replica_frozen", replica=replica(lab, other)) == 0
+        assert g.metric("ghost_guard_replica_seconds_behind", replica=replica(lab, other)) == 0
+    assert g.metric("ghost_guard_replica_seconds_behind", replica=frozen) >= 3
+    # Its pods are behind, not missing: a frozen cache has not reached their revision.
+    assert g.metric("ghost_guard_replica_pods_missing_detections_total") == detections
+    detail = caches(g, lambda d: d[frozen]["frozen"])
+    assert detail[frozen]["frozen"] is True and detail[frozen]["cache_revision"] < lab.revision()
+    assert "watch is frozen" in g.logs()[logged:]
+
+    lab.replicas[2].faults.unfreeze_watch()
+    eventually(lambda: g.metric("ghost_guard_replica_frozen", replica=frozen) == 0, 20,
+               what="the frozen gauge to clear", process=g)
+    eventually(lambda: g.metric("ghost_guard_replica_seconds_behind", replica=frozen) == 0, 10,
+               what="seconds behind to clear", process=g)
+    assert g.metric("ghost_guard_replica_pods_missing_detections_total") == detections

@@ -35,11 +35,13 @@ def test_a_lost_node_delete_is_recorded_in_both_stores_once_with_its_stale_repli
     db = str(tmp_path / "audit.db")
     sqlite = ["--db", db]
     kube = ["--audit-store", "kubernetes", "--kubeconfig", lab.kubeconfig(2)]
-    g1 = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", db, *FAST])
+    # both guards start at once (each start is seconds of a loaded machine's time, mostly waiting)
+    g1 = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", db, *FAST], wait=None)
     g2 = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-store", "kubernetes", "--audit-write-interval", "0.2",
-                      *FAST])
+                      *FAST], wait=None)
     replicas = [f"{r.ip}:{r.port}" for r in lab.replicas]
     for g in (g1, g2):
+        g.wait("/readyz", timeout=60)  # as start_guard waits
         eventually(lambda: all(g.metric("ghost_guard_node_watch_up", replica=r) == 1 for r in replicas),
                    what="every replica's Nodes watched", process=g)
     assert node_records(*sqlite) == [] and node_records(*kube) == []

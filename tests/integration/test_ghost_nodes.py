@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from clirun import ghost_guard
+from clirun import ghost_guard, ghost_guard_beside_process
+from fixtures_lab import mend
 
 from guard.lab.harness import eventually, node_manifest, pod_manifest
 
@@ -35,14 +36,38 @@ def cached_nodes(lab, replica: int) -> set[str]:
     return {n.metadata.name for n in lab.core_v1(replica).list_node(resource_version="0", _request_timeout=5).items}
 
 
-def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(lab, start_guard):
+@pytest.fixture(scope="module")
+def nodes_guard(module_lab, module_guard):
+    """One guard (``FAST``) for the module's tests that need no other flag: they use distinct Node names and
+    compare counters with their value at the test's start."""
+    g = module_guard(["--kubeconfig", module_lab.kubeconfig(0), *FAST])
+    replicas = [f"{r.ip}:{r.port}" for r in module_lab.replicas]
+    eventually(lambda: all(g.metric("ghost_guard_node_watch_up", replica=r) == 1 for r in replicas),
+               what="every replica's Nodes watched", process=g)
+    return g
+
+
+@pytest.fixture
+def shared(mended_module_lab, nodes_guard):
+    return mended_module_lab, nodes_guard
+
+
+def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(shared):
+    lab, g = shared
     api = lab.core_v1(0)
     for name in ("real-node", "ghost-node", "churn-node"):
         api.create_node(node_manifest(name), _request_timeout=5)
-    g = start_guard(["--kubeconfig", lab.kubeconfig(0), *FAST])
     replicas = [f"{r.ip}:{r.port}" for r in lab.replicas]
-    eventually(lambda: all(g.metric("ghost_guard_node_watch_up", replica=r) == 1 for r in replicas),
-               what="every replica's Nodes watched")
+    eventually(lambda: all({"real-node", "ghost-node", "churn-node"} <= cached_nodes(lab, i) for i in range(3)),
+               what="every replica's cache holds the Nodes")
+    stale = replicas[1]
+    counters = {(m, labels): g.metric(m, **dict(labels)) for m, labels in (
+        ("ghost_guard_ghost_node_candidates_failed_total", (("verb", "filter"),)),
+        ("ghost_guard_ghost_node_candidates_failed_total", (("verb", "preempt"),)),
+        ("ghost_guard_ghost_node_detections_total", (("replica", stale),)))}
+
+    def counted(metric: str, **labels: str) -> float:  # since the test began (the guard is the module's)
+        return g.metric(metric, **labels) - counters[(metric, tuple(labels.items()))]
 
     # Nodes added and deleted normally (every replica sees it): no quorum read of any Node.
     api.delete_node("churn-node", _request_timeout=5)
@@ -57,7 +82,6 @@ def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(lab, start_guard):
                what="the healthy replicas drop it")
     assert "ghost-node" in cached_nodes(lab, 1)  # the stale one still serves it
 
-    stale = replicas[1]
     eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, what="the ghost Node attributed")
     assert g.metric("ghost_guard_ghost_nodes", replica=replicas[0]) == 0
     assert g.metric("ghost_guard_ghost_nodes", replica=replicas[2]) == 0
@@ -84,22 +108,24 @@ def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(lab, start_guard):
     out = g.post("/preempt", {"Pod": scheduler_pod(pod), "NodeNameToVictims": None,
                               "NodeNameToMetaVictims": victims}).json()
     assert list(out["NodeNameToMetaVictims"]) == ["real-node"]
-    assert g.metric("ghost_guard_ghost_node_candidates_failed_total", verb="filter") == 2
-    assert g.metric("ghost_guard_ghost_node_candidates_failed_total", verb="preempt") == 1
+    assert counted("ghost_guard_ghost_node_candidates_failed_total", verb="filter") == 2
+    assert counted("ghost_guard_ghost_node_candidates_failed_total", verb="preempt") == 1
 
     event = eventually(lambda: next((e for e in api.list_namespaced_event("default", _request_timeout=5).items
                                      if e.reason == "GhostNode" and e.involved_object.name == "ghost-node"), None),
                        what="the GhostNode Event")
     assert event.involved_object.kind == "Node" and stale in event.message
-    assert g.metric("ghost_guard_ghost_node_detections_total", replica=stale) == 1
+    assert counted("ghost_guard_ghost_node_detections_total", replica=stale) == 1
 
-    # `report --live` names it too, from its own reads (no guard, no audit store needed).
-    r = ghost_guard("report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db", "-o", "json")
+    # `report --live` names it too, from its own reads (no guard, no audit store needed). Each run looks for
+    # 5 s: the table run is the real `python -m guard` process, run while the JSON run goes in-process.
+    args = ["report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db"]
+    table, r = ghost_guard_beside_process(args, ["-o", "json"])
     assert r.returncode == 1, r.stdout + r.stderr
     doc = json.loads(r.stdout)
     assert doc["ghost_nodes"] == [{"node": "ghost-node", "replicas": [stale]}] and doc["ghost_node_errors"] == []
-    r = ghost_guard("report", "--live", "--kubeconfig", lab.kubeconfig(0), "--db", "/nonexistent/none.db")
-    assert "ghost-node" in r.stdout and stale in r.stdout
+    assert table.returncode == 1, table.stdout + table.stderr
+    assert "ghost-node" in table.stdout and stale in table.stdout
 
     # The Node is created again under that name: etcd has it, the guard never refuses it.
     api.create_node(node_manifest("ghost-node"), _request_timeout=5)
@@ -110,49 +136,62 @@ def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(lab, start_guard):
     assert json.loads(r.stdout)["ghost_nodes"] == []
 
 
-def test_a_node_read_that_fails_passes_the_node(lab, start_guard):
-    """Fail open: while etcd cannot be read the replicas' disagreement condemns nothing."""
+def test_heal_node_drops_the_ghost_node_from_the_stale_cache_without_a_restart(shared):
+    lab, g = shared
     api = lab.core_v1(0)
-    api.create_node(node_manifest("ghost-node"), _request_timeout=5)
-    g = start_guard(["--kubeconfig", lab.kubeconfig(0), *FAST, "--get-timeout", "0.5"])
-    replicas = [f"{r.ip}:{r.port}" for r in lab.replicas]
-    eventually(lambda: all(g.metric("ghost_guard_node_watch_up", replica=r) == 1 for r in replicas),
-               what="every replica's Nodes watched")
-    pod = api.create_namespaced_pod("default", pod_manifest("web-2"), _request_timeout=5)
-    # the quorum read (through replica 0, the kubeconfig's) fails
-    lab.replicas[0].faults.add("status", method="GET", path="^/api/v1/nodes/ghost-node$", status=500)
-    lab.replicas[1].faults.drop_deletes(name="ghost-node", resource="nodes")
-    api.delete_node("ghost-node", _request_timeout=5)
-    eventually(lambda: "ghost-node" not in cached_nodes(lab, 0), what="replica 0 drops it")
-    eventually(lambda: g.metric("ghost_guard_node_reads_total", outcome="error") >= 1, what="a failed read")
-    out = g.post("/filter", {"Pod": scheduler_pod(pod), "Nodes": None, "NodeNames": ["ghost-node"]}).json()
-    assert out["NodeNames"] == ["ghost-node"] and out["FailedAndUnresolvableNodes"] == {}
-    assert g.metric("ghost_guard_ghost_nodes", replica=replicas[1]) == 0
-
-
-def test_heal_node_drops_the_ghost_node_from_the_stale_cache_without_a_restart(lab, start_guard):
-    api = lab.core_v1(0)
-    for name in ("real-node", "ghost-node"):
+    for name in ("healthy-node", "lost-node"):
         api.create_node(node_manifest(name), _request_timeout=5)
-    real_uid = api.read_node("real-node", _request_timeout=5).metadata.uid
-    g = start_guard(["--kubeconfig", lab.kubeconfig(0), *FAST])
+    real_uid = api.read_node("healthy-node", _request_timeout=5).metadata.uid
+    eventually(lambda: all({"healthy-node", "lost-node"} <= cached_nodes(lab, i) for i in range(3)),
+               what="every replica's cache holds the Nodes")
     stale = f"{lab.replicas[1].ip}:{lab.replicas[1].port}"
-    lab.replicas[1].faults.drop_deletes(name="ghost-node", resource="nodes", count=1)
-    api.delete_node("ghost-node", _request_timeout=5)
+    lab.replicas[1].faults.drop_deletes(name="lost-node", resource="nodes", count=1)
+    api.delete_node("lost-node", _request_timeout=5)
     eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, what="the ghost Node attributed")
 
-    r = ghost_guard("heal", "node/ghost-node", "node/real-node", "--kubeconfig", lab.kubeconfig(0), "-o", "json")
+    r = ghost_guard("heal", "node/lost-node", "node/healthy-node", "--kubeconfig", lab.kubeconfig(0), "-o", "json")
     assert r.returncode == 0, r.stdout + r.stderr
     nodes = {n["node"]: n for n in json.loads(r.stdout)["nodes"]}
-    assert nodes["ghost-node"]["outcome"] == "healed" and nodes["ghost-node"]["serving_before"] == [stale]
-    assert nodes["real-node"]["outcome"] == "etcd-has-it"  # a Node etcd has is never touched
-    assert api.read_node("real-node", _request_timeout=5).metadata.uid == real_uid
-    assert "ghost-node" not in cached_nodes(lab, 1)  # the stale replica, no restart
-    assert all("ghost-node" not in cached_nodes(lab, i) for i in range(3))
-    assert "ghost-node" not in {n.metadata.name for n in api.list_node(_request_timeout=5).items}  # no placeholder left
+    assert nodes["lost-node"]["outcome"] == "healed" and nodes["lost-node"]["serving_before"] == [stale]
+    assert nodes["healthy-node"]["outcome"] == "etcd-has-it"  # a Node etcd has is never touched
+    assert api.read_node("healthy-node", _request_timeout=5).metadata.uid == real_uid
+    assert "lost-node" not in cached_nodes(lab, 1)  # the stale replica, no restart
+    assert all("lost-node" not in cached_nodes(lab, i) for i in range(3))
+    assert "lost-node" not in {n.metadata.name for n in api.list_node(_request_timeout=5).items}  # no placeholder left
     eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 0, what="the guard sees it healed")
 
-    r = ghost_guard("heal", "node/ghost-node", "--kubeconfig", lab.kubeconfig(0))
+    r = ghost_guard("heal", "node/lost-node", "--kubeconfig", lab.kubeconfig(0))
     assert r.returncode == 0 and "consistent" in r.stdout, r.stdout + r.stderr
     r = ghost_guard("heal", "node/Bad_Name", "--kubeconfig", lab.kubeconfig(0))
     assert r.returncode == 2 and "node/NAME" in r.stderr
+
+
+def test_a_node_read_that_fails_passes_the_node(shared):
+    """Fail open: while etcd cannot be read the replicas' disagreement condemns nothing."""
+    lab, g = shared
+    api = lab.core_v1(0)
+    api.create_node(node_manifest("unread-node"), _request_timeout=5)
+    replicas = [f"{r.ip}:{r.port}" for r in lab.replicas]
+    eventually(lambda: all("unread-node" in cached_nodes(lab, i) for i in range(3)),
+               what="every replica's cache holds the Node")
+    errors = g.metric("ghost_guard_node_reads_total", outcome="error")
+    pod = api.create_namespaced_pod("default", pod_manifest("web-2"), _request_timeout=5)
+    # the quorum read (through replica 0, the kubeconfig's) fails
+    lab.replicas[0].faults.add("status", method="GET", path="^/api/v1/nodes/unread-node$", status=500)
+    lab.replicas[1].faults.drop_deletes(name="unread-node", resource="nodes")
+    api.delete_node("unread-node", _request_timeout=5)
+    eventually(lambda: "unread-node" not in cached_nodes(lab, 0), what="replica 0 drops it")
+    eventually(lambda: g.metric("ghost_guard_node_reads_total", outcome="error") > errors, what="a failed read")
+    out = g.post("/filter", {"Pod": scheduler_pod(pod), "Nodes": None, "NodeNames": ["unread-node"]}).json()
+    assert out["NodeNames"] == ["unread-node"] and out["FailedAndUnresolvableNodes"] == {}
+    assert g.metric("ghost_guard_ghost_nodes", replica=replicas[1]) == 0
+
+    # The shared lab left consistent, with no ghost: the Node written again (replica 1 stores it over the stale
+    # one), then deleted with every fault cleared.
+    uid = api.create_node(node_manifest("unread-node"), _request_timeout=5).metadata.uid
+    eventually(lambda: all(any(n.metadata.name == "unread-node" and n.metadata.uid == uid for n in
+                               lab.core_v1(i).list_node(resource_version="0", _request_timeout=5).items)
+                           for i in range(3)), what="every replica's cache holds the new Node")
+    mend(lab)
+    api.delete_node("unread-node", _request_timeout=5)
+    eventually(lambda: all("unread-node" not in cached_nodes(lab, i) for i in range(3)), what="the Node gone")
