@@ -114,7 +114,7 @@ def test_a_forged_flood_is_shed_before_it_costs_a_real_ghost_its_record_event_or
     assert [r["uid"] for r in kept] == [real_uid]
 
 
-def test_known_shed_reasons_are_exported_from_zero(start_guard, lab, tmp_path):
-    g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(tmp_path / "a.db")])
+def test_known_shed_reasons_are_exported_from_zero(start_guard, shared_lab, tmp_path):
+    g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", str(tmp_path / "a.db")])
     for reason in ("namespace-budget", "global-budget", "queue-full"):
         assert f'ghost_guard_flood_shed_total{{reason="{reason}"}} 0.0' in g.get("/metrics", timeout=5).text
