@@ -79,6 +79,14 @@ class _Guards:
             g.wait(wait, timeout=READY_TIMEOUT)
         return g
 
+    def together(self, *arg_lists: list[str], **options) -> list[GuardProcess]:
+        """One guard per argument list, started at once (their start-ups overlap), then each waited for as
+        ``self(args)`` waits (``/readyz``)."""
+        guards = [self(args, wait=None, **options) for args in arg_lists]
+        for g in guards:
+            g.wait("/readyz", timeout=READY_TIMEOUT)
+        return guards
+
     def stop(self, *guards: GuardProcess) -> None:
         """Stop these guards (default: every one started here) and wait until they exited; their log files
         stay readable."""

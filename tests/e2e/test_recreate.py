@@ -22,16 +22,20 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import clirun
 import pytest
 from clirun import ghost_guard
+from fixtures_lab import _report, mend
 from guardstate import probes_done, view_pods, views_hold
+from kubernetes.client.exceptions import ApiException
 from payloads import binding_review, filter_body
 
-from guard.lab.harness import create, eventually, node_manifest, pod_manifest, quorum_pod
-from guard.lab.scheduler import ExtenderConfig, PodStats, Timings
+from guard.lab import Lab
+from guard.lab.harness import GuardProcess, create, eventually, node_manifest, pod_manifest, quorum_pod
+from guard.lab.scheduler import ExtenderConfig, PodStats, Scheduler, Timings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -104,22 +108,27 @@ def no_replica_blamed(g) -> None:
     assert g.metric("ghost_guard_verdicts_retracted_total") == 0
 
 
+def rig(lab, start_guard, start_scheduler, db: str, nodes: list[str], store: list[str] = ()):
+    """``nodes`` created, then a guard (audit db ``db``) and a scheduler on replica 1 with the guard as extender:
+    (guard, audit db, scheduler)."""
+    api = lab.core_v1(2)
+    for name in nodes:
+        create(api, node_manifest(name))
+    g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", db, *GUARD_FLAGS, *store])
+    eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery", process=g)
+    assert lab.wait_synced()
+    ext = ExtenderConfig(url_prefix=g.base, filter_verb="filter", preempt_verb="preempt",
+                         node_cache_capable=True, http_timeout=5.0)
+    sched = start_scheduler(lab.kubeconfig(1), timings=FAST, extenders=[ext])
+    return g, db, sched
+
+
 @pytest.fixture
 def guarded(lab, start_guard, lab_scheduler, tmp_path):
     """Factory: ``guarded(nodes)`` -> (guard, audit db, scheduler on replica 1 with the guard as extender)."""
 
     def start(nodes: list[str], store: list[str] = ()):
-        api = lab.core_v1(2)
-        for name in nodes:
-            create(api, node_manifest(name))
-        db = str(tmp_path / "audit.db")
-        g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", db, *GUARD_FLAGS, *store])
-        eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery", process=g)
-        assert lab.wait_synced()
-        ext = ExtenderConfig(url_prefix=g.base, filter_verb="filter", preempt_verb="preempt",
-                             node_cache_capable=True, http_timeout=5.0)
-        sched = lab_scheduler(lab.kubeconfig(1), timings=FAST, extenders=[ext])
-        return g, db, sched
+        return rig(lab, start_guard, lab_scheduler, str(tmp_path / "audit.db"), nodes, store)
 
     return start
 
@@ -398,9 +407,53 @@ def recreate_in_the_window(lab, g, api, name: str, cached: str, first: str, pend
     return uid_a, uid_b, window
 
 
+@dataclass
+class Rig:
+    lab: Lab
+    guard: GuardProcess
+    db: str
+    sched: Scheduler
+    blocked: list[str]  # every A blocked by the tests before (their audit records stay)
+
+
+@pytest.fixture(scope="module")
+def window_rig(module_guard, tmp_path_factory) -> Iterator[Rig]:
+    """One lab, guard and scheduler (no node) for the four orders of the late-filter test (``rigged``)."""
+    schedulers: list[Scheduler] = []
+
+    def start_scheduler(kubeconfig: str, **options) -> Scheduler:
+        s = Scheduler(kubeconfig, **options)
+        schedulers.append(s)
+        s.start()
+        return s
+
+    with Lab(replicas=3) as lab:
+        try:
+            g, db, sched = rig(lab, module_guard, start_scheduler, str(tmp_path_factory.mktemp("window") / "audit.db"), [])
+            yield Rig(lab, g, db, sched, [])
+        finally:
+            for s in schedulers:
+                s.stop()
+
+
+@pytest.fixture
+def rigged(window_rig: Rig, request) -> Iterator[Rig]:
+    """``window_rig`` as each late-filter test needs it: every fault cleared and no node, in etcd nor in the
+    scheduler's informer (so it holds the test's pods pending and never asks by itself). Each test uses pod
+    names of its own, and its pods end bound (so no view of the guard holds them as unscheduled); node-a,
+    which it creates to bind them, is deleted after it."""
+    lab, sched = window_rig.lab, window_rig.sched
+    eventually(lambda: sched.informer_nodes() == {}, 10, what="no node in the scheduler's informer")
+    yield window_rig
+    _report(lab, request)
+    mend(lab)
+    with contextlib.suppress(ApiException):
+        lab.core_v1(2).delete_node("node-a", _request_timeout=5)
+
+
 @pytest.mark.parametrize("first", ["call", "background"])
 @pytest.mark.parametrize("cached", ["404", "old-generation"])
-def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab, guarded, cached, first):
+def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(rigged, cached, first):
     """web-0 (uid A) is deleted; the scheduler's late /filter for A arrives right after (its quorum
     GET 404 is cached by name for 0.5 s), or a read of A's generation was cached just before the
     delete; the controller recreates web-0 (uid B) inside that window. Either a /filter for B
@@ -411,16 +464,17 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
 
     "Inside the window" is wall-clock time on the test's side, which a busy machine can stretch
     past 0.5 s: such an attempt still checks that B passes, and the recreate is tried again under
-    the next name (web-1, web-2) until one lands inside the window; the test fails if none does.
+    the next name (web-...-1, web-...-2) until one lands inside the window; the test fails if none does.
+    The four orders share one lab, guard and scheduler (``rigged``), each with pod names of its own.
     The same interleavings on a fake clock, where the window never runs out, are
     tests/state/test_verdict_state.py::test_a_recreate_inside_the_burst_window_never_condemns_the_new_pod
     and ::test_background_verification_of_the_recreated_pod_rereads_past_the_cached_404."""
-    g, db, sched = guarded([])
+    lab, g, db, sched = rigged.lab, rigged.guard, rigged.db, rigged.sched
     api = lab.core_v1(2)
     pods: list[tuple[str, str, str]] = []  # (name, uid A, uid B), one per attempt
     windows: list[float] = []
     for attempt in range(ATTEMPTS):
-        name = f"web-{attempt}"
+        name = f"web-{cached}-{first}-{attempt}"  # names of its own: the guard and lab are the module's
         uid_a, uid_b, window = recreate_in_the_window(lab, g, api, name, cached, first, pending=len(pods))
         pods.append((name, uid_a, uid_b))
         windows.append(window)
@@ -443,10 +497,12 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
     # Every follow-up (audit, etcd, probes, confirmation after 1 s) is done: each A blocked has its record, its
     # probe rounds (guardstate.probes_done) and its Event.
     blocked_a = sorted(a for _, a, _ in pods) if cached == "404" else []
+    rigged.blocked += blocked_a
+    recorded = sorted(rigged.blocked)  # the A's blocked by this test and by those before it: records of no other pod
 
     def followed_up() -> bool:
         records = audit_records(db)
-        return (sorted(r["uid"] for r in records) == blocked_a and probes_done(records)
+        return (sorted(r["uid"] for r in records) == recorded and probes_done(records)
                 and {e.involved_object.uid for e in guard_events(lab) if e.reason == "GhostPodBlocked"} >= set(blocked_a))
 
     eventually(followed_up, 20, what="the follow-ups of each A blocked", interval=0.2, process=g)
@@ -460,7 +516,7 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(lab
     assert g.metric("ghost_guard_prepare_verified_total", verdict="ghost-deleted") == 0
     assert g.metric("ghost_guard_prepare_verified_total", verdict="ghost-replaced") == 0
     assert [e for e in guard_events(lab) if e.reason == "StaleWatchCache"] == []
-    assert sorted(r["uid"] for r in audit_records(db)) == (sorted(a for _, a, _ in pods) if cached == "404" else [])
+    assert sorted(r["uid"] for r in audit_records(db)) == recorded
     healthy_report(report(db))
     no_replica_blamed(g)
 

@@ -106,7 +106,7 @@ def test_kill_9_of_a_worker_mid_burst_loses_no_acknowledged_record(shared_lab, l
 def test_two_guards_on_one_store_record_each_ghost_once(shared_lab, lab_namespace, start_guard, tmp_path: Path) -> None:
     db = str(tmp_path / "audit.db")
     args = ["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", db, "--no-prepare", "--no-events", *UNBUDGETED]
-    guards = [start_guard(args), start_guard(args)]
+    guards = start_guard.together(args, args)
     ns, total = lab_namespace, 30
     session = requests.Session()
 

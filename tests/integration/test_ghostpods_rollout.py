@@ -34,7 +34,7 @@ def test_a_rollout_of_both_guards_mid_flood_loses_no_record(lab_factory, start_g
                       "--audit-store", "kubernetes", "--no-prepare", "--no-events",  # the default 20 writes/s: a backlog
                       *UNBUDGETED]
     lock = threading.Lock()
-    guards = [start_guard(args(0)), start_guard(args(1))]
+    guards = start_guard.together(args(0), args(1))
     blocked: set[tuple[str, str]] = set()
     unanswered: list[int] = []
     backlogs: list[float] = []  # records waiting in each old guard when it was stopped

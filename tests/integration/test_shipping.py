@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from clirun import ghost_guard  # `ghost-guard certs` in-process: the same command object, no interpreter start
 from cryptography import x509
 
 from guard.lab.harness import GuardProcess, eventually, free_port
@@ -33,11 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
 TLS_DIR = "/etc/ghost-guard/tls"
 SERVER_NAME = "ghost-guard.ghost-guard.svc"
-
-
-def ghost_guard(*args: str) -> subprocess.CompletedProcess:
-    code = "import sys; from guard.cli import main; sys.exit(main(prog_name='ghost-guard'))"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
 
 
 def deployment_container() -> dict:

@@ -33,8 +33,8 @@ def modes(g) -> dict[str, tuple[str, str]]:
 
 def test_only_the_called_guard_verifies_and_the_backlog_is_ready_after_the_takeover(lab, start_guard, tmp_path):
     args = ["--kubeconfig", lab.kubeconfig(0), "--no-events", "--discovery-interval", "5"]
-    called = start_guard([*args, "--audit-db", str(tmp_path / "a.db")])
-    idle = start_guard([*args, "--audit-db", str(tmp_path / "b.db")])
+    called, idle = start_guard.together([*args, "--audit-db", str(tmp_path / "a.db")],
+                                        [*args, "--audit-db", str(tmp_path / "b.db")])
     for g in (called, idle):
         eventually(lambda g=g: len(modes(g)) == 3 and all(m == ("list", "synced") for m in modes(g).values()), 20,
                    what="every replica listed, none watched", process=g)

@@ -162,6 +162,11 @@ class Scheduler:
         with self._lock:
             return copy.deepcopy(self._pods)
 
+    def informer_nodes(self) -> dict[str, Obj]:
+        """A copy of the node informer's store, keyed by node name."""
+        with self._lock:
+            return copy.deepcopy(self._nodes)
+
     def informer_stats(self) -> dict[str, dict[str, int]]:
         """LISTs and WATCHes each informer has made: ``{"pods": {"lists": n, "watches": m}, "nodes": {...}}``."""
         return {i.kind: {"lists": i.lists, "watches": i.watches} for i in self._informers}
