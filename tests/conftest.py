@@ -14,10 +14,13 @@ Helpers to import: ``payloads`` (what callers send), ``clirun`` (the CLI in-proc
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
 from guard.lab.harness import GuardProcess
+
+_TESTS = Path(__file__).resolve().parent
 
 try:  # the lab fixtures (needs the `lab` extra)
     from fixtures_lab import *  # noqa: F401,F403
@@ -26,9 +29,35 @@ except ImportError as e:  # pragma: no cover - reported, not hidden
         raise
 
 
+# The kinds of tests, slowest first: the order in which a distributed run (pytest-xdist, ``-n``) hands out
+# its groups, so that the long files start first and the short ones fill the gaps at the end.
+_SLOWEST_FIRST = ("real", "e2e", "integration", "lab", "component", "state", "repo", "unit")
+
+
+def _file(item) -> str:
+    path = Path(item.path).resolve()
+    return path.relative_to(_TESTS).as_posix() if path.is_relative_to(_TESTS) else str(path)
+
+
+def _kind(item) -> str:
+    parts = _file(item).split("/")
+    return parts[0] if len(parts) > 1 else ""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """End-to-end tests run last."""
-    items.sort(key=lambda item: 1 if item.get_closest_marker("e2e") else 0)
+    """One test file is one group of a distributed run (``--dist loadgroup``): its module-scoped labs and
+    guards are started once, on one worker. The real tier is one group (its tests share one control plane,
+    started once). Run alone, end-to-end tests run last; distributed, the slowest kinds start first."""
+    for item in items:
+        kind = _kind(item)
+        group = "real" if kind == "real" else _file(item)
+        item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(config, "workerinput"):  # a worker of a distributed run
+        rank = {kind: i for i, kind in enumerate(_SLOWEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_kind(item), len(rank)))
+    else:
+        items.sort(key=lambda item: 1 if item.get_closest_marker("e2e") else 0)
 
 
 @pytest.fixture(scope="session", autouse=True)
