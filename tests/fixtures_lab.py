@@ -5,7 +5,8 @@
 - ``shared_lab``: one 3-replica lab per session for tests that only read and
   write objects; faults are cleared and stopped replicas restarted after each
   test. Use ``lab_namespace`` to keep objects apart.
-- ``module_lab``: a fresh 3-replica lab per test module, for a module whose tests share one guard
+- ``module_lab``: a fresh 3-replica lab per test module (a module overrides ``module_lab_replicas`` for
+  another count), for a module whose tests share one guard
   (``module_guard``); each test uses its own object names and clears the faults it set
   (``mend``).
 - ``mended_module_lab``: ``module_lab`` for one test, mended (``mend``) after it.
@@ -27,7 +28,7 @@ import pytest
 from guard.lab import Lab
 
 
-__all__ = ["lab", "lab_factory", "module_lab", "mended_module_lab", "lab_namespace", "lab_scheduler", "shared_lab", "_shared_lab_session"]
+__all__ = ["lab", "lab_factory", "module_lab", "module_lab_replicas", "mended_module_lab", "lab_namespace", "lab_scheduler", "shared_lab", "_shared_lab_session"]
 
 
 def _report(lab: Lab, request: pytest.FixtureRequest) -> None:
@@ -44,8 +45,14 @@ def lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
 
 
 @pytest.fixture(scope="module")
-def module_lab() -> Iterator[Lab]:
-    with Lab(replicas=3) as lab:
+def module_lab_replicas() -> int:
+    """How many replicas ``module_lab`` has: 3; a module that wants another count overrides this fixture."""
+    return 3
+
+
+@pytest.fixture(scope="module")
+def module_lab(module_lab_replicas: int) -> Iterator[Lab]:
+    with Lab(replicas=module_lab_replicas) as lab:
         yield lab
 
 

@@ -17,7 +17,6 @@ import pytest
 
 from fixtures_lab import _report
 
-from guard.lab import Lab
 from guard.tools import certs as guard_certs
 from guard.lab.harness import eventually, node_manifest, pod_manifest
 from guard.lab.scheduler import ExtenderConfig, PodStats, Scheduler, Timings, TLSConfig
@@ -85,18 +84,17 @@ def pass_all(verb, body):
 
 
 @pytest.fixture(scope="module")
-def _module_lab():
-    """One lab for the module, with one replica: the simulator reads and writes through replica 0 only
+def module_lab_replicas():
+    """``module_lab`` with one replica: the simulator reads and writes through replica 0 only
     (``lab.kubeconfig(0)``)."""
-    with Lab(replicas=1) as lab:
-        yield lab
+    return 1
 
 
 @pytest.fixture
-def lab(_module_lab, request):
+def lab(module_lab, request):
     """The module's lab, emptied after each test of what the tests create (Nodes, Pods in ``default``) and
     synced, so that each test's scheduler starts on its own objects only."""
-    lab = _module_lab
+    lab = module_lab
     yield lab
     _report(lab, request)
     api = lab.core_v1(0)
