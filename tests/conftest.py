@@ -30,7 +30,8 @@ except ImportError as e:  # pragma: no cover - reported, not hidden
 
 
 # The kinds of tests, slowest first: the order in which a distributed run (pytest-xdist, ``-n``) hands out
-# its groups, so that the long files start first and the short ones fill the gaps at the end.
+# its groups (`--no-loadscope-reorder`: in collection order, not by size), so that the long files start
+# first and the short ones fill the gaps at the end.
 _SLOWEST_FIRST = ("real", "e2e", "integration", "lab", "component", "state", "repo", "unit")
 
 
