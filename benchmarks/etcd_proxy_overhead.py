@@ -19,11 +19,11 @@ import threading
 import time
 from typing import Any
 
-import grpc
-
 from guard.lab.etcd import Etcd
 from guard.lab.real import etcdwire as w
-from guard.lab.real.etcdproxy import EtcdProxy
+from guard.lab.real.etcdproxy import EtcdProxy  # first: it imports grpc without fork handlers
+
+import grpc  # noqa: E402  (after etcdproxy, above)
 
 KEY = b"/registry/pods/default/bench"
 
