@@ -385,6 +385,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
 
     agg = cells(results)
     node_counts = sorted({k[0] for k in agg})
+    out.mkdir(parents=True, exist_ok=True)
     measures = [("pods_per_s", "pods/s", "scale_sweep_pods_per_s.png"),
                 ("cpu_ms_per_pod", "extender CPU ms per scheduled pod", "scale_sweep_cpu_per_pod.png"),
                 ("peak_rss_mib", "extender peak RSS (MiB)", "scale_sweep_rss.png"),
