@@ -33,8 +33,13 @@ WRITER = textwrap.dedent(
     from guard.audit.sqlite import AuditStore
     db, prefix, count, threads, shared, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     T0 = 1_780_000_000.0
+    said = threading.Lock()
+    def say(line):  # one write per line, under a lock: print() from two threads can splice two lines
+        with said:
+            sys.stdout.write(line + "\\n")
+            sys.stdout.flush()
     def announce(record):
-        print("new " + record.uid, flush=True)
+        say("new " + record.uid)
     store = AuditStore(db, on_new=announce if mode == "announce" else None)
     print("ready", flush=True)
     sys.stdin.readline()
@@ -46,7 +51,7 @@ WRITER = textwrap.dedent(
             store.record_probe(uid=uid, replica="https://127.0.0.2:6443", serves=True,
                                cache_resource_version=str(1000 + i), error=None, at=T0 + i)
             if mode == "ack":
-                print(uid, flush=True)
+                say(uid)
             if i < shared:
                 store.record_block(uid=f"shared-{i}", namespace="shared", name=f"shared-{i}", verdict="ghost-deleted",
                                    evidence={"quorum_get": {"http_status": 404}}, at=T0 + i)
