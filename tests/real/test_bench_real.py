@@ -25,11 +25,8 @@ def test_a_case_per_extender_and_phase_on_the_real_scheduler(real_lab, tmp_path)
     assert guard["cpu_ms_per_pod"] > 0
     # ignorable: false, so each pod bound went through a /filter answer of the guard
     assert guard["guard"]["filter_calls"] >= PODS and guard["guard"]["fail_open"] == 0
-    # the card: at most one quorum GET per pod attempt (each attempt is a /filter call); the pass-through makes
-    # none. Per pod it can be above 1 in a backlog: a prepared verdict older than --prepared-grace when
-    # kube-scheduler reaches its pod is read again (seen: 6 GETs for 5 pods with the suite on 4 workers).
-    gets = round(guard["pod_gets_per_pod"] * PODS)
-    assert 0 < gets <= guard["guard"]["filter_calls"], (gets, guard["guard"])
+    # the card: at most one quorum GET per live pod; the pass-through makes none
+    assert 0 < guard["pod_gets_per_pod"] <= 1
     assert plain["pod_gets_per_pod"] == 0
     # the case's pods are gone, so the next case's guard does not verify them
     assert not real_lab.core_v1(0).list_namespaced_pod("backlog-1").items
