@@ -14,8 +14,10 @@ A stale watch cache has two faces besides serving ghosts:
 Neither may be said of a healthy replica that merely lags (first law). So:
 
 - a pod is only a *suspect* on a replica once other replicas have shown it for
-  ``missing_after`` seconds while this (synced) replica has not
-  (:func:`missing_suspects`); it is *missing* only when a quorum read shows
+  ``missing_after`` seconds while this (synced) replica has not, another replica
+  showed it later than this one is known to lack it (:func:`shown_later`: the
+  views are listed at different times), and no view showed it leave the pending
+  set (:func:`missing_suspects`); it is *missing* only when a quorum read shows
   the pod still pending with that UID **and** the replica's cache, read
   directly (``resourceVersion=0``) right after a consistent read made a
   flowing cache catch up with etcd, lacks it although its revision is already
@@ -62,24 +64,72 @@ UNKNOWN: Final = "unknown"
 """A read failed: no claim either way; ask again later."""
 
 
-def missing_suspects(views: Mapping[str, frozenset[str] | set[str]], synced: Iterable[str],
-                     first_seen: Mapping[str, float], *, now: float, missing_after: float) -> list[tuple[str, str]]:
+@dataclass(frozen=True)
+class ViewState:
+    """What one replica's view of pending pods says, and as of when (ticks of the guard's one logical
+    clock, guard.engine.checker.VerdictCache.tick).
+
+    ``uids``: the pending pods it shows; ``synced``: whether it holds a complete picture at all;
+    ``current``: kept current by a watch (or, for a one-shot check, read now), so what it lacks it
+    lacks from ``as_of`` on; else it is a listing, complete as of ``as_of``, the tick its LIST began."""
+
+    uids: frozenset[str] | set[str]
+    synced: bool = True
+    current: bool = False
+    as_of: int = 0
+
+
+def shown_later(lacking: ViewState, showing: ViewState, *, known: int | None, left: int | None) -> bool:
+    """Whether ``showing`` shows a pod pending at a later point than one at which ``lacking`` is known
+    to lack it, or than the pod left another view: only then do the two replicas disagree about it.
+
+    ``known``: the tick at which the guard first saw the pod (None: never); ``left``: the tick at which
+    a view first showed it leave the pending set (deleted, bound, terminating: a cache misses events,
+    it never invents them, so from then on etcd has it pending no longer), None if none did.
+
+    Without these ticks, two listings taken at different times disagree about every pod created or
+    bound in between: a listing from before a pod existed lacks it, one from before it was bound shows
+    it. A view lacks a pod at ``left`` (etcd had it no longer pending by then); a watched view from its
+    listing on, unless it dropped the pod (then ``left``); a listing at ``as_of`` only if the guard knew
+    the pod before that listing began (it existed then)."""
+    if lacking.current:
+        lacked = left if left is not None else lacking.as_of
+    else:
+        points = [t for t in (left, lacking.as_of if known is not None and known < lacking.as_of else None)
+                  if t is not None]
+        if not points:
+            return False
+        lacked = min(points)
+    return showing.current or showing.as_of > lacked
+
+
+def missing_suspects(views: Mapping[str, ViewState], first_seen: Mapping[str, float], *, now: float,
+                     missing_after: float, known: Mapping[str, int] | None = None,
+                     left: Mapping[str, int] | None = None) -> list[tuple[str, str]]:
     """(replica, uid) pairs worth a confirmation, sorted.
 
-    ``views``: per replica, the UIDs of the pending pods its watch shows;
-    ``synced``: the replicas whose watch is synced (only their views count, both as witnesses and
-    as suspects); ``first_seen``: per UID, when any replica first showed it. A pod is a suspect on
-    a synced replica that does not show it while another synced replica does, once it was first
-    seen ``missing_after`` seconds ago or more.
+    ``views``: per replica, its :class:`ViewState` (only synced views count, both as witnesses and as
+    suspects); ``first_seen``: per UID, when any replica first showed it (seconds); ``known`` and
+    ``left``: per UID, the ticks of :func:`shown_later` (absent: the views are compared as taken at
+    once). A pod is a suspect on a synced replica that does not show it while another synced replica
+    shows it later (:func:`shown_later`), once it was first seen ``missing_after`` seconds ago or
+    more. A pod some view showed leave the pending set is pending nowhere in etcd: it is no suspect
+    (a listing from before it was bound may still show it; asking etcd would cost a GET to learn that).
     """
-    synced = [r for r in sorted(set(synced)) if r in views]
+    known = known or {}
+    left = left or {}
+    synced = sorted(r for r, v in views.items() if v.synced)
     out = []
     for replica in synced:
-        shown = views[replica]
+        lacking = views[replica]
         witnesses = [views[r] for r in synced if r != replica]
-        for uid in sorted({u for w in witnesses for u in w} - set(shown)):
+        for uid in sorted({u for w in witnesses for u in w.uids} - set(lacking.uids)):
+            if uid in left:
+                continue
             seen = first_seen.get(uid)
-            if seen is not None and now - seen >= missing_after:
+            if seen is None or now - seen < missing_after:
+                continue
+            if any(uid in w.uids and shown_later(lacking, w, known=known.get(uid), left=None) for w in witnesses):
                 out.append((replica, uid))
     return out
 

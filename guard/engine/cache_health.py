@@ -34,8 +34,9 @@ from guard.core import cache_health
 from guard.kube.reads import Kube
 from guard.kube.watch import ReplicaClient
 from guard.kube.writes import emit_event
-from guard.core.cache_health import CacheTrack, RevisionSample
+from guard.core.cache_health import CacheTrack, RevisionSample, ViewState
 from guard.engine.background import Background
+from guard.engine.replica_views import PendingViews
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings
 from guard.core.verdict import PodRef, QuorumRead, is_pending, pending_in_etcd
@@ -50,7 +51,7 @@ MAX_CONFIRMATIONS_PER_TICK = 20
 # Pods listed per replica in /readyz at most.
 READYZ_PODS = 10
 
-Views = Callable[[], dict[str, tuple[bool, dict[str, PodRef]]]]
+Views = Callable[[], PendingViews]
 
 
 class CacheHealthMonitor:
@@ -98,12 +99,12 @@ class CacheHealthMonitor:
     def check_missing(self, clients: dict[str, ReplicaClient], now: float) -> None:
         if self._views is None:
             return
-        views = {a: v for a, v in self._views().items() if a in clients}
-        shown = {a: set(pods) for a, (_, pods) in views.items()}
-        synced = [a for a, (ok, _) in views.items() if ok]
+        snapshot = self._views()
+        views = {a: v for a, v in snapshot.views.items() if a in clients}
+        shown = {a: v.uids for a, v in views.items()}
         pods: dict[str, PodRef] = {}
-        for _, (_, p) in views.items():
-            pods.update(p)
+        for a in views:
+            pods.update(snapshot.pods.get(a, {}))
         with self._lock:
             for gone in [r for r in self._missing if r not in clients]:  # no longer a replica
                 del self._missing[gone]
@@ -121,7 +122,8 @@ class CacheHealthMonitor:
             # is not missing (the frozen rule speaks for it); checking each pod would cost a GET apiece.
             behind = {r for r, t in self._tracks.items() if t.behind_since is not None}
             suspects = [(r, u) for r, u in cache_health.missing_suspects(
-                shown, synced, self._first_seen, now=now, missing_after=self.settings.missing_after)
+                views, self._first_seen, now=now, missing_after=self.settings.missing_after,
+                known=snapshot.known, left=snapshot.left)
                 if r not in behind and u not in self._missing.get(r, {}) and self._next_check.get((r, u), -1e18) <= now]
         for replica, uid in suspects[:MAX_CONFIRMATIONS_PER_TICK]:
             self._confirm(clients[replica], pods[uid], now)
@@ -256,11 +258,11 @@ def check_now(kube: Kube, clients: list[ReplicaClient], *, window: float = LIVE_
         progress("listing every replica's pending pods (a cache that misses one is named)")
         listed = dict(zip(sorted(by_address), pool.map(_pending_or_none, [by_address[a] for a in sorted(by_address)])))
     errors = {s.replica: None for s in samples if s.cache_rv is not None}
-    views = {a: set(p) for a, p in listed.items() if p is not None}
+    # Listed at once and compared as such (no ticks): every pod one lacks and another shows is checked.
+    views = {a: ViewState(frozenset(p), current=True) for a, p in listed.items() if p is not None}
     pods = {uid: pod for p in listed.values() if p for uid, pod in p.items()}
     missing: dict[str, list[dict]] = {a: [] for a in by_address}
-    for replica, uid in cache_health.missing_suspects(views, list(views), {u: 0.0 for u in pods}, now=0.0,
-                                                        missing_after=0.0):
+    for replica, uid in cache_health.missing_suspects(views, {u: 0.0 for u in pods}, now=0.0, missing_after=0.0):
         if tracks.get(replica, CacheTrack()).behind_since is not None:
             continue  # behind etcd: it lags or froze, it does not show new pods yet
         outcome, read, cache_rv = confirm_pod(kube, by_address[replica], pods[uid])

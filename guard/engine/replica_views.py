@@ -24,12 +24,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
 import cachetools
 
 from guard import metrics
+from guard.core.cache_health import ViewState, shown_later
 from guard.core.rendering import format_time
 from guard.core.settings import Replica, Settings
 from guard.core.verdict import PodRef, is_pending
@@ -66,6 +68,18 @@ class ViewListener(Protocol):
 
     def round(self) -> None:
         """After each round of the views (every second, or when woken)."""
+
+
+@dataclass(frozen=True)
+class PendingViews:
+    """What every replica's view shows, at one moment: per replica its state (guard.core.cache_health.ViewState)
+    and its pending pods (uid -> PodRef); per UID shown, the tick at which the guard first saw it
+    (``known``) and at which a view showed it leave the pending set (``left``)."""
+
+    views: dict[str, ViewState]
+    pods: dict[str, dict[str, PodRef]]
+    known: dict[str, int] = field(default_factory=dict)
+    left: dict[str, int] = field(default_factory=dict)
 
 
 def pod_of(obj: dict) -> tuple[PodRef | None, bool]:
@@ -149,6 +163,9 @@ class ReplicaViews:
         self._watched: ReplicaView | None = None  # the one view the guard's watch keeps current
         self._fallback: ReplicaView | None = None  # the kubeconfig's server, while no replica can be read
         self._seen: cachetools.TTLCache = cachetools.TTLCache(MAX_SEEN, settings.prepared_max_age)
+        # The tick at which a view first showed each identity leave the pending set (etcd has it pending no
+        # longer from then on), for comparing views listed at different times (guard.core.cache_health.shown_later).
+        self._left: cachetools.TTLCache = cachetools.TTLCache(MAX_SEEN, settings.prepared_max_age)
         self._bg = Background(log)
         self._started = False  # the first round made the views of the replicas known then
         self._wake = threading.Event()
@@ -271,6 +288,9 @@ class ReplicaViews:
             self._listener.seen(pod, known_at, added=added)
 
     def _gone(self, pod: PodRef) -> None:
+        with self._lock:
+            if pod not in self._left:
+                self._left[pod] = self._tick()
         if self._listener is not None:
             self._listener.gone(pod)
 
@@ -421,25 +441,22 @@ class ReplicaViews:
     # -- what the views say ---------------------------------------------------------------------
 
     def disagreements(self) -> list[PodRef]:
-        """Pods some replica shows as unscheduled while another synced replica does not, although the
-        guard knew the pod before that replica's view was last complete (its listing began, or it is
-        the watched one): a replica merely listed before the pod existed disagrees with no one."""
-        with self._lock:
-            views = [v for v in self._views.values() if v.synced]
-            seen = {pod: self._seen.get(pod) for v in views for pod in v.pods.values()}
+        """Pods some synced replica shows as unscheduled later than another synced replica is known to
+        lack them (guard.core.cache_health.shown_later): a replica merely listed before the pod existed
+        disagrees with no one, and neither does one listed before the pod was bound or deleted."""
+        snapshot = self.pending_views()
+        views = {a: v for a, v in snapshot.views.items() if v.synced}
         if len(views) < 2:
             return []
         listed: dict[str, PodRef] = {}
-        for v in views:
-            listed.update(v.pods)
-
-        def lacks(v: ReplicaView, uid: str, pod: PodRef) -> bool:
-            if uid in v.pods:
-                return False
-            known = seen.get(pod)
-            return v.watched or (known is not None and known < v.as_of)
-
-        return [pod for uid, pod in listed.items() if any(lacks(v, uid, pod) for v in views)]
+        for a in views:
+            listed.update(snapshot.pods[a])
+        return [pod for uid, pod in listed.items()
+                if any(uid not in lacking.uids and any(
+                    uid in showing.uids and shown_later(lacking, showing, known=snapshot.known.get(uid),
+                                                        left=snapshot.left.get(uid))
+                    for b, showing in views.items() if b != a)
+                    for a, lacking in views.items())]
 
     def knows(self, pod: PodRef) -> bool:
         """Whether some replica's cache showed this identity pending to this guard (its watch or a
@@ -452,12 +469,28 @@ class ReplicaViews:
                 views.append(self._fallback)
         return any(v.pods.get(pod.uid) == pod for v in views)
 
-    def pending_views(self) -> dict[str, tuple[bool, dict[str, PodRef]]]:
-        """Per replica (the kubeconfig-server fallback excluded): whether its view is synced, and a
-        copy of the pending pods it shows (uid -> PodRef). Read by guard.engine.cache_health."""
+    def pending_views(self) -> PendingViews:
+        """Per replica (the kubeconfig-server fallback excluded) its view's state and a copy of the pending
+        pods it shows, with the ticks at which the guard first saw each of those pods and at which one
+        left a view. Read by guard.engine.cache_health and :meth:`disagreements`."""
         with self._lock:
             views = dict(self._views)
-        return {address: (v.synced, dict(v.pods)) for address, v in views.items()}
+            states = {a: ViewState(frozenset(v.pods), v.synced, v.watched, v.as_of) for a, v in views.items()}
+            pods = {a: dict(v.pods) for a, v in views.items()}
+            # The ticks only of the pods that some synced view lacks (nearly always none: a lookup each
+            # would cost a backlog of 10,000 pods some 30 ms a second).
+            synced = [states[a].uids for a in states if states[a].synced]
+            doubtful = set().union(*synced).difference(set(synced[0]).intersection(*synced[1:])) if len(synced) > 1 else set()
+            known: dict[str, int] = {}
+            left: dict[str, int] = {}
+            for shown in pods.values():
+                for uid in doubtful.intersection(shown):
+                    pod = shown[uid]
+                    if (tick := self._seen.get(pod)) is not None:
+                        known[uid] = tick
+                    if (tick := self._left.get(pod)) is not None:
+                        left[uid] = tick
+        return PendingViews(states, pods, known, left)
 
     def watch_status(self) -> dict:
         """Per replica, its view's state (watched or listed); and the kubeconfig-server fallback's, while

@@ -11,7 +11,8 @@ from guard.engine.cache_health import CacheHealthMonitor
 from guard.kube.config import load_configuration
 from guard.kube.reads import Kube
 from guard.lab.harness import pod_manifest
-from guard.engine.replica_views import pod_of
+from guard.core.cache_health import ViewState
+from guard.engine.replica_views import PendingViews, pod_of
 from guard.engine.replicas import ReplicaPool
 from guard.core.settings import Settings
 
@@ -55,8 +56,9 @@ def monitor(lab):
                 pod, pending = pod_of(obj)
                 if pod and pending:
                     pods[pod.uid] = pod
-            out[c.replica.address] = (True, pods)
-        return out
+            out[c.replica.address] = pods
+        # Read now, all at once (no ticks): compared as the guard's watch would be.
+        return PendingViews({a: ViewState(frozenset(p), current=True) for a, p in out.items()}, out)
 
     m = CacheHealthMonitor(settings, kube, pool, views, clock=clock)
     clock.views = views

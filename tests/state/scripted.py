@@ -266,6 +266,14 @@ class ReplicaModel:
         items = [o for o in self.cache.values() if shows_pending([o], o["metadata"]["uid"])]
         return str(max((int(o["metadata"]["resourceVersion"]) for o in self.cache.values()), default=1)), items
 
+    # the ReplicaClient surface the missing-pod check uses (guard.engine.cache_health.confirm_pod)
+    def consistent_revision(self, namespace: str, name: str, *, timeout: float = 5.0) -> tuple[int | None, str | None]:
+        return None, None  # the test delivers events itself: no catching up here
+
+    def read_cache(self, namespace: str, name: str) -> tuple[list[dict], str | None, str | None]:
+        items = [o for o in self.cache.values() if o["metadata"]["name"] == name]
+        return items, str(max((int(o["metadata"]["resourceVersion"]) for o in self.cache.values()), default=1)), None
+
     # the ReplicaClient surface the incident recorder uses
     def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
         obj = self.cache.get(name)

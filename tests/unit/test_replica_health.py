@@ -6,7 +6,7 @@ import pytest
 
 from guard.core.cache_health import (
     BEHIND, MISSING, NOT_PENDING, SHOWN, UNKNOWN, CacheTrack, RevisionSample, assess, confirm_missing,
-    missing_suspects, round_etcd_revision,
+    ViewState, missing_suspects, round_etcd_revision, shown_later,
 )
 from guard.core.verdict import QuorumRead
 
@@ -15,21 +15,75 @@ A, B, C = "10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"
 
 # --- missing_suspects -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("views, synced, first_seen, now, want", [
-    pytest.param({A: {"u"}, B: {"u"}, C: set()}, [A, B, C], {"u": 0.0}, 30.0, [(C, "u")], id="missing-after-30s"),
-    pytest.param({A: {"u"}, B: {"u"}, C: set()}, [A, B, C], {"u": 0.0}, 29.9, [], id="not-yet"),
-    pytest.param({A: {"u"}, B: {"u"}, C: {"u"}}, [A, B, C], {"u": 0.0}, 99.0, [], id="everyone-shows-it"),
-    pytest.param({A: {"u"}, B: set(), C: set()}, [A, B, C], {"u": 0.0}, 30.0, [(B, "u"), (C, "u")],
+def now_(*uids: str) -> ViewState:
+    """A view read now (a watch, or a one-shot listing): what it lacks, it lacks now."""
+    return ViewState(frozenset(uids), current=True)
+
+
+def listed(as_of: int, *uids: str) -> ViewState:
+    """A listing begun at tick ``as_of``."""
+    return ViewState(frozenset(uids), as_of=as_of)
+
+
+UNSYNCED = ViewState(frozenset(), synced=False)
+
+
+@pytest.mark.parametrize("views, first_seen, now, want", [
+    pytest.param({A: now_("u"), B: now_("u"), C: now_()}, {"u": 0.0}, 30.0, [(C, "u")], id="missing-after-30s"),
+    pytest.param({A: now_("u"), B: now_("u"), C: now_()}, {"u": 0.0}, 29.9, [], id="not-yet"),
+    pytest.param({A: now_("u"), B: now_("u"), C: now_("u")}, {"u": 0.0}, 99.0, [], id="everyone-shows-it"),
+    pytest.param({A: now_("u"), B: now_(), C: now_()}, {"u": 0.0}, 30.0, [(B, "u"), (C, "u")],
                  id="one-witness-is-enough"),
-    pytest.param({A: {"u"}, B: {"u"}, C: set()}, [A, B], {"u": 0.0}, 99.0, [], id="unsynced-replica-is-no-suspect"),
-    pytest.param({A: {"u"}, B: set()}, [B], {"u": 0.0}, 99.0, [], id="unsynced-witness-does-not-count"),
-    pytest.param({A: {"u"}}, [A], {"u": 0.0}, 99.0, [], id="single-replica"),
-    pytest.param({A: {"u"}, B: set()}, [A, B, C], {"u": 0.0}, 99.0, [(B, "u")], id="synced-but-unknown-view-ignored"),
-    pytest.param({A: {"u"}, B: set()}, [A, B], {}, 99.0, [], id="never-seen-time-unknown"),
-    pytest.param({A: {"u", "v"}, B: {"v"}}, [A, B], {"u": 0.0, "v": 0.0}, 30.0, [(B, "u")], id="per-uid"),
+    pytest.param({A: now_("u"), B: now_("u"), C: UNSYNCED}, {"u": 0.0}, 99.0, [], id="unsynced-replica-is-no-suspect"),
+    pytest.param({A: ViewState(frozenset({"u"}), synced=False), B: now_()}, {"u": 0.0}, 99.0, [],
+                 id="unsynced-witness-does-not-count"),
+    pytest.param({A: now_("u")}, {"u": 0.0}, 99.0, [], id="single-replica"),
+    pytest.param({A: now_("u"), B: now_()}, {}, 99.0, [], id="never-seen-time-unknown"),
+    pytest.param({A: now_("u", "v"), B: now_("v")}, {"u": 0.0, "v": 0.0}, 30.0, [(B, "u")], id="per-uid"),
 ])
-def test_missing_suspects(views, synced, first_seen, now, want):
-    assert missing_suspects(views, synced, first_seen, now=now, missing_after=30.0) == want
+def test_missing_suspects(views, first_seen, now, want):
+    assert missing_suspects(views, first_seen, now=now, missing_after=30.0) == want
+
+
+# Ticks: the guard first saw "u" at tick 10 (known); listings of A and B begin at the ticks given.
+@pytest.mark.parametrize("views, left, want", [
+    pytest.param({A: listed(30, "u"), B: listed(20)}, {}, [(B, "u")],
+                 id="lacked-after-the-pod-was-known-and-shown-later"),
+    pytest.param({A: listed(20, "u"), B: listed(5)}, {}, [],
+                 id="listed-before-the-pod-existed"),
+    pytest.param({A: listed(20, "u"), B: listed(25)}, {}, [],
+                 id="witness-listed-before-the-lacking-listing-began"),
+    pytest.param({A: now_("u"), B: listed(25)}, {}, [(B, "u")], id="a-watch-is-a-witness-now"),
+    pytest.param({A: listed(30, "u"), B: ViewState(frozenset(), current=True, as_of=20)}, {}, [(B, "u")],
+                 id="watched-since-before-the-witness-listing"),
+    pytest.param({A: listed(15, "u"), B: ViewState(frozenset(), current=True, as_of=20)}, {}, [],
+                 id="witness-listing-older-than-the-watch"),
+    # The backlog: the watched replica saw "u" bound at tick 40 and dropped it; A's listing from
+    # before still shows it. Bound: pending nowhere, nothing to confirm (a GET apiece, 20 a second).
+    pytest.param({A: listed(30, "u"), B: ViewState(frozenset(), current=True, as_of=1)}, {"u": 40}, [],
+                 id="bound-since-the-witness-listing"),
+    pytest.param({A: listed(50, "u"), B: ViewState(frozenset(), current=True, as_of=1)}, {"u": 40}, [],
+                 id="left-a-view-is-pending-nowhere"),
+])
+def test_missing_suspects_compare_views_by_when_they_were_taken(views, left, want):
+    assert missing_suspects(views, {"u": 0.0}, now=99.0, missing_after=30.0, known={"u": 10}, left=left) == want
+
+
+@pytest.mark.parametrize("lacking, showing, known, left, want", [
+    pytest.param(listed(20), listed(30, "u"), 10, None, True, id="lacked-then-shown"),
+    pytest.param(listed(30), listed(20, "u"), 10, None, False, id="shown-then-lacked-bound-between"),
+    pytest.param(listed(20), listed(30, "u"), 25, None, False, id="lacking-listing-before-the-pod-was-known"),
+    pytest.param(listed(20), listed(30, "u"), None, None, False, id="never-known"),
+    pytest.param(listed(5), listed(30, "u"), 10, 25, True, id="shown-after-it-left-a-view-a-stale-cache"),
+    pytest.param(listed(5), listed(20, "u"), 10, 25, False, id="shown-before-it-left-a-view"),
+    pytest.param(now_(), listed(30, "u"), 10, 25, True, id="watched-dropped-it-then-shown-stale"),
+    pytest.param(now_(), listed(20, "u"), 10, 25, False, id="watched-dropped-it-after-the-listing"),
+    pytest.param(ViewState(frozenset(), current=True, as_of=15), listed(20, "u"), 10, None, True,
+                 id="watched-never-showed-it-lost-the-creation"),
+    pytest.param(listed(30), now_("u"), 10, None, True, id="a-watch-shows-it-now"),
+])
+def test_shown_later(lacking, showing, known, left, want):
+    assert shown_later(lacking, showing, known=known, left=left) is want
 
 
 # --- confirm_missing ---------------------------------------------------------------------------------
