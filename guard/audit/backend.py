@@ -299,9 +299,23 @@ class GuardAudit:
 
     def written(self) -> None:
         """A record call returned. The SQLite store returns once the write is durable: healthy. The GhostPod
-        store only queues it (written in the background): its health is what its writers last saw."""
-        problem = self.store.check() if self.store is not None and self.writes_in_background else None
+        store only queues it (written in the background): its health is what its writers last saw.
+
+        A store that was unhealthy is called writable again only by its own write probe (``check``): a
+        record call that changed nothing (a probe older than the one stored, a probe of a retracted
+        record) commits without writing a page, so it returns even on a disk that turned read-only."""
+        store = self.store
+        if store is None:
+            return
+        if self.writes_in_background:
+            problem = store.check()
+            operation = "block"
+        elif self.health.healthy is True:
+            return
+        else:
+            problem = store.check()
+            operation = "check"
         if problem:
-            self.health.failed("block", problem)
+            self.health.failed(operation, problem)
         else:
             self.health.ok()

@@ -10,6 +10,7 @@ change, and ``details.audit_store`` in ``/readyz``'s body. Needs root (mount); s
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import uuid
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from guard.audit.backend import GuardAudit
+from guard.core.settings import Settings
 from guard.lab.harness import eventually, pod_manifest
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,9 +121,11 @@ def test_audit_disk_full_during_a_run(shared_lab, lab_namespace, start_guard, di
     verdicts.check()
 
 
-def test_audit_disk_turns_read_only_during_a_run(shared_lab, lab_namespace, start_guard, tmp_path):
-    """ext4 on a loop device with errors=remount-ro; a filesystem error (the kernel's own
-    trigger_fs_error) makes it read-only under the running guard, as a failing disk does."""
+@pytest.fixture
+def ext4(tmp_path: Path):
+    """A 16 MiB ext4 on a loop device, mounted with errors=remount-ro: (its mount point, a function that
+    makes it read-only at once with a filesystem error, as a failing disk does: the kernel's own
+    trigger_fs_error)."""
     image, mnt = tmp_path / "disk.img", tmp_path / "ext4"
     mnt.mkdir()
     with open(image, "wb") as f:
@@ -130,32 +135,71 @@ def test_audit_disk_turns_read_only_during_a_run(shared_lab, lab_namespace, star
         mount("-o", "loop,errors=remount-ro", str(image), str(mnt))
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"cannot mount an ext4 loop device here: {getattr(e, 'stderr', e)}")
-    try:
-        device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(mnt)], check=True, capture_output=True,
-                                text=True).stdout.strip().rsplit("/", 1)[-1]
-        g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", str(mnt / "audit.db"),
-                         "--no-events", "--no-prepare", *UNBUDGETED])
-        verdicts = Verdicts(g, shared_lab, lab_namespace)
-        verdicts.check()
-        assert audit_detail(g)["writable"] is True
+    device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(mnt)], check=True, capture_output=True,
+                            text=True).stdout.strip().rsplit("/", 1)[-1]
 
+    def break_it() -> None:
         Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("ghost-guard test: disk turns read-only")
         options = subprocess.run(["findmnt", "-n", "-o", "OPTIONS", str(mnt)], capture_output=True,
                                  text=True).stdout.strip().split(",")
         assert {"ro", "emergency_ro"} & set(options), options  # Linux 6.x says emergency_ro
 
-        def noticed() -> bool:
-            verdicts.check()
-            return g.metric("ghost_guard_audit_store_healthy") == 0
-
-        eventually(noticed, 30, what="the read-only disk noticed", interval=0.3, process=g)
-        for _ in range(3):
-            verdicts.check()
-        detail = eventually(lambda: (d := audit_detail(g))["writable"] is False and d, 10, what="/readyz detail")
-        assert detail["error"], detail
-        assert g.logs(tail=None).count("cannot be written") == 1, g.logs()
+    try:
+        yield mnt, break_it
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_audit_disk_turns_read_only_during_a_run(shared_lab, lab_namespace, start_guard, ext4):
+    mnt, break_it = ext4
+    g = start_guard(["--kubeconfig", shared_lab.kubeconfig(0), "--audit-db", str(mnt / "audit.db"),
+                     "--no-events", "--no-prepare", *UNBUDGETED])
+    verdicts = Verdicts(g, shared_lab, lab_namespace)
+    verdicts.check()
+    assert audit_detail(g)["writable"] is True
+
+    break_it()
+
+    def noticed() -> bool:
+        verdicts.check()
+        return g.metric("ghost_guard_audit_store_healthy") == 0
+
+    eventually(noticed, 30, what="the read-only disk noticed", interval=0.3, process=g)
+    for _ in range(3):
+        verdicts.check()
+    detail = eventually(lambda: (d := audit_detail(g))["writable"] is False and d, 10, what="/readyz detail")
+    assert detail["error"], detail
+    assert g.logs(tail=None).count("cannot be written") == 1, g.logs()
+
+
+def test_a_write_that_changes_nothing_does_not_call_a_read_only_disk_writable_again(ext4, caplog):
+    """In process, step by step: the disk turns read-only; a probe older than the one stored commits
+    without writing a page, so it returns even there. Seen in CI: the guard logged "writable again",
+    then "cannot be written" 20 ms later. Only the store's own write probe may say it is writable again."""
+    mnt, break_it = ext4
+    audit = GuardAudit.open(Settings(audit_db=str(mnt / "audit.db")))
+
+    def probe(at: float) -> None:
+        audit.write("probe", "a probe", lambda store: store.record_probe(
+            uid="u1", replica="10.0.0.1:6443", serves=True, cache_resource_version="7", error=None, at=at))
+
+    audit.write("block", "a block", lambda store: store.record_block(
+        uid="u1", namespace="ns", name="g1", verdict="ghost-deleted", evidence={}, at=100.0))
+    probe(100.0)
+    assert audit.health.healthy is True
+    break_it()
+    with caplog.at_level(logging.WARNING, logger="guard.incident"):
+        audit.write("block", "a block", lambda store: store.record_block(
+            uid="u2", namespace="ns", name="g2", verdict="ghost-deleted", evidence={}, at=101.0))
+        assert audit.health.healthy is False
+        probe(50.0)  # older than the stored probe: changes nothing, and returns
+        assert audit.store is not None and audit.store.check() is not None  # the disk is still read-only
+        assert audit.health.healthy is False, caplog.text
+        assert audit.health.detail()["writable"] is False
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("cannot be written" in m for m in messages) == 1, messages
+    assert not any("writable again" in m for m in messages), messages
+    audit.store.close()
 
 
 def test_audit_disk_read_only(shared_lab, lab_namespace, start_guard, disk, tmp_path):
