@@ -17,12 +17,11 @@ def test_a_case_per_extender_and_phase_on_the_real_scheduler(real_lab, tmp_path)
     plain = bench.run_case(real_lab, "pass-through", "live", PODS, 2, str(tmp_path), [], timeout=120)
     for res in (guard, plain):
         assert res["pods_per_s"] > 0 and math.isfinite(res["pods_per_s"])
-        # the extender's process tree, read from /proc: in clock ticks (10 ms), so a pass-through that served
-        # 5 pods may show none; the guard (quorum GETs, its watch and listings) always shows some
+        # the extender's process tree, read from /proc: in clock ticks (10 ms), so an extender that served 5
+        # pods may show none (the guard too: 0.0 on a quiet machine, seen once)
         assert res["cpu_ms_per_pod"] >= 0 and math.isfinite(res["cpu_ms_per_pod"])
         assert res["requests"]["POST/pods/binding"] >= PODS  # kube-scheduler bound every pod
         assert res["requests"]["POST/pods"] == PODS
-    assert guard["cpu_ms_per_pod"] > 0
     # ignorable: false, so each pod bound went through a /filter answer of the guard
     assert guard["guard"]["filter_calls"] >= PODS and guard["guard"]["fail_open"] == 0
     # the card: at most one quorum GET per live pod; the pass-through makes none
