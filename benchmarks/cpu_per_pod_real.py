@@ -256,6 +256,9 @@ def guard_counts(url: str) -> dict[str, float]:
     out = {k: sum(v for (n, _), v in samples.items() if n == name) for k, name in names.items()}
     out["filter_calls"] = sum(v for (n, labels), v in samples.items()
                               if n == "ghost_guard_requests_total" and dict(labels).get("endpoint") == "/filter")
+    out["filter_seconds"] = sum(v for (n, labels), v in samples.items()
+                                if n == "ghost_guard_request_duration_seconds_sum"
+                                and dict(labels).get("endpoint") == "/filter")
     return out
 
 
@@ -372,7 +375,7 @@ def run_case(lab: RealLab, which: str, phase: str, pods: int, n: int, tmp: str, 
         res["requests"] = {"/".join(x for x in k if x): int(v) for k, v in sorted(delta.items(), key=lambda kv: -kv[1])}
         if guard:
             g1 = guard_counts(url)
-            res["guard"] = {k: int(g1[k] - g0[k]) for k in g1}
+            res["guard"] = {k: int(g1[k] - g0[k]) for k in g1 if k != "filter_seconds"}
             answered = sum(res["guard"][k] for k in ("prepared", "shared_read", "inline"))
             res["prepared_share"] = res["guard"]["prepared"] / answered if answered else float("nan")
             res["guard_log_problems"], res["guard_log_sample"] = log_problems(guard.log.name, guard_log0, klog=False)

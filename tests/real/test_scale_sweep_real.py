@@ -31,6 +31,12 @@ def test_a_tiny_cell_of_the_sweep_end_to_end(real_lab_factory, tmp_path):
     assert guard["first_verdict_s"] >= guard["ready_s"] > 0  # the takeover: launch -> ready -> first pod bound
     assert guard["guard"]["filter_calls"] >= PENDING and guard["guard"]["fail_open"] == 0
     assert 0 < guard["pod_gets_per_pod"] <= 1 and plain["pod_gets_per_pod"] == 0
+    # the rest of the machine's work in the window, from /proc (the backlog's window holds the guard's and
+    # kube-scheduler's starts: seconds of apiserver and scheduler CPU, never 0 ticks), and the guard's own
+    # /filter time from its histogram
+    assert guard["control_plane_cpu_ms_per_pod"] > 0 and guard["scheduler_cpu_ms_per_pod"] > 0
+    assert plain["control_plane_cpu_ms_per_pod"] >= 0 and math.isfinite(plain["scheduler_cpu_ms_per_pod"])
+    assert 0 < guard["filter_ms_mean"] < 5000
     assert not real_lab.core_v1(0).list_namespaced_pod("c1", _request_timeout=10).items  # deleted after its case
     rows = sweep.table([guard | {"phase": "live"}, plain])
     assert "| 2 | 4 | live | 1 |" in rows
