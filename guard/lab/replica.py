@@ -882,11 +882,16 @@ class ApiserverReplica:
             return
         deadline = time.monotonic() + (timeout if timeout is not None else 1800)
         last_sent = start_rv if start_rv is not None else cache.rv  # the newest resourceVersion this watcher has seen
+        # cache_watcher.go process(): only events newer than the watch's resourceVersion (or its last initial
+        # event's) are sent. A cache still behind that revision registers the watcher all the same, so
+        # events at or below it may still arrive live.
+        floor = start_rv
         try:
             for typ, obj in first:
                 write(typ, out(obj))
                 if start_rv is not None:
                     last_sent = max(last_sent, int(obj["metadata"]["resourceVersion"]))
+                    floor = last_sent
             if initial_events:
                 write("BOOKMARK", {"kind": r.kind, "apiVersion": r.api_version, "metadata": {
                     "resourceVersion": str(cache.rv), "annotations": {"k8s.io/initial-events-end": "true"}}})
@@ -896,8 +901,11 @@ class ApiserverReplica:
                     break
                 item = watcher.get(min(left, self.bookmark_interval))
                 if item is not None:
+                    item_rv = int(item[1]["metadata"]["resourceVersion"])
+                    if floor is not None and item_rv <= floor:
+                        continue
                     write(item[0], out(item[1]))
-                    last_sent = max(last_sent, int(item[1]["metadata"]["resourceVersion"]))
+                    last_sent = max(last_sent, item_rv)
                 elif _peer_gone(h.connection):
                     break  # the client hung up: don't hold a watcher until the next event or the timeout
                 elif bookmarks and cache.rv > last_sent and not watcher.closed:

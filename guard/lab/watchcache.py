@@ -299,6 +299,12 @@ class WatchCache:
         w.close()
 
     @property
+    def watchers(self) -> int:
+        """Watchers registered now (a watch request that has started streaming)."""
+        with self._cond:
+            return len(self._watchers)
+
+    @property
     def history_start(self) -> int:
         """The oldest resourceVersion a watch can resume from (older: 410 Expired)."""
         with self._cond:

@@ -94,8 +94,38 @@ def test_watch_from_before_the_cache_history_is_410_expired(lab):
         events(lab, 1, "default", resource_version=rv)
     assert e.value.status == 410
     assert e.value.reason == f"Expired: too old resource version: {rv} ({start})"
-    # the replicas that kept their history still resume
+    # the replicas that kept their history still resume (once their caches hold both creates)
+    assert lab.wait_synced()
     assert events(lab, 2, "default", resource_version=rv) == [("ADDED", "b", None)]
+
+
+def test_a_watch_on_a_cache_behind_its_resource_version_sends_only_newer_events(lab):
+    """A watch from resourceVersion R on a replica whose cache has not reached R yet is registered, and the
+    events up to R then arrive live: only those after R are sent (cache_watcher.go process). Seen once as a
+    flake: a watch from "a"'s revision on a replica that had not applied it sent ADDED a, then ADDED b."""
+    import threading
+
+    api = lab.core_v1(0)
+    lab.replicas[1].faults.freeze_watch()  # replica 2's cache stops before "a"
+    rv = api.create_namespaced_pod("default", pod_manifest("a"), _request_timeout=5).metadata.resource_version
+    api.create_namespaced_pod("default", pod_manifest("b"), _request_timeout=5)
+    got: list = []
+    w = watch.Watch()
+
+    def stream() -> None:
+        for ev in w.stream(lab.core_v1(1).list_namespaced_pod, "default", resource_version=rv, timeout_seconds=30,
+                           _request_timeout=40):
+            got.append((ev["type"], ev["raw_object"]["metadata"]["name"]))
+            if ev["raw_object"]["metadata"]["name"] == "b":
+                w.stop()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    eventually(lambda: lab.replicas[1].cache.watchers > 0, 10, what="the watch registered on replica 2")
+    lab.replicas[1].faults.unfreeze_watch()  # "a" and "b" reach the cache, and its watchers, now
+    t.join(30)
+    assert not t.is_alive()
+    assert got == [("ADDED", "b")]
 
 
 def test_field_selector_watch_turns_a_bind_into_deleted(shared_lab, lab_namespace):
