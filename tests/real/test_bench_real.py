@@ -25,7 +25,7 @@ def test_a_case_per_extender_and_phase_on_the_real_scheduler(real_lab, tmp_path)
     # ignorable: false, so each pod bound went through a /filter answer of the guard
     assert guard["guard"]["filter_calls"] >= PODS and guard["guard"]["fail_open"] == 0
     # the card: at most one quorum GET per live pod; the pass-through makes none
-    assert 0 < guard["pod_gets_per_pod"] <= 1
+    assert 0 < guard["pod_gets_per_pod"] <= 1, (guard["guard"], guard["requests"])
     assert plain["pod_gets_per_pod"] == 0
     # the case's pods are gone, so the next case's guard does not verify them
     assert not real_lab.core_v1(0).list_namespaced_pod("backlog-1").items
