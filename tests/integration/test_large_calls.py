@@ -199,8 +199,13 @@ def test_small_calls_are_answered_while_every_helper_holds_a_large_call(start_gu
     for k, s in enumerate(sockets):
         head, reply = one_reply(s)
         if head.startswith(b"HTTP/1.1 503 "):
-            reason = b"too many large calls from 127.0.0." if k == HELPERS else b"did not finish within --request-budget"
-            assert reason in reply, reply
+            # The waiting call's budget runs out in the queue (its own reason), or its turn comes when the
+            # first stopped helper is killed at 90 % of its call's budget, and the helper started in its place
+            # may not decode it in the few hundred ms left on a loaded machine (seen once).
+            reasons = [b"did not finish within --request-budget"]
+            if k == HELPERS:
+                reasons.append(b"too many large calls from 127.0.0.")
+            assert any(reason in reply for reason in reasons), reply
             late += b"did not finish within --request-budget" in reply
         else:
             assert head.startswith(b"HTTP/1.1 200 ") and orjson.loads(reply) == expected, head
