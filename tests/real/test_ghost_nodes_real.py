@@ -118,8 +118,17 @@ def test_with_the_guard_no_pod_binds_to_the_ghost_node(node_lab, start_guard, tm
                     tls=tls_files(bundle), clean_env=True, wait=None)
     g.wait("/readyz", timeout=120)
     stale = lab.urls[STALE].removeprefix("https://")
-    eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, 60, what="the guard sees the ghost Node",
-               process=g)
+    try:
+        eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, 60,
+                   what="the guard sees the ghost Node", process=g)
+    except Exception:  # not seen once under load (CI-like run, 4 workers): say what each side showed
+        try:
+            detail = g.session.get(g.url("/readyz"), timeout=10).json().get("details", {}).get("ghost_nodes")
+            print(f"guard's ghost_nodes detail: {detail}; Nodes cached by A: {_cached_nodes(lab, 0)}, "
+                  f"by B: {_cached_nodes(lab, STALE)}; node reads: {g.metric('ghost_guard_node_reads_total')}")
+        except Exception as e:
+            print(f"(no diagnostics: {e!r})")
+        raise
     lab.start_scheduler(g.extender(), replica=STALE)
     seen = Seen(lab, "guarded", "web")
     try:
@@ -152,8 +161,17 @@ def test_the_ghost_node_is_a_ghostnode_object_under_the_real_crd(node_lab, start
                     clean_env=True, wait=None)
     g.wait("/readyz", timeout=120)
     stale = lab.urls[STALE].removeprefix("https://")
-    eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, 60, what="the guard sees the ghost Node",
-               process=g)
+    try:
+        eventually(lambda: g.metric("ghost_guard_ghost_nodes", replica=stale) == 1, 60,
+                   what="the guard sees the ghost Node", process=g)
+    except Exception:  # not seen once under load (CI-like run, 4 workers): say what each side showed
+        try:
+            detail = g.session.get(g.url("/readyz"), timeout=10).json().get("details", {}).get("ghost_nodes")
+            print(f"guard's ghost_nodes detail: {detail}; Nodes cached by A: {_cached_nodes(lab, 0)}, "
+                  f"by B: {_cached_nodes(lab, STALE)}; node reads: {g.metric('ghost_guard_node_reads_total')}")
+        except Exception as e:
+            print(f"(no diagnostics: {e!r})")
+        raise
 
     def ghostnode() -> dict | None:
         items = json.loads(kubectl(lab, "get", "ghostnodes", "-o", "json").stdout)["items"]
