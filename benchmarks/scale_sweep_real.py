@@ -30,7 +30,9 @@ of its start to there, imports and first listings included, is ``start_cpu_s``) 
 (live) to the last pod bound), extender peak RSS (``VmHWM`` summed over gunicorn's
 master and worker), and from every replica's ``/metrics`` the deltas of ``apiserver_request_total``
 (by verb/resource/subresource) and ``apiserver_watch_events_total`` (pods) over the same window,
-also per second of the window (the guard's listings are a rate, not a per-pod cost).
+also per second of the window (the guard's listings are a rate, not a per-pod cost); the CPU of etcd
+and the 3 apiservers and of kube-scheduler over the same window, per pod (backlog: kube-scheduler's
+start included); and the guard's mean ``/filter`` time (its own histogram: parse to reply).
 
 The pods of a case are deleted after it (``deletecollection``); the next case starts with none
 pending. ``--budget-min`` stops the run before a case would start past it (the plan runs in order:
