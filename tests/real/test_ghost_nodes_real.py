@@ -101,9 +101,12 @@ def wait_for_the_ghost_node(lab, g) -> str:
                    what="the guard sees the ghost Node", process=g)
     except Exception:
         try:
-            detail = g.session.get(g.url("/readyz"), timeout=10).json().get("details", {}).get("ghost_nodes")
-            print(f"guard's ghost_nodes detail: {detail}; Nodes cached by A: {_cached_nodes(lab, 0)}, "
-                  f"by B: {_cached_nodes(lab, STALE)}; node reads: {g.metric('ghost_guard_node_reads_total')}")
+            detail = g.get("/readyz", timeout=10).json().get("details", {}).get("ghost_nodes")
+            watch_up = {dict(labels).get("replica"): v for (n, labels), v in g.metrics().items()
+                        if n == "ghost_guard_node_watch_up"}
+            print(f"guard's ghost_nodes detail: {detail}; node watches up: {watch_up}; Nodes cached by A: "
+                  f"{_cached_nodes(lab, 0)}, by B: {_cached_nodes(lab, STALE)}; node reads: "
+                  f"{g.metric('ghost_guard_node_reads_total')}")
         except Exception as e:
             print(f"(no diagnostics: {e!r})")
         raise
