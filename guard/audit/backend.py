@@ -305,17 +305,10 @@ class GuardAudit:
         record call that changed nothing (a probe older than the one stored, a probe of a retracted
         record) commits without writing a page, so it returns even on a disk that turned read-only."""
         store = self.store
-        if store is None:
+        if store is None or (self.health.healthy is True and not self.writes_in_background):
             return
-        if self.writes_in_background:
-            problem = store.check()
-            operation = "block"
-        elif self.health.healthy is True:
-            return
-        else:
-            problem = store.check()
-            operation = "check"
+        problem = store.check()
         if problem:
-            self.health.failed(operation, problem)
+            self.health.failed("block" if self.writes_in_background else "check", problem)
         else:
             self.health.ok()

@@ -103,6 +103,15 @@ def shown_later(lacking: ViewState, showing: ViewState, *, known: int | None, le
     return showing.current or showing.as_of > lacked
 
 
+def lacking_replicas(views: Mapping[str, ViewState], uid: str, *, known: int | None = None,
+                     left: int | None = None) -> list[str]:
+    """The synced replicas that lack pod ``uid`` while another synced replica shows it later
+    (:func:`shown_later`), sorted: the replicas that disagree with another about it."""
+    synced = sorted(r for r, v in views.items() if v.synced)
+    return [r for r in synced if uid not in views[r].uids and any(
+        uid in views[w].uids and shown_later(views[r], views[w], known=known, left=left) for w in synced if w != r)]
+
+
 def missing_suspects(views: Mapping[str, ViewState], first_seen: Mapping[str, float], *, now: float,
                      missing_after: float, known: Mapping[str, int] | None = None,
                      left: Mapping[str, int] | None = None) -> list[tuple[str, str]]:
@@ -118,20 +127,14 @@ def missing_suspects(views: Mapping[str, ViewState], first_seen: Mapping[str, fl
     """
     known = known or {}
     left = left or {}
-    synced = sorted(r for r, v in views.items() if v.synced)
+    shown = {u for v in views.values() if v.synced for u in v.uids}
     out = []
-    for replica in synced:
-        lacking = views[replica]
-        witnesses = [views[r] for r in synced if r != replica]
-        for uid in sorted({u for w in witnesses for u in w.uids} - set(lacking.uids)):
-            if uid in left:
-                continue
-            seen = first_seen.get(uid)
-            if seen is None or now - seen < missing_after:
-                continue
-            if any(uid in w.uids and shown_later(lacking, w, known=known.get(uid), left=None) for w in witnesses):
-                out.append((replica, uid))
-    return out
+    for uid in shown:
+        seen = first_seen.get(uid)
+        if uid in left or seen is None or now - seen < missing_after:
+            continue
+        out += [(replica, uid) for replica in lacking_replicas(views, uid, known=known.get(uid))]
+    return sorted(out)
 
 
 def confirm_missing(read: QuorumRead, uid: str, *, cache_shows: bool | None, cache_rv: int | None) -> str:

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import cachetools
 
 from guard import metrics
-from guard.core.cache_health import ViewState, shown_later
+from guard.core.cache_health import ViewState, lacking_replicas
 from guard.core.rendering import format_time
 from guard.core.settings import Replica, Settings
 from guard.core.verdict import PodRef, is_pending
@@ -452,11 +452,7 @@ class ReplicaViews:
         for a in views:
             listed.update(snapshot.pods[a])
         return [pod for uid, pod in listed.items()
-                if any(uid not in lacking.uids and any(
-                    uid in showing.uids and shown_later(lacking, showing, known=snapshot.known.get(uid),
-                                                        left=snapshot.left.get(uid))
-                    for b, showing in views.items() if b != a)
-                    for a, lacking in views.items())]
+                if lacking_replicas(views, uid, known=snapshot.known.get(uid), left=snapshot.left.get(uid))]
 
     def knows(self, pod: PodRef) -> bool:
         """Whether some replica's cache showed this identity pending to this guard (its watch or a
@@ -475,7 +471,8 @@ class ReplicaViews:
         left a view. Read by guard.engine.cache_health and :meth:`disagreements`."""
         with self._lock:
             views = dict(self._views)
-            states = {a: ViewState(frozenset(v.pods), v.synced, v.watched, v.as_of) for a, v in views.items()}
+            states = {a: ViewState(frozenset(v.pods), synced=v.synced, current=v.watched, as_of=v.as_of)
+                      for a, v in views.items()}
             pods = {a: dict(v.pods) for a, v in views.items()}
             # The ticks only of the pods that some synced view lacks (nearly always none: a lookup each
             # would cost a backlog of 10,000 pods some 30 ms a second).
