@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from guard.lab.scheduler import Timings
+from guard.lab.harness import pod_manifest
+from guard.lab.scheduler import Scheduler, Timings
 from guard.lab.scheduler.queue import SchedulingQueue
 
 TIMINGS = Timings(pod_initial_backoff=1.0, pod_max_backoff=4.0, backoff_flush_period=1.0,
@@ -137,3 +138,28 @@ def test_a_pod_in_flight_is_only_dropped_by_its_cycle(queue, clock):
     assert queue.where_locked() == {}
     queue.add_unschedulable_if_not_present(queued, unschedulable=False)  # a late failure of a forgotten pod
     assert queue.where_locked() == {}
+
+
+def _pod(uid: str, node: str = "") -> dict:
+    pod = pod_manifest("a", namespace="ns", node_name=node)
+    pod["metadata"].update(uid=uid, resourceVersion="1")
+    return pod
+
+
+def test_a_pod_recreated_while_the_old_ones_bind_is_in_flight_gets_its_own_entry():
+    """The race of tests/e2e/test_recreate.py (a CI failure: the new pod never filtered). The informer shows
+    the old pod bound before the bind's answer reaches its cycle; the pod is deleted and recreated under
+    the same name at once. The real queue moved the popped pod to inFlightPods by UID (scheduling_queue.go
+    Pop, Done), so the new pod goes to activeQ, and the old cycle's end does not drop it. Events are fed
+    as the informer delivers them; no thread runs."""
+    sched = Scheduler("unused-kubeconfig")
+    sched._pod_event("ADDED", _pod("uid-old"))
+    cycle_of_old = sched._queue.pop(no_priority)
+    assert (cycle_of_old.uid, sched.queue()) == ("uid-old", {"ns/a": "inflight"})
+    sched._pod_event("MODIFIED", _pod("uid-old", node="node-a"))  # the bind, seen through the watch
+    sched._pod_event("DELETED", _pod("uid-old", node="node-a"))
+    sched._pod_event("ADDED", _pod("uid-new"))
+    sched._queue.done(cycle_of_old)  # the bind's answer: the old cycle ends
+    assert sched.queue() == {"ns/a": "active"}
+    assert sched._queue.pop(no_priority).uid == "uid-new"
+    assert cycle_of_old.uid == "uid-old"  # the old cycle's entry still names the pod it binds

@@ -257,13 +257,18 @@ class Scheduler:
         if not self._responsible(pod):
             self._queue.discard_locked(key)  # e.g. gated now: out of the queues (a cycle holding it ends it)
             return
+        uid = object_uid(pod)
         queued = self._queue.get_locked(key)
-        if queued is None:
-            self._queue.add_locked(key, object_uid(pod))
-        elif queued.where == "unschedulable" and old is not None and self._pod_updated(old, pod):
+        if queued is None or (queued.where == "inflight" and queued.uid != uid):
+            # A new pod, or a new pod under the name of one whose cycle still runs (bound, deleted and
+            # recreated before the bind's answer came back): its own entry in activeQ. The real queue
+            # keys activeQ by name but moved the popped pod to inFlightPods by UID (scheduling_queue.go
+            # Pop, Done), so the old cycle's end never drops the new pod.
+            self._queue.add_locked(key, uid)
+            return
+        if queued.where == "unschedulable" and old is not None and self._pod_updated(old, pod):
             self._queue.requeue_locked(queued)
-        if queued is not None:
-            queued.uid = object_uid(pod)
+        queued.uid = uid
 
     @staticmethod
     def _pod_updated(old: Obj, new: Obj) -> bool:
