@@ -91,6 +91,11 @@ class GhostNodes:
                     self._watchers[address] = (client, thread, stop)
             due = self.knowledge.due(self._clock(), MAX_READS_PER_TICK)
         for name, changes in due:
+            with self._lock:
+                serving = sorted(r for r, names in self.knowledge.served.items() if name in names)
+                recheck = name in self.knowledge.ghosts
+            if not recheck:
+                log.info("Node %s: served by replica(s) %s only; reading it from etcd", name, ", ".join(serving))
             read = self.kube.read_node(name)
             with self._lock:
                 outcome = self.knowledge.landed(name, changes, read, self._clock())
@@ -177,7 +182,9 @@ class GhostNodes:
                     if stop.is_set():
                         return
                     self.knowledge.listed(address, names, self._clock())
-                    self._up[address] = True
+                    was_up, self._up[address] = self._up.get(address), True
+                if not was_up:  # the first listing, or the first since a failure (re-lists after a 410 are silent)
+                    log.info("Nodes of replica %s: %d listed (resourceVersion %s); watching", address, len(names), rv)
                 while not stop.is_set():
                     for event in client.watch_nodes(rv):
                         if stop.is_set():
