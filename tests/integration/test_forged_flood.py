@@ -21,6 +21,7 @@ import orjson
 import pytest
 import requests
 from clirun import audit_records
+from guardstate import view_pods
 from payloads import filter_body
 from guard.lab.harness import eventually, make_ghost
 
@@ -69,9 +70,14 @@ def test_a_forged_flood_is_shed_before_it_costs_a_real_ghost_its_record_event_or
     eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery", process=g)
     real_uid = make_ghost(lab, "default", "real-ghost", stale=1)
     stale = f"{lab.replicas[1].ip}:{lab.replicas[1].port}"
-    # The guard's views hold the pod (a replica listed it): the real ghost is "sighted".
-    eventually(lambda: g.get("/readyz", timeout=5).json()["details"]["replicas"][stale]["watch"]["pods"] >= 1, 20,
-               what="the stale replica's listing in the guard's view", process=g)
+    # The guard's views hold the pod on the stale replica only (it listed it: the real ghost is "sighted"), and
+    # the others show its DELETE (until the guard's watch shows it, a prepared "alive" verdict answers for it).
+    def ghost_on_the_stale_replica_only() -> bool:
+        pods = view_pods(g)
+        return len(pods) == 3 and pods == {r: int(r == stale) for r in pods}
+
+    eventually(ghost_on_the_stale_replica_only, 20, what="the guard's views: the ghost on the stale replica only",
+               interval=0.2, process=g)
 
     forged = [(NAMESPACES[i % len(NAMESPACES)], f"forged-{i}", str(uuid.uuid4())) for i in range(FORGED)]
     forged_uids = {uid for _, _, uid in forged}

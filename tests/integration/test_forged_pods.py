@@ -21,6 +21,7 @@ from __future__ import annotations
 import orjson
 import pytest
 from clirun import audit_records
+from guardstate import view_pods
 from payloads import binding_review, filter_body, preempt_body
 
 from guard.lab.harness import create, eventually, make_ghost, pod_manifest
@@ -85,6 +86,12 @@ def test_forged_names_are_refused_and_no_replica_is_named(lab, start_guard, tmp_
     ghost_uid = make_ghost(lab, "default", "web-1", stale=1)
     lab.replicas[1].faults.clear()  # one lost delete; the watch flows on (heal can fix it)
     stale = replicas[1]
+    # The guard verified web-1 ahead when its watch showed it created (a prepared "alive" verdict); that
+    # verdict holds until the guard's own views show the DELETE (a call in between is answered "alive": seen
+    # once under load). Wait until they do: "live" everywhere, web-1 only on the stale replica.
+    eventually(lambda: sorted(view_pods(g).values()) == [1, 1, 2], 30, what="the guard's views of the DELETE",
+               interval=0.2, process=g)
+    assert view_pods(g)[stale] == 2
     resp = g.post("/filter", orjson.dumps(filter_doc("default", "web-1", ghost_uid)))
     assert resp.status_code == 200 and resp.json()["FailedAndUnresolvableNodes"], resp.text[:300]
     eventually(lambda: g.metric("ghost_guard_heals_total", outcome="healed") >= 1, 60,
