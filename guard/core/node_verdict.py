@@ -162,6 +162,13 @@ class NodeKnowledge:
             # a ghost whose recheck failed stays a ghost: etcd said 404 and nothing changed since
         return state.verdict
 
+    def suspects(self, limit: int = 20) -> dict[str, tuple[str, ...]]:
+        """Names the replicas disagree on that are not decided yet (within the settle time, being read, or
+        their read failed): each with the replicas serving it, at most ``limit``, by name."""
+        names = sorted(n for n in self._watch if n in self._names and self._names[n].verdict in ("", "error")
+                       and self._differs(n))[:limit]
+        return {n: tuple(sorted(r for r, served in self.served.items() if n in served)) for n in names}
+
     # --- internals ---------------------------------------------------------------------------------
 
     def _all_names(self) -> set[str]:

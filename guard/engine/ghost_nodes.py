@@ -58,6 +58,7 @@ class GhostNodes:
         self._reported: set[tuple[str, str]] = set()  # (name, replica) whose detection was counted
         self._audit = audit
         self._uids: dict[str, str] = {}  # ghost Node name -> the UID its record was written under
+        self._checked: float | None = None  # when the last round of the check ended
 
     @property
     def ghosts(self) -> Mapping[str, GhostNode]:
@@ -106,6 +107,7 @@ class GhostNodes:
             elif outcome == "ghost" and ghost is not None:
                 self._attribute(ghost)
         self._export(clients)
+        self._checked = self._clock()
 
     def _attribute(self, ghost: GhostNode) -> None:
         fresh = [r for r in ghost.replicas if (ghost.name, r) not in self._reported]
@@ -219,9 +221,17 @@ class GhostNodes:
         return rv
 
     def status(self) -> dict[str, object]:
-        """/readyz detail: the ghost Nodes and which replicas serve them; the replicas whose Nodes are watched."""
+        """/readyz detail: the ghost Nodes and which replicas serve them; the replicas whose Nodes are watched;
+        the names the replicas disagree on that are not ghost Nodes (about to be read, or real); how long ago
+        the check's last round ended (None before the first)."""
+        with self._lock:
+            suspects = self.knowledge.suspects()
+            watched = {a: bool(up) for a, up in sorted(self._up.items())}
+        checked = self._checked
         return {"ghost_nodes": {n: list(g.replicas) for n, g in sorted(self.knowledge.ghosts.items())[:20]},
-                "watched": {a: bool(up) for a, up in sorted(self._up.items())}}
+                "watched": watched,
+                "disagreed": {n: list(r) for n, r in suspects.items()},
+                "last_round_seconds_ago": None if checked is None else round(self._clock() - checked, 1)}
 
 
 def check_nodes_now(kube: Kube, clients: list[ReplicaClient]) -> tuple[list[dict[str, object]], list[str]]:

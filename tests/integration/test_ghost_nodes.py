@@ -88,6 +88,11 @@ def test_a_ghost_node_is_refused_as_a_candidate_never_the_pod(shared):
     assert node_reads(lab, "ghost-node") == 1  # one quorum read for the one name the replicas disagree on
     for name in ("real-node", "new-node", "churn-node"):
         assert node_reads(lab, name) == 0
+    # /readyz names it, every replica's Nodes watched, nothing left undecided, the check running (one round a second)
+    detail = eventually(lambda: (lambda d: d if d["ghost_nodes"] else None)(g.get("/readyz").json()["details"]["ghost_nodes"]),
+                        what="the ghost Node in /readyz")
+    assert detail["ghost_nodes"] == {"ghost-node": [stale]} and detail["disagreed"] == {}, detail
+    assert detail["watched"] == dict.fromkeys(sorted(replicas), True) and 0 <= detail["last_round_seconds_ago"] < 30, detail
 
     pod = api.create_namespaced_pod("default", pod_manifest("web-1"), _request_timeout=5)
     names = ["real-node", "ghost-node", "new-node", "not-yet-seen"]

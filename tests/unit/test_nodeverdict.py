@@ -218,3 +218,20 @@ def test_preempt_without_drops_only_the_ghost_node():
     victims = {n: {"Pods": [{"UID": "v"}], "NumPDBViolations": 0} for n in ("a", "ghost")}
     args = extender.parse_preempt(orjson.dumps({"Pod": POD, "NodeNameToMetaVictims": victims}))
     assert orjson.loads(extender.preempt_without(args, {"ghost"})) == {"NodeNameToMetaVictims": {"a": victims["a"]}}
+
+
+def test_suspects_are_the_undecided_names_the_replicas_disagree_on():
+    k = two()
+    assert k.suspects() == {}
+    lost_delete(k, "n1")
+    k.added("B", "late", 10.0)  # A lost its creation
+    assert k.suspects() == {"late": ("B",), "n1": ("B",)}  # within the settle time
+    reads = dict(k.due(12.5))
+    assert k.suspects() == {"late": ("B",), "n1": ("B",)}  # being read
+    assert k.landed("n1", reads["n1"], GONE, 13.0) == "ghost"
+    assert k.landed("late", reads["late"], FAILED, 13.0) == "error"
+    assert k.suspects() == {"late": ("B",)}  # the ghost is decided; the failed read is not
+    assert k.suspects(limit=0) == {}
+    [(name, changes)] = k.due(18.1)
+    assert k.landed(name, changes, THERE, 18.2) == "real"
+    assert k.suspects() == {}
