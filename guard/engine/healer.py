@@ -7,7 +7,8 @@ through :mod:`guard.kube.reads` and :mod:`guard.kube.writes`:
    begins after the replicas were read: a UID is condemned only by a read that began after it
    was seen);
 2. the write: a placeholder create (then, whatever happens, its delete with a UID precondition
-   in a ``finally``: errors, timeouts and Ctrl-C included), or one annotation patch with a
+   in a ``finally``: errors, timeouts and Ctrl-C included; a create interrupted before its answer, or
+   never answered, is found under the name by its created-at and deleted), or one annotation patch with a
    resourceVersion precondition;
 3. polling each replica's cache until it agrees with etcd or ``timeout`` runs out; a replica
    whose cache revision stayed below the heal's own write is *frozen*.
@@ -144,26 +145,26 @@ class Healer:
         at = _now_iso()
         body = heal_plan.placeholder_pod(name, p.ghosts, at=at)
         writes = 0
-        try:
-            created = self.kube.create_pod(namespace, body, timeout=max(0.1, min(self.kube.timeout * 5, deadline - time.monotonic())))
-        except KubeWriteError as e:
-            if e.status == 409 and e.reason == "AlreadyExists":
-                raise _Replan(f"a pod was created under the name meanwhile ({e.message})") from e
-            if e.status == 0:  # no answer: the create may have happened; never leave it behind
-                self._remove_unanswered(namespace, name, at)
-            outcome = Outcome.REFUSED if e.status in REFUSED_STATUSES else Outcome.FAILED
-            return self._result(namespace, name, Action.PLACEHOLDER, outcome,
-                                f"the apiserver {'refused' if outcome is Outcome.REFUSED else 'did not take'} the "
-                                f"placeholder: {e}; nothing left behind", start, 0, p, read, before,
-                                before, {}, ())
-        writes += 1
-        meta = created.get("metadata") or {}
-        uid, write_rv = str(meta.get("uid") or ""), int(meta.get("resourceVersion") or 0)
-        written = time.monotonic()
-        first_ok: dict[str, float] = {}
-        bad = set(p.ghosts) | {uid}
+        uid, write_rv = "", 0
         delete_error = None
-        try:  # from here on, whatever happens (Ctrl-C included), the placeholder is deleted
+        unanswered = True  # the create may have happened and we do not know its UID: find it by its created-at
+        try:  # from the create on, whatever happens (Ctrl-C included, its answer still on the way), no placeholder stays
+            try:
+                created = self.kube.create_pod(namespace, body, timeout=max(0.1, min(self.kube.timeout * 5, deadline - time.monotonic())))
+            except KubeWriteError as e:
+                unanswered = e.status == 0  # an answer: nothing was created
+                if e.status == 409 and e.reason == "AlreadyExists":
+                    raise _Replan(f"a pod was created under the name meanwhile ({e.message})") from e
+                outcome = Outcome.REFUSED if e.status in REFUSED_STATUSES else Outcome.FAILED
+                return self._result(namespace, name, Action.PLACEHOLDER, outcome,
+                                    f"the apiserver {'refused' if outcome is Outcome.REFUSED else 'did not take'} the "
+                                    f"placeholder: {e}; nothing left behind", start, 0, p, read, before,
+                                    before, {}, ())
+            writes += 1
+            meta = created.get("metadata") or {}
+            uid, write_rv = str(meta.get("uid") or ""), int(meta.get("resourceVersion") or 0)
+            unanswered = not uid
+            written = time.monotonic()
             self.progress(f"{namespace}/{name}: placeholder uid {uid} created (rv {write_rv}); waiting up to "
                           f"{max(0.0, deadline - written) / 2:.0f}s for every replica's cache to show it")
             # every reachable replica shows the placeholder (or its cache is already past it); a frozen one never
@@ -172,8 +173,13 @@ class Healer:
                        lambda v: heal_plan.shows(v, uid) or (v.reachable and v.revision is not None and v.revision >= write_rv),
                        min(deadline, written + max(0.0, deadline - written) / 2), written, {})
         finally:
-            delete_error = self._delete_placeholder(namespace, name, uid)
-            writes += 1
+            if uid:
+                delete_error = self._delete_placeholder(namespace, name, uid)
+                writes += 1
+            elif unanswered:
+                self._remove_unanswered(namespace, name, at)
+        first_ok: dict[str, float] = {}
+        bad = set(p.ghosts) | {uid}
         self.progress(f"{namespace}/{name}: placeholder deleted; waiting up to {max(0.0, deadline - time.monotonic()):.0f}s "
                       "for every replica's cache to drop the ghost (a frozen one never does)")
         views = self._wait(clients, namespace, name, lambda v: v.reachable and not any(c.uid in bad for c in v.copies),

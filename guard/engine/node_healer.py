@@ -10,7 +10,8 @@ from kube-scheduler's informer with it.
 2. only when etcd has no such Node (404) and some replica serves it: the placeholder, of one fixed
    shape (unschedulable, tainted NoSchedule and NoExecute by ``kube-ghost-guard.io/placeholder``,
    heal's labels: what manifests/heal's ``ghost-guard-heal-nodes`` policy allows), created, then
-   deleted in a ``finally`` with a UID precondition; a Node etcd has is never touched;
+   deleted in a ``finally`` with a UID precondition (a create with no answer, or interrupted before its answer,
+   is looked up under the name and deleted if it has heal's labels); a Node etcd has is never touched;
 3. polling each replica's cache until none serves the name, or ``timeout``.
 """
 
@@ -81,21 +82,26 @@ def heal_node(kube: Kube, replicas: Callable[[], Sequence[ReplicaClient]], name:
     if dry_run:
         return NodeHealResult(name, "needs-heal", serving, serving, "dry run: nothing written")
     deadline = time.monotonic() + timeout
-    try:
-        created = kube.create_node(placeholder(name))
-    except KubeWriteError as e:
-        if e.status == 409:
-            return NodeHealResult(name, "etcd-has-it", serving, serving, "a Node was created under this name meanwhile")
-        outcome = "refused" if e.status in (400, 403, 422) else "failed"
-        return NodeHealResult(name, outcome, serving, serving, f"placeholder create: HTTP {e.status} {e.reason}: "
-                              f"{visible(e.message)[:300]}")
-    uid = str((created.get("metadata") or {}).get("uid") or "")
-    try:
-        kube.delete_node(name, uid)
-    except KubeWriteError as e:
-        if e.status != 404:
-            return NodeHealResult(name, "failed", serving, serving, f"placeholder delete: HTTP {e.status} {e.reason}: "
-                                  f"{visible(e.message)[:300]} (uid {uid}: delete it by hand)")
+    uid, maybe_created = "", True  # until the create answers, it may have happened: find the placeholder by its labels
+    try:  # from the create on, whatever happens (Ctrl-C included, its answer still on the way), no placeholder stays
+        try:
+            created = kube.create_node(placeholder(name))
+        except KubeWriteError as e:
+            maybe_created = e.status == 0  # an answer: nothing was created
+            if e.status == 409:
+                return NodeHealResult(name, "etcd-has-it", serving, serving, "a Node was created under this name meanwhile")
+            outcome = "refused" if e.status in (400, 403, 422) else "failed"
+            return NodeHealResult(name, outcome, serving, serving, f"placeholder create: HTTP {e.status} {e.reason}: "
+                                  f"{visible(e.message)[:300]}")
+        uid = str((created.get("metadata") or {}).get("uid") or "")
+        maybe_created = not uid
+    finally:
+        delete_error = _delete_placeholder(kube, name, uid) if uid else None
+        if maybe_created:
+            _remove_unanswered(kube, name)
+    if delete_error is not None:
+        return NodeHealResult(name, "failed", serving, serving, f"placeholder delete: {delete_error} (uid {uid}: delete "
+                              "it by hand)")
     while True:
         still = sorted(c.replica.address for c in clients if c.serves_node(name) is not False)
         if not still:
@@ -104,6 +110,28 @@ def heal_node(kube: Kube, replicas: Callable[[], Sequence[ReplicaClient]], name:
             return NodeHealResult(name, "timeout", serving, still,
                                   "still served after the write: that replica's watch may be frozen (restart it)")
         time.sleep(interval)
+
+
+def _delete_placeholder(kube: Kube, name: str, uid: str) -> str | None:
+    """Delete our placeholder Node by UID (precondition): None when it is gone, else what the apiserver said."""
+    try:
+        kube.delete_node(name, uid)
+    except KubeWriteError as e:
+        if e.status != 404:
+            return f"HTTP {e.status} {e.reason}: {visible(e.message)[:300]}"
+    return None
+
+
+def _remove_unanswered(kube: Kube, name: str) -> None:
+    """After a create that got no answer (or was interrupted): delete the Node under the name if it is a
+    placeholder, by its labels (a real Node never has them) and its UID."""
+    try:
+        node = kube.read_node_object(name)
+    except KubeWriteError:
+        return  # 404: nothing was created; anything else: nothing more can be done here
+    meta = node.get("metadata") or {}
+    if all((meta.get("labels") or {}).get(k) == v for k, v in PLACEHOLDER_LABELS.items()) and meta.get("uid"):
+        _delete_placeholder(kube, name, str(meta["uid"]))
 
 
 def render(results: Sequence[NodeHealResult], output: str = "table") -> str:

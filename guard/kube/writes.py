@@ -57,6 +57,10 @@ class PodWrites:
         """Create a Node (``heal node/NAME``'s placeholder, guard/engine/node_healer.py)."""
         return self._write(lambda t: self.core.create_node(body, _preload_content=False, _request_timeout=t), timeout)
 
+    def read_node_object(self, name: str, timeout: float | None = None) -> dict:
+        """The Node as etcd has it (GET without resourceVersion), whole; 404 raises KubeWriteError too."""
+        return self._write(lambda t: self.core.read_node(name, _preload_content=False, _request_timeout=t), timeout)
+
     def delete_node(self, name: str, uid: str, timeout: float | None = None) -> dict:
         """DELETE a Node with a UID precondition (409 Conflict if the name now holds another Node)."""
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-ACTIONS = ("latency", "status", "hang", "cut")
+ACTIONS = ("latency", "status", "hang", "cut", "late")
 
 
 class FaultError(ValueError):
@@ -28,7 +28,9 @@ class FaultRule:
     ``latency``: served after ``seconds``, or as soon as the rule is removed or the faults cleared
     (a slow apiserver that recovers). ``hang``: no answer; the connection is closed when ``seconds``
     pass or the rule goes. ``cut``: the answer's status, headers (its whole ``Content-Length``) and the
-    first half of its body, then the connection closes (a read broken mid-body)."""
+    first half of its body, then the connection closes (a read broken mid-body). ``late``: served (a write
+    happens), its answer held back ``seconds`` or until the rule goes (a client that gives up or is
+    interrupted while etcd already has the write)."""
 
     id: int
     action: str
@@ -121,11 +123,12 @@ class Faults:
     def add(self, action: str, *, method: str | None = None, path: str | None = None, status: int | None = None,
             seconds: float | None = None, count: int | None = None, query: str | None = None) -> FaultRule:
         """Add a request fault. ``action``: "latency" (``seconds``; a removal lets delayed requests go at once),
-        "status" (``status``, e.g. 429/500), "hang", "cut" (half the body sent, then the connection closed)."""
+        "status" (``status``, e.g. 429/500), "hang", "cut" (half the body sent, then the connection closed), "late" (served, the answer held back ``seconds``
+        or until the rule goes)."""
         if action not in ACTIONS:
             raise FaultError(f"action must be one of {', '.join(ACTIONS)}, not {action!r}")
-        if action == "latency" and (seconds is None or seconds < 0):
-            raise FaultError("latency needs seconds >= 0")
+        if action in ("latency", "late") and (seconds is None or seconds < 0):
+            raise FaultError(f"{action} needs seconds >= 0")
         if action == "status" and (status is None or not 400 <= int(status) <= 599):
             raise FaultError("status needs a status code between 400 and 599")
         if count is not None and count < 1:
@@ -273,7 +276,7 @@ class Faults:
             }
 
     def apply_json(self, body: Any) -> dict[str, Any]:
-        """One admin request: ``{"action": "latency"|"status"|"hang"|"drop-deletes"|"drop-creates"|"freeze-watch"|"unfreeze-watch", ...}``."""
+        """One admin request: ``{"action": "latency"|"status"|"hang"|"cut"|"late"|"drop-deletes"|"drop-creates"|"freeze-watch"|"unfreeze-watch", ...}``."""
         if not isinstance(body, dict):
             raise FaultError("body must be a JSON object")
         action = body.get("action")

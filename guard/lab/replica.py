@@ -34,7 +34,7 @@ from guard.lab.api import (
 from guard.lab import openapi
 from guard.lab.api import FIELD_VALIDATION_DIRECTIVES, unknown_fields
 from guard.lab.watchcache import WatchCache
-from guard.lab.faults import FaultError, Faults
+from guard.lab.faults import FaultError, FaultRule, Faults
 from guard.lab.pki import KeyPair
 from guard.lab.registry import Registry, output_field, output_form
 from guard.lab.store import EtcdClient, EtcdUnavailable
@@ -134,6 +134,7 @@ class _Ctx:
     t0: float = 0.0
     recorded: bool = False
     cut: bool = False  # a "cut" fault: half the answer's body, then the connection closes
+    late: FaultRule | None = None  # a "late" fault: served, the answer held back until the rule lets it go
     body_cache: bytes | None = field(default=None, repr=False)
 
     def body(self) -> bytes:
@@ -508,6 +509,8 @@ class ApiserverReplica:
             raise ApiError(code, reason, "lab fault")
         elif rule.action == "cut":
             ctx.source, ctx.cut = "fault", True  # answered, then cut in _send
+        elif rule.action == "late":
+            ctx.late = rule  # served, then held in _send
         elif rule.action == "hang":
             ctx.source = "fault"
             self._record(ctx)  # logged on arrival: a hung request never gets an answer to log it by
@@ -518,6 +521,8 @@ class ApiserverReplica:
               content_type: str = "application/json") -> None:
         data = body if isinstance(body, bytes) else orjson.dumps(body)
         h = ctx.handler
+        if ctx.late is not None:
+            self.faults.hang(ctx.late, self._stopping)
         if ctx.method in ("POST", "PUT", "PATCH") and ctx.body_cache is None:
             try:
                 ctx.body()  # drain the request body so the connection stays usable

@@ -10,6 +10,9 @@ Real etcd, three real HTTPS apiserver replicas, a real `ghost-guard serve`.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
 from clirun import ghost_guard, ghost_guard_beside_process
@@ -169,6 +172,44 @@ def test_heal_node_drops_the_ghost_node_from_the_stale_cache_without_a_restart(s
     assert r.returncode == 0 and "consistent" in r.stdout, r.stdout + r.stderr
     r = ghost_guard("heal", "node/Bad_Name", "--kubeconfig", lab.kubeconfig(0))
     assert r.returncode == 2 and "node/NAME" in r.stderr
+
+
+@pytest.mark.parametrize("fault", ["cut", "late"])
+def test_a_node_placeholder_whose_create_got_no_answer_is_not_left_behind(shared, fault):
+    """The placeholder's create reached etcd, its answer did not reach heal: broken mid-body ("cut"), or still
+    held back when Ctrl-C comes ("late"). heal finds the Node under the name by its labels and deletes it."""
+    lab, g = shared
+    api = lab.core_v1(0)
+    name = f"unanswered-{fault}"
+    api.create_node(node_manifest(name), _request_timeout=5)
+    eventually(lambda: all(name in cached_nodes(lab, i) for i in range(3)), what="every replica's cache holds the Node")
+    lab.replicas[1].faults.drop_deletes(name=name, resource="nodes", count=1)
+    api.delete_node(name, _request_timeout=5)
+    eventually(lambda: name not in cached_nodes(lab, 0) and name in cached_nodes(lab, 1), what="a ghost on replica 1")
+    rule = lab.replicas[0].faults.add(fault, method="POST", path="^/api/v1/nodes$", count=1,
+                                      seconds=60 if fault == "late" else None)
+    try:
+        argv = ["heal", f"node/{name}", "--kubeconfig", lab.kubeconfig(0), "-o", "json"]
+        if fault == "cut":
+            r = ghost_guard(*argv)
+            assert r.returncode == 1, r.stdout + r.stderr
+            (res,) = json.loads(r.stdout)["nodes"]
+            assert res["outcome"] == "failed" and "placeholder create" in res["detail"], res
+        else:
+            proc = subprocess.Popen([sys.executable, "-m", "guard", *argv], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            eventually(lambda: any(n.metadata.name == name for n in api.list_node(_request_timeout=5).items), 20,
+                       what="the placeholder Node in etcd")
+            assert rule.hits == 1  # its answer is held back: heal is still waiting for it
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=20)
+            assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+        assert name not in {n.metadata.name for n in api.list_node(_request_timeout=5).items}  # no placeholder left
+    finally:
+        lab.replicas[0].faults.remove(rule.id)
+    # the placeholder's delete reached replica 1's cache too: the ghost is gone everywhere
+    eventually(lambda: all(name not in cached_nodes(lab, i) for i in range(3)), what="no replica serves the Node")
 
 
 def test_a_node_read_that_fails_passes_the_node(shared):

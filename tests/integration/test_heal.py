@@ -223,6 +223,29 @@ def test_ctrl_c_while_waiting_leaves_no_placeholder(lab):
         lab.replicas[1].faults.unfreeze_watch()
 
 
+def test_ctrl_c_before_the_placeholders_create_is_answered_leaves_no_placeholder(lab):
+    """etcd has the placeholder, its create's answer is still on the way, Ctrl-C: the heal does not know the
+    placeholder's UID, finds it under the name by its created-at and deletes it (a full run under load sent the
+    signal in that window, and the placeholder stayed)."""
+    make_ghost(lab, NS, "web-0", stale=1)
+    lab.replicas[1].faults.clear()
+    late = lab.replicas[0].faults.add("late", method="POST", path=PODS, seconds=60, count=1)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "guard", "heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0),
+                                 "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        placeholder = eventually(lambda: quorum_pod(lab.core_v1(2), "web-0"), 20, what="the placeholder created")
+        assert placeholder["spec"]["schedulingGates"] == [{"name": "kube-ghost-guard.io/placeholder"}]
+        assert late.hits == 1  # its answer is held back: the heal is still waiting for it
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 130, err
+        assert "interrupted" in err and "Traceback" not in err
+        assert quorum_pod(lab.core_v1(2), "web-0") is None
+    finally:
+        lab.replicas[0].faults.remove(late.id)
+
+
 def test_ctrl_c_while_a_replica_read_hangs_ends_at_once(lab):
     """Ctrl-C ends the heal at once, reads still in flight or not: the interpreter's exit would otherwise join a
     pool thread stuck in a read for up to --probe-timeout (or for good, behind a lock the interrupt left held)."""

@@ -52,6 +52,19 @@ def test_latency_delays_matching_requests(shared_lab):
     assert rule.hits == 2
 
 
+def test_late_serves_the_write_and_holds_its_answer_back(shared_lab, lab_namespace):
+    r = shared_lab.replicas[0]
+    path = f"/api/v1/namespaces/{lab_namespace}/pods"
+    rule = r.faults.add("late", method="POST", path=path, seconds=60, count=1)
+    with pytest.raises(urllib3.exceptions.HTTPError):  # the client gives up waiting for the answer...
+        raw(shared_lab, 0, "POST", path, body=pod_manifest("p"), timeout=0.5)
+    # ...while etcd already has the pod
+    assert shared_lab.core_v1(1).read_namespaced_pod("p", lab_namespace, _request_timeout=5).metadata.name == "p"
+    assert rule.hits == 1 and r.faults.rules() == []  # counted: spent, the next request is answered at once
+    assert raw(shared_lab, 0, "GET", f"{path}/p", timeout=5)[0] == 200
+    r.faults.remove(rule.id)  # lets the held answer go
+
+
 def test_hang_until_cleared(shared_lab):
     r = shared_lab.replicas[0]
     r.faults.add("hang", path=r"/api/v1/nodes")
@@ -81,15 +94,16 @@ def test_admin_endpoint_adds_lists_and_removes_faults(shared_lab):
 
 
 @pytest.mark.parametrize(("body", "message"), [
-    ({"action": "explode"}, "action must be one of latency, status, hang, cut, not 'explode'"),
+    ({"action": "explode"}, "action must be one of latency, status, hang, cut, late, not 'explode'"),
     ({"action": "status", "status": 200}, "status needs a status code between 400 and 599"),
     ({"action": "latency"}, "latency needs seconds >= 0"),
+    ({"action": "late", "seconds": -1}, "late needs seconds >= 0"),
     ({"action": "hang", "path": "("}, "path is not a valid regex: missing ), unterminated subpattern at position 0"),
     ({"action": "hang", "count": 0}, "count must be >= 1"),
     ({"action": "hang", "colour": "red"}, "unknown field(s): colour"),
     ({"action": "drop-deletes", "name": 3}, "name has the wrong type"),
     ([], "body must be a JSON object"),
-], ids=["unknown-action", "status-not-an-error", "latency-without-seconds", "bad-regex", "zero-count",
+], ids=["unknown-action", "status-not-an-error", "latency-without-seconds", "late-negative", "bad-regex", "zero-count",
         "unknown-field", "wrong-type", "not-an-object"])
 def test_admin_endpoint_rejects_bad_faults_with_400(shared_lab, body, message):
     status, out = raw(shared_lab, 0, "POST", "/lab/faults", body=body)
