@@ -37,6 +37,34 @@ def ghost_guard(*args: str, env: dict[str, str] | None = None, clean_env: bool =
     return subprocess.CompletedProcess(["ghost-guard", *args], r.exit_code, r.stdout, r.stderr)
 
 
+def ghost_guard_process(*args: str) -> subprocess.Popen:
+    """``python -m guard *args`` as a real process that Ctrl-C reaches as it does from a terminal: SIGINT with its
+    default disposition in the child. A suite started in the background (`cmd &` from a script) has SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler in its children: the command would rightly
+    ignore the signal (seen in a full run started so)."""
+    import signal
+
+    return subprocess.Popen([sys.executable, "-m", "guard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 20) -> str:
+    """Ctrl-C to a ``ghost_guard_process``: it must end within ``timeout`` with 130, saying "interrupted", no
+    traceback. Its stderr."""
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
+    return err
+
+
 def ghost_guard_beside_process(args: list[str], extra: list[str],
                                first: Callable[[subprocess.Popen], None] | None = None
                                ) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:

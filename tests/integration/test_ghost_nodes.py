@@ -10,12 +10,9 @@ Real etcd, three real HTTPS apiserver replicas, a real `ghost-guard serve`.
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 
 import pytest
-from clirun import ghost_guard, ghost_guard_beside_process
+from clirun import ghost_guard, ghost_guard_beside_process, ghost_guard_process, interrupt
 from fixtures_lab import mend
 
 from guard.lab.harness import eventually, node_manifest, pod_manifest
@@ -196,15 +193,11 @@ def test_a_node_placeholder_whose_create_got_no_answer_is_not_left_behind(shared
             (res,) = json.loads(r.stdout)["nodes"]
             assert res["outcome"] == "failed" and "placeholder create" in res["detail"], res
         else:
-            proc = subprocess.Popen([sys.executable, "-m", "guard", *argv], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True,
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            proc = ghost_guard_process(*argv)
             eventually(lambda: any(n.metadata.name == name for n in api.list_node(_request_timeout=5).items), 20,
                        what="the placeholder Node in etcd")
             assert rule.hits == 1  # its answer is held back: heal is still waiting for it
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=20)
-            assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+            interrupt(proc)
         assert name not in {n.metadata.name for n in api.list_node(_request_timeout=5).items}  # no placeholder left
     finally:
         lab.replicas[0].faults.remove(rule.id)

@@ -1,7 +1,7 @@
 """``ghost-guard heal`` against the lab (issue 13, part 1): real etcd, three replicas with their own watch
 caches, the scheduler simulator looping on replica 1, and the CLI run in-process (click's CliRunner: the
 same command, arguments, output and exit status, without a new interpreter importing ``kubernetes`` for
-each run); the Ctrl-C test runs ``python -m guard heal`` as a real process, signal and all.
+each run); the Ctrl-C tests run ``python -m guard heal`` as a real process, signal and all.
 
 The CLI reads and writes through replica 0 (its kubeconfig); replica 0's request log counts its
 writes. Each test checks what the replicas serve, what etcd holds and that nothing is left behind.
@@ -10,15 +10,12 @@ writes. Each test checks what the replicas serve, what etcd holds and that nothi
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from clirun import ghost_guard
+from clirun import ghost_guard, ghost_guard_process, interrupt
 
 from guard.lab.harness import create, eventually, make_ghost, node_manifest, pod_manifest, quorum_pod
 from guard.lab.scheduler import Timings
@@ -206,18 +203,10 @@ def test_ctrl_c_while_waiting_leaves_no_placeholder(lab):
     lab.replicas[1].faults.clear()
     lab.replicas[1].faults.freeze_watch()  # the heal waits for replica 1 to show the placeholder
     try:
-        # Ctrl-C as a terminal sends it: SIGINT with its default disposition in the child. A suite started in the
-        # background (`cmd &` from a script) has SIGINT ignored, and Python then installs no KeyboardInterrupt
-        # handler in its children: the heal would rightly ignore the signal (seen in a full run started so).
-        proc = subprocess.Popen([sys.executable, "-m", "guard", "heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0),
-                                 "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = ghost_guard_process("heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0), "--timeout", "60")
         placeholder = eventually(lambda: quorum_pod(lab.core_v1(2), "web-0"), 20, what="the placeholder created")
         assert placeholder["spec"]["schedulingGates"] == [{"name": "kube-ghost-guard.io/placeholder"}]
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=20)
-        assert proc.returncode == 130, err
-        assert "interrupted" in err and "Traceback" not in err
+        interrupt(proc)
         assert quorum_pod(lab.core_v1(2), "web-0") is None
     finally:
         lab.replicas[1].faults.unfreeze_watch()
@@ -231,16 +220,11 @@ def test_ctrl_c_before_the_placeholders_create_is_answered_leaves_no_placeholder
     lab.replicas[1].faults.clear()
     late = lab.replicas[0].faults.add("late", method="POST", path=PODS, seconds=60, count=1)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "guard", "heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0),
-                                 "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = ghost_guard_process("heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0), "--timeout", "60")
         placeholder = eventually(lambda: quorum_pod(lab.core_v1(2), "web-0"), 20, what="the placeholder created")
         assert placeholder["spec"]["schedulingGates"] == [{"name": "kube-ghost-guard.io/placeholder"}]
         assert late.hits == 1  # its answer is held back: the heal is still waiting for it
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=20)
-        assert proc.returncode == 130, err
-        assert "interrupted" in err and "Traceback" not in err
+        interrupt(proc)
         assert quorum_pod(lab.core_v1(2), "web-0") is None
     finally:
         lab.replicas[0].faults.remove(late.id)
@@ -252,18 +236,13 @@ def test_ctrl_c_while_a_replica_read_hangs_ends_at_once(lab):
     make_ghost(lab, NS, "web-0", stale=1)
     lab.replicas[1].faults.clear()
     lab.replicas[1].faults.freeze_watch()  # the heal polls replica 1 until it shows the placeholder
+    proc = ghost_guard_process("heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0), "--timeout", "120",
+                               "--probe-timeout", "60")
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "guard", "heal", f"{NS}/web-0", "--kubeconfig", lab.kubeconfig(0),
-                                 "--timeout", "120", "--probe-timeout", "60"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         eventually(lambda: quorum_pod(lab.core_v1(2), "web-0"), 20, what="the placeholder created")
         hung = lab.replicas[1].faults.add("hang", method="GET", path=PODS, query=".*resourceVersion=0.*")
         eventually(lambda: hung.hits >= 1, 20, what="one of the heal's cache reads hung in replica 1")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=15)  # the hung read alone would hold the exit for 60 s
-        assert proc.returncode == 130, err
-        assert "interrupted" in err and "Traceback" not in err
+        interrupt(proc, timeout=15)  # the hung read alone would hold the exit for 60 s
         assert quorum_pod(lab.core_v1(2), "web-0") is None
     finally:
         lab.replicas[1].faults.clear()
