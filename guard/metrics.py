@@ -172,11 +172,31 @@ HEALS = Counter("ghost_guard_heals", "Automatic heals of stale watch caches (ser
 HEALS_DROPPED = Counter("ghost_guard_heals_dropped", "Automatic heals not queued because the heal queue was full.")
 
 
+class _Collector(multiprocess.MultiProcessCollector):
+    """prometheus_client's multiprocess collector, skipping a file a process is still creating: a ``.db`` file
+    is empty between its creation and its first size (prometheus_client's MmapedDict), and reading it raised
+    ``struct.error`` (``/metrics`` answered 500 while a gunicorn worker or helper started: seen in a loaded
+    full run)."""
+
+    def collect(self):
+        import glob
+
+        files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _sized(f)]
+        return self.merge(files, accumulate=True)
+
+
+def _sized(path: str) -> bool:
+    try:
+        return os.path.getsize(path) >= 8
+    except OSError:  # gone meanwhile (a process's file removed)
+        return False
+
+
 def registry() -> CollectorRegistry | None:
     """The registry to expose: a fresh multiprocess collector under gunicorn, else the default."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         reg = CollectorRegistry()
-        multiprocess.MultiProcessCollector(reg)
+        _Collector(reg)
         return reg
     return None
 
