@@ -491,7 +491,9 @@ def test_late_filter_for_a_deleted_pod_does_not_block_its_recreated_namesake(rig
     create(api, node_manifest("node-a"))  # the scheduler can place B now
     for name, _, uid_b in pods:
         pod = wait_bound(lab, sched, name, uid_b)
-        stats = stat(sched.stats(), f"{NS}/{name}")
+        # etcd has the binding before the scheduler's cycle records it: wait for its stats to say so
+        stats = eventually(lambda: (s := stat(sched.stats(), f"{NS}/{name}")).bound_node and s, 20,
+                           what=f"the scheduler's stats of {name} bound")
         assert stats.bind_failures == {} and stats.bound_node == pod["spec"]["nodeName"]
 
     # Every follow-up (audit, etcd, probes, confirmation after 1 s) is done: each A blocked has its record, its
