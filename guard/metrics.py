@@ -9,6 +9,7 @@ audit log.
 from __future__ import annotations
 
 import functools
+import glob
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -179,13 +180,12 @@ class _Collector(multiprocess.MultiProcessCollector):
     full run)."""
 
     def collect(self):
-        import glob
-
         files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _sized(f)]
         return self.merge(files, accumulate=True)
 
 
 def _sized(path: str) -> bool:
+    """The file holds at least MmapedDict's 8-byte header (the used length it reads first)."""
     try:
         return os.path.getsize(path) >= 8
     except OSError:  # gone meanwhile (a process's file removed)

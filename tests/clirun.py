@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -42,8 +43,6 @@ def ghost_guard_process(*args: str) -> subprocess.Popen:
     default disposition in the child. A suite started in the background (`cmd &` from a script) has SIGINT
     ignored, and Python then installs no KeyboardInterrupt handler in its children: the command would rightly
     ignore the signal (seen in a full run started so)."""
-    import signal
-
     return subprocess.Popen([sys.executable, "-m", "guard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -51,8 +50,6 @@ def ghost_guard_process(*args: str) -> subprocess.Popen:
 def interrupt(proc: subprocess.Popen, timeout: float = 20) -> str:
     """Ctrl-C to a ``ghost_guard_process``: it must end within ``timeout`` with 130, saying "interrupted", no
     traceback. Its stderr."""
-    import signal
-
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=timeout)

@@ -123,8 +123,8 @@ class Faults:
     def add(self, action: str, *, method: str | None = None, path: str | None = None, status: int | None = None,
             seconds: float | None = None, count: int | None = None, query: str | None = None) -> FaultRule:
         """Add a request fault. ``action``: "latency" (``seconds``; a removal lets delayed requests go at once),
-        "status" (``status``, e.g. 429/500), "hang", "cut" (half the body sent, then the connection closed), "late" (served, the answer held back ``seconds``
-        or until the rule goes)."""
+        "status" (``status``, e.g. 429/500), "hang", "cut" (half the body sent, then the connection closed),
+        "late" (``seconds``; served, the answer held back that long or until the rule goes)."""
         if action not in ACTIONS:
             raise FaultError(f"action must be one of {', '.join(ACTIONS)}, not {action!r}")
         if action in ("latency", "late") and (seconds is None or seconds < 0):
