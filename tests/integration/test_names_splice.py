@@ -5,22 +5,19 @@ kept-alive connection, and hostile bodies that must not take it."""
 from __future__ import annotations
 
 import http.client
-import tempfile
 
 import orjson
 import pytest
 
-from guard.lab.harness import GuardProcess, eventually, make_ghost, pod_manifest
+from guard.lab.harness import eventually, make_ghost, pod_manifest
 
 TAIL = b',"FailedNodes":{},"FailedAndUnresolvableNodes":{},"Error":""}'
 
 
 @pytest.fixture(scope="module")
-def guard(_shared_lab_session):
-    db = tempfile.mktemp(prefix="audit-", suffix=".db")
-    with GuardProcess(["--kubeconfig", _shared_lab_session.kubeconfig(0), "--audit-db", db, "--no-events"]) as g:
-        g.wait()
-        yield g
+def guard(_shared_lab_session, module_guard, tmp_path_factory):
+    db = tmp_path_factory.mktemp("names-splice") / "audit.db"
+    return module_guard(["--kubeconfig", _shared_lab_session.kubeconfig(0), "--audit-db", str(db), "--no-events"])
 
 
 def scheduler_body(pod: dict, names: bytes) -> bytes:
