@@ -261,7 +261,7 @@ def test_a_frozen_replica_is_named_and_a_thawed_one_cleared(shared):
     lab, g = shared
     frozen = replica(lab, 2)
     detections = g.metric("ghost_guard_replica_pods_missing_detections_total")
-    logged = len(g.logs())
+    logged = len(g.logs(tail=None))
     lab.replicas[2].faults.freeze_watch()
     froze = time.monotonic()
     api = lab.core_v1(0)
@@ -280,7 +280,9 @@ def test_a_frozen_replica_is_named_and_a_thawed_one_cleared(shared):
     assert g.metric("ghost_guard_replica_pods_missing_detections_total") == detections
     detail = caches(g, lambda d: d[frozen]["frozen"])
     assert detail[frozen]["frozen"] is True and detail[frozen]["cache_revision"] < lab.revision()
-    assert "watch is frozen" in g.logs()[logged:]
+    # written just after the state /readyz shows (the lock released first): waited for, in the whole log (its
+    # default 8,000-character tail, cut at the length before, showed nothing once the log had grown)
+    eventually(lambda: "watch is frozen" in g.logs(tail=None)[logged:], 10, what="the frozen replica logged", process=g)
 
     lab.replicas[2].faults.unfreeze_watch()
     eventually(lambda: g.metric("ghost_guard_replica_frozen", replica=frozen) == 0, 20,
