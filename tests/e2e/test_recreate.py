@@ -115,7 +115,7 @@ def rig(lab, start_guard, start_scheduler, db: str, nodes: list[str], store: lis
     for name in nodes:
         create(api, node_manifest(name))
     g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", db, *GUARD_FLAGS, *store])
-    eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery", process=g)
+    eventually(lambda: "apiserver replicas" in g.logs(tail=None), 20, what="replica discovery", process=g)
     assert lab.wait_synced()
     ext = ExtenderConfig(url_prefix=g.base, filter_verb="filter", preempt_verb="preempt",
                          node_cache_capable=True, http_timeout=5.0)

@@ -41,7 +41,7 @@ def test_serve_heal_breaks_the_loop_and_heals_the_cache_with_no_operator_step(la
 
     db = str(tmp_path / "audit.db")
     g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", db, *GUARD])
-    eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery", process=g)
+    eventually(lambda: "apiserver replicas" in g.logs(tail=None), 20, what="replica discovery", process=g)
     ext = ExtenderConfig(url_prefix=g.base, filter_verb="filter", preempt_verb="preempt", node_cache_capable=True,
                          http_timeout=5.0)
     sched = lab_scheduler(lab.kubeconfig(1), timings=FAST, extenders=[ext])

@@ -55,7 +55,7 @@ def test_sweeper_finds_and_attributes_a_ghost_then_sees_the_replica_heal(shared)
     lab, g, db = shared
     verified = {v: counter(g, "ghost_guard_prepare_verified_total", verdict=v) for v in ("ghost-deleted", "terminating")}
     logged = len(g.stdout())
-    wait_for(lambda: g.metric("ghost_guard_watch_restarts_total") == 0 and "apiserver replicas" in g.logs(),
+    wait_for(lambda: g.metric("ghost_guard_watch_restarts_total") == 0 and "apiserver replicas" in g.logs(tail=None),
              what="replica discovery")
     uid = make_ghost(lab, "default", "web-1", stale=1)
     stale = f"{lab.replicas[1].ip}:{lab.replicas[1].port}"
@@ -106,7 +106,7 @@ def test_sweeper_finds_and_attributes_a_ghost_then_sees_the_replica_heal(shared)
 
 def test_a_pod_deleted_after_its_verdict_was_prepared_is_not_passed(shared):
     lab, g, _ = shared
-    wait_for(lambda: "apiserver replicas" in g.logs(), what="replica discovery")
+    wait_for(lambda: "apiserver replicas" in g.logs(tail=None), what="replica discovery")
     alive, prepared = counter(g, "ghost_guard_prepare_verified_total", verdict="alive"), \
         counter(g, "ghost_guard_verdicts_prepared_total")
     api = lab.core_v1(0)
@@ -137,7 +137,7 @@ def test_a_pod_deleted_after_its_verdict_was_prepared_is_not_passed(shared):
 
 def test_a_prepared_verdict_answers_the_first_call_without_a_get(shared):
     lab, g, _ = shared
-    wait_for(lambda: "apiserver replicas" in g.logs(), what="replica discovery")
+    wait_for(lambda: "apiserver replicas" in g.logs(tail=None), what="replica discovery")
     alive, prepared, inline = (counter(g, "ghost_guard_prepare_verified_total", verdict="alive"),
                                counter(g, "ghost_guard_verdicts_prepared_total"),
                                counter(g, "ghost_guard_verdicts_inline_total"))
@@ -162,7 +162,7 @@ def test_pods_deleted_normally_are_no_incident(shared):
     """Pods that come and go (a Job, a rollout) may be deleted before their background verification
     runs: that 404 is cached, but nothing is recorded or alerted, since no replica serves them."""
     lab, g, db = shared
-    wait_for(lambda: "apiserver replicas" in g.logs(), what="replica discovery")
+    wait_for(lambda: "apiserver replicas" in g.logs(tail=None), what="replica discovery")
     verified, blocked_total = counter(g, "ghost_guard_prepare_verified_total"), counter(g, "ghost_guard_ghosts_blocked_total")
     recorded = {r["uid"] for r in audit_records(db)}
     announced = event_uids(lab, "GhostPodBlocked")

@@ -209,7 +209,7 @@ def test_apiserver_trouble_fails_open_and_is_counted(guard, shared_lab, lab_name
     pre = guard.post("/preempt", preempt_body(scheduler_pod(lab_namespace, "x", uid), "meta")).json()
     assert pre["NodeNameToMetaVictims"] != {}
     assert guard.metric("ghost_guard_fail_open_total", reason="apiserver") >= before + 1
-    assert "failing open" in guard.logs()
+    assert "failing open" in guard.logs(tail=None)
 
 
 def test_fail_closed_rejects_when_undecided(start_guard, shared_lab, lab_namespace, tmp_path):
@@ -291,7 +291,7 @@ def test_readyz_is_503_when_the_apiserver_is_unreachable(start_guard, tmp_path):
     # and a scheduling call still answers: fail open, with the cause named (a refusal is not a timeout)
     out = g.post("/filter", filter_of("d", "p", "u", "names")).json()
     assert out["NodeNames"] == NAMES
-    assert "quorum read of pod d/p uid u failed: connection error: NewConnectionError; failing open" in g.logs()
+    assert "quorum read of pod d/p uid u failed: connection error: NewConnectionError; failing open" in g.logs(tail=None)
 
 
 def test_startup_errors_exit_2_with_one_line(tmp_path):
@@ -351,7 +351,7 @@ def test_the_fast_lane_counts_and_logs_its_calls(guard):
     before = guard.metric("ghost_guard_requests_total", endpoint="/filter", code="200")
     assert guard.post("/filter", body).status_code == 200
     assert guard.metric("ghost_guard_requests_total", endpoint="/filter", code="200") == before + 1
-    line = [ln for ln in guard.logs().splitlines() if '"uid":"u-lane"' in ln][-1]
+    line = [ln for ln in guard.logs(tail=None).splitlines() if '"uid":"u-lane"' in ln][-1]
     entry = orjson.loads(line)
     assert (entry["path"], entry["status"], entry["pod"], entry["verdict"]) == ("/filter", 200, "d/lane", "ghost-deleted")
 

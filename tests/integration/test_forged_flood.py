@@ -67,7 +67,7 @@ def test_a_forged_flood_is_shed_before_it_costs_a_real_ghost_its_record_event_or
     # Every known shed reason is exported from zero, before anything was shed (a rate() over it works at once).
     for reason in ("namespace-budget", "global-budget", "queue-full"):
         assert f'ghost_guard_flood_shed_total{{reason="{reason}"}} 0.0' in g.get("/metrics", timeout=5).text
-    eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery", process=g)
+    eventually(lambda: "apiserver replicas" in g.logs(tail=None), 20, what="replica discovery", process=g)
     real_uid = make_ghost(lab, "default", "real-ghost", stale=1)
     stale = f"{lab.replicas[1].ip}:{lab.replicas[1].port}"
     # The guard's views hold the pod on the stale replica only (it listed it: the real ghost is "sighted"), and

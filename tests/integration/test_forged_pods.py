@@ -58,7 +58,7 @@ def test_forged_names_are_refused_and_no_replica_is_named(lab, start_guard, tmp_
     db = str(tmp_path / "audit.db")
     g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", db, *GUARD], wait=None)
     g.wait("/readyz", timeout=60)
-    eventually(lambda: "apiserver replicas" in g.logs(), 30, what="replica discovery", process=g)
+    eventually(lambda: "apiserver replicas" in g.logs(tail=None), 30, what="replica discovery", process=g)
     replicas = [f"{r.ip}:{r.port}" for r in lab.replicas]
 
     forged = [("default", "live" + tail) for tail in SELECTOR_TAILS]

@@ -33,7 +33,7 @@ def test_two_guards_record_one_ghostpod_readable_from_any_kubeconfig(lab, start_
     guards = start_guard.together(*(["--kubeconfig", lab.kubeconfig(i), "--audit-db", str(tmp_path / f"unused-{i}.db"),
                                      *FAST] for i in (0, 2)))
     for g in guards:
-        eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery", process=g)
+        eventually(lambda: "apiserver replicas" in g.logs(tail=None), 20, what="replica discovery", process=g)
     uid = make_ghost(lab, "default", "web-1", stale=1)
     stale = f"{lab.replicas[1].ip}:{lab.replicas[1].port}"
     # the scheduler loops on the ghost through both guards (the Service spreads its calls)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_a_call_during_the_background_get_shares_it(lab, start_guard, tmp_path):
     g = start_guard(["--kubeconfig", lab.kubeconfig(0), "--audit-db", str(tmp_path / "a.db"), "--no-events",
                      "--get-timeout", "1.9", "--prepare-idle-after", "0"])  # verify ahead before any call
-    eventually(lambda: "apiserver replicas" in g.logs(), 20, what="replica discovery")
+    eventually(lambda: "apiserver replicas" in g.logs(tail=None), 20, what="replica discovery")
     path = "/api/v1/namespaces/default/pods/slow"
     # every quorum GET of this pod takes 1.5 s (within the 2 s request budget): the background one is
     # still running when the scheduler asks, as soon as that GET has reached a replica
