@@ -328,6 +328,9 @@ def run_case(lab: RealLab, which: str, phase: str, pods: int, n: int, tmp: str, 
         guard = start_guard(lab, tmp, n, ["--apiserver-replicas", ",".join(lab.urls), *guard_flags],  # type: ignore[arg-type]
                             tree=baseline if which == "guard-baseline" else None)
         proc, url = guard.proc, guard.base
+    elif which == "floor":
+        proc, url = start_passthrough("benchmarks.passthrough_extender:floor_app", env={
+            "FLOOR_APISERVER": lab.urls[CREATE_REPLICA], "FLOOR_CA": lab.ca_path, "FLOOR_TOKEN": lab.token})
     else:
         proc, url = start_passthrough()
     sched_log = lab._path("kube-scheduler.log")
@@ -388,6 +391,8 @@ def run_case(lab: RealLab, which: str, phase: str, pods: int, n: int, tmp: str, 
         res["pod_gets_per_pod"] = delta.get(("GET", "pods", ""), 0.0) / pods
         res["pod_lists_per_pod"] = delta.get(("LIST", "pods", ""), 0.0) / pods
         res["requests"] = {"/".join(x for x in k if x): int(v) for k, v in sorted(delta.items(), key=lambda kv: -kv[1])}
+        if which == "floor":
+            res["floor"] = requests.get(url + "/floor", timeout=10).json()
         if guard:
             g1 = guard_counts(url)
             res["guard"] = {k: int(g1[k] - g0[k]) for k in g1 if k != "filter_seconds"}
@@ -418,6 +423,11 @@ def table(rows: list[tuple[int, str, dict[str, list[dict[str, Any]]]]]) -> str:
         g, p = agg["guard"], agg["pass-through"]
         ratios = [a["pods_per_s"] / b["pods_per_s"] for a, b in zip(g, p)]
         ratio = ", ".join(f"{r:.2f}" for r in ratios) + (f" ({statistics.median(ratios):.2f})" if ratios else "")
+        f = agg.get("floor") or []
+        if f:
+            fr = [a["pods_per_s"] / b["pods_per_s"] for a, b in zip(f, p)]
+            ratio += " / floor " + ", ".join(f"{r:.2f}" for r in fr) + f" ({statistics.median(fr):.2f})"
+            ratio += f", floor CPU {mean(f, 'cpu_ms_per_pod'):.2f} ms/pod"
         loads = ", ".join(r["load_start"].split()[0] for r in sorted(g + p, key=lambda r: r["n"]))
         out.append(f"| {nodes} | {phase} | {mean(g, 'pods_per_s'):.0f} | {mean(p, 'pods_per_s'):.0f} | {ratio} "
                    f"| {mean(g, 'cpu_ms_per_pod'):.2f} / {mean(p, 'cpu_ms_per_pod'):.2f} "
@@ -461,6 +471,10 @@ def main() -> int:
     ap.add_argument("--baseline", metavar="TREE", help="also run the guard of another source tree (e.g. "
                     "`git archive main | tar -x -C TREE`) as a third extender, `guard-baseline`, after the guard in "
                     "each round: before and after a change in one run (its cases in the per-case table)")
+    ap.add_argument("--floor", action="store_true", help="also run `floor`, the pass-through plus one quorum GET of "
+                    "each pending pod ahead of the call (benchmarks/passthrough_extender.py:floor_app), after the guard "
+                    "in each round: what keeping a quorum GET per pod costs any extender (its cases in the per-case "
+                    "table, its ratio to the pass-through in the cell table)")
     ap.add_argument("guard_flags", nargs="*", help="extra flags for ghost-guard serve (after --)")
     args = ap.parse_args()
     phases = [p.strip() for p in args.phases.split(",")]
@@ -481,7 +495,8 @@ def main() -> int:
                 add_nodes(lab, have, nodes)
                 have = nodes
                 for phase in phases:
-                    extenders = ["guard", *(["guard-baseline"] if args.baseline else []), "pass-through"]
+                    extenders = ["guard", *(["guard-baseline"] if args.baseline else []),
+                                 *(["floor"] if args.floor else []), "pass-through"]
                     agg: dict[str, list[dict[str, Any]]] = {w: [] for w in extenders}
                     for _ in range(args.rounds):
                         for which in extenders:

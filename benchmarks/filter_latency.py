@@ -64,16 +64,18 @@ def machine() -> str:
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {pinning}")
 
 
-def start_passthrough(app: str = "benchmarks.passthrough_extender:app") -> tuple[subprocess.Popen, str]:
+def start_passthrough(app: str = "benchmarks.passthrough_extender:app",
+                      env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """The minimal pass-through extender (benchmarks/passthrough_extender.py; ``app``: another of its apps) under
-    gunicorn like the guard (gthread, 1 worker, 16 threads), on the extender's CPU; returns it once /healthz answers."""
+    gunicorn like the guard (gthread, 1 worker, 16 threads), on the extender's CPU; returns it once /healthz answers.
+    ``env``: added to the environment (``floor_app``'s apiserver)."""
     port = free_port()
     pin = (lambda: os.sched_setaffinity(0, EXTENDER_CPUS)) if EXTENDER_CPUS else None
     proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "16", "-w", "1",
                              "--no-control-socket", "--log-level", "warning", "-b", f"127.0.0.1:{port}",
                              app],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
-                            preexec_fn=pin)
+                            preexec_fn=pin, env={**os.environ, **env} if env else None)
     url = f"http://127.0.0.1:{port}"
     try:
         eventually(lambda: requests.get(url + "/healthz", timeout=1).status_code == 200, 30,

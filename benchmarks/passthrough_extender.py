@@ -7,7 +7,23 @@ work. Run: ``gunicorn -k gthread --threads 16 -b 127.0.0.1:PORT benchmarks.passt
 
 ``orjson_app`` is the same with orjson instead of Flask's JSON (decode the body, encode the reply):
 the faster pass-through the hot path is held to (``benchmarks/filter_hotpath.py``).
+
+``floor_app`` is ``app`` plus the least that the guard's guarantee costs the control plane: one quorum GET
+of each pending pod, made ahead of the scheduler's call as the guard makes it (a watch of unscheduled pods,
+``spec.nodeName=``, on one replica; each ADDED pod read once from etcd by a pool of 16 threads over
+kept-alive connections, the guard's own GET transport ``guard.kube.transport.Connections``), with no
+verdict, cache, listing, view or metric. Its ``/filter`` is ``app``'s. It is measured beside the guard
+(``benchmarks/cpu_per_pod_real.py --floor``) to split the guard's gap to the pass-through into what any
+extender keeping "a quorum GET per pod" pays and what is the guard's own. Configured by the environment:
+``FLOOR_APISERVER`` (``https://host:port``), ``FLOOR_CA`` (CA file), ``FLOOR_TOKEN`` (bearer token).
 """
+
+import http.client
+import os
+import ssl
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import quote, urlsplit
 
 import orjson
 from flask import Flask, Response, jsonify, request
@@ -46,3 +62,55 @@ def filter_nodes_orjson():
 @orjson_app.get("/healthz")
 def healthz_orjson():
     return Response(b'{"status":"ok"}', mimetype="application/json")
+
+
+floor_app = Flask("passthrough_floor")
+floor_app.add_url_rule("/filter", view_func=filter_nodes, methods=["POST"])
+floor_app.add_url_rule("/preempt", view_func=preempt, methods=["POST"])
+floor_app.add_url_rule("/healthz", view_func=healthz, methods=["GET"])
+floor_stats = {"events": 0, "gets": 0, "get_errors": 0}
+
+
+@floor_app.get("/floor")
+def floor_counts():
+    return jsonify(floor_stats)
+
+
+def _floor_follow(url: str, ca: str, token: str) -> None:
+    """Watch unscheduled pods from now; GET every pod added, once, from etcd (no resourceVersion)."""
+    from guard.kube.transport import Connections, GetError
+
+    headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+    conns = Connections(url, {"ca_certs": ca}, keep=16)
+    pool = ThreadPoolExecutor(16, thread_name_prefix="floor-get")
+
+    def get(namespace: str, name: str) -> None:
+        try:
+            reply = conns.get(f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}",
+                              headers, 5.0)
+            floor_stats["gets" if reply.status in (200, 404) else "get_errors"] += 1
+        except GetError:
+            floor_stats["get_errors"] += 1
+
+    parts = urlsplit(url)
+    while True:
+        try:
+            http_conn = http.client.HTTPSConnection(parts.hostname, parts.port,
+                                                    context=ssl.create_default_context(cafile=ca), timeout=330)
+            http_conn.request("GET", "/api/v1/pods?watch=1&fieldSelector=spec.nodeName%3D&timeoutSeconds=300",
+                              headers=headers)
+            resp = http_conn.getresponse()
+            while line := resp.readline():
+                event = orjson.loads(line)
+                floor_stats["events"] += 1
+                meta = (event.get("object") or {}).get("metadata") or {}
+                if event.get("type") == "ADDED" and meta.get("name"):
+                    pool.submit(get, meta.get("namespace", ""), meta["name"])
+            http_conn.close()
+        except (OSError, http.client.HTTPException, ValueError):
+            threading.Event().wait(0.5)
+
+
+if os.environ.get("FLOOR_APISERVER"):
+    threading.Thread(target=_floor_follow, name="floor-watch", daemon=True,
+                     args=(os.environ["FLOOR_APISERVER"], os.environ["FLOOR_CA"], os.environ["FLOOR_TOKEN"])).start()

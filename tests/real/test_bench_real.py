@@ -29,3 +29,14 @@ def test_a_case_per_extender_and_phase_on_the_real_scheduler(real_lab, tmp_path)
     assert plain["pod_gets_per_pod"] == 0
     # the case's pods are gone, so the next case's guard does not verify them
     assert not real_lab.core_v1(0).list_namespaced_pod("backlog-1").items
+
+
+def test_the_floor_reads_every_pending_pod_from_etcd(real_lab, tmp_path):
+    """``floor`` (the pass-through plus a quorum GET per pending pod) makes the GETs it stands for:
+    at least one per pod, counted by the real apiservers (any pending pod another test left is read too),
+    and every pod is bound."""
+    bench.add_nodes(real_lab, 3, 6)  # names of its own: the lab is shared with the test above
+    floor = bench.run_case(real_lab, "floor", "live", PODS, 3, str(tmp_path), [], timeout=120)
+    assert floor["requests"]["POST/pods/binding"] >= PODS
+    assert floor["pod_gets_per_pod"] >= 1, floor["requests"]
+    assert floor["floor"]["gets"] >= PODS and floor["floor"]["get_errors"] == 0, floor["floor"]
