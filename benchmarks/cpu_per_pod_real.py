@@ -53,9 +53,11 @@ Phases:
 
 Run from the repository root (binaries: ``--kube-bin DIR``, ``$GHOST_GUARD_KUBE_BIN``, ``$KUBEBUILDER_ASSETS``):
 ``python -m benchmarks.cpu_per_pod_real [--kube-bin DIR] [--pods 500] [--nodes 100,1000] [--rounds 2]
-[--phases live,backlog] [--json FILE] [--baseline TREE] [-- GUARD FLAGS]``; ``--baseline`` adds a third
+[--phases live,backlog] [--json FILE] [--baseline TREE] [--floor] [-- GUARD FLAGS]``; ``--baseline`` adds a third
 extender, the guard of another source tree (``guard-baseline``), after the guard in each round: before and after a
-change in one run. Prints one JSON line per case on stderr and a
+change in one run; ``--floor`` adds ``floor`` (``passthrough_extender.floor_app``: the pass-through plus one quorum
+GET of each pending pod ahead of the call, what the guard's guarantee costs any extender). Prints one JSON line per
+case on stderr and a
 Markdown table (means of the rounds; the pods/s ratio also as each round's guard / pass-through pair).
 """
 
