@@ -69,11 +69,18 @@ floor_app.add_url_rule("/filter", view_func=filter_nodes, methods=["POST"])
 floor_app.add_url_rule("/preempt", view_func=preempt, methods=["POST"])
 floor_app.add_url_rule("/healthz", view_func=healthz, methods=["GET"])
 floor_stats = {"events": 0, "gets": 0, "get_errors": 0}
+_floor_lock = threading.Lock()
+
+
+def _floor_count(key: str) -> None:
+    with _floor_lock:  # 16 threads count: ``+=`` on a dict item is not atomic
+        floor_stats[key] += 1
 
 
 @floor_app.get("/floor")
 def floor_counts():
-    return jsonify(floor_stats)
+    with _floor_lock:
+        return jsonify(floor_stats)
 
 
 def _floor_follow(url: str, ca: str, token: str) -> None:
@@ -88,9 +95,9 @@ def _floor_follow(url: str, ca: str, token: str) -> None:
         try:
             reply = conns.get(f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}",
                               headers, 5.0)
-            floor_stats["gets" if reply.status in (200, 404) else "get_errors"] += 1
+            _floor_count("gets" if reply.status in (200, 404) else "get_errors")
         except GetError:
-            floor_stats["get_errors"] += 1
+            _floor_count("get_errors")
 
     parts = urlsplit(url)
     while True:
@@ -102,7 +109,7 @@ def _floor_follow(url: str, ca: str, token: str) -> None:
             resp = http_conn.getresponse()
             while line := resp.readline():
                 event = orjson.loads(line)
-                floor_stats["events"] += 1
+                _floor_count("events")
                 meta = (event.get("object") or {}).get("metadata") or {}
                 if event.get("type") == "ADDED" and meta.get("name"):
                     pool.submit(get, meta.get("namespace", ""), meta["name"])
