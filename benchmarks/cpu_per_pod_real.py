@@ -368,6 +368,9 @@ def run_case(lab: RealLab, which: str, phase: str, pods: int, n: int, tmp: str, 
         if not watch.done.wait(timeout) or watch.error or len(watch.bound) < pods:
             raise RuntimeError(f"{which} {phase}: {len(watch.bound)} of {pods} pods bound after {timeout}s "
                                f"({watch.error!r})\n{lab.scheduler.tail() if lab.scheduler else ''}")
+        if which == "floor":  # its GETs gate nothing: the window ends once it made them all, so they are counted
+            eventually(lambda: requests.get(url + "/floor", timeout=10).json()["gets"] >= pods, 120,
+                       what="the floor's GET of every pod")
         use1 = tree_usage(proc.pid)
         cp1 = sum(tree_cpu(p) for p in cp)
         sched_cpu = tree_cpu(lab.scheduler.proc.pid) if lab.scheduler and lab.scheduler.proc else float("nan")
