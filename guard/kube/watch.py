@@ -19,15 +19,32 @@ from guard.core.verdict import shows_pending
 from guard.kube.api import ApiError, open_api, status_reason
 
 
-def _pinned_refresh_hook(hook, host: str, server_name: str | None):
-    """Token refresh hooks (in-cluster and kubeconfig alike) rewrite ``configuration.host`` to the
-    Service / kubeconfig server *and* re-install themselves: put the replica and this wrapper back."""
+# What a token refresh hook may renew, taken back from the copy it ran on: the official client's API keys
+# (kubeconfig tokens, exec plugins, in-cluster tokens) and the light configuration's token.
+_CREDENTIALS = ("api_key", "api_key_prefix", "token")
+
+
+def _pinned_refresh_hook(hook):
+    """Token refresh hooks (in-cluster and kubeconfig alike) rewrite ``configuration.host`` (and the
+    TLS settings) to the Service / kubeconfig server, then re-install themselves, on every request.
+
+    Every thread calling this replica reads ``configuration.host`` when it builds a URL, so the hook
+    must never write it, not even for a moment: a request built in between went to the kubeconfig's
+    server, and another replica's cache answered for this one (seen in a loaded run: a replica's Node
+    listing answered by the other replica, the ghost Node it served never seen; a healthy replica can
+    be blamed the same way). The hook runs on a shallow copy; only the credentials it renewed are
+    taken back, each by one assignment."""
 
     def refresh(cfg):
-        hook(cfg)
-        cfg.host = host
-        cfg.tls_server_name = server_name
-        cfg.refresh_api_key_hook = refresh
+        scratch = copy.copy(cfg)
+        for name in _CREDENTIALS:
+            value = getattr(cfg, name, None)
+            if isinstance(value, dict):
+                setattr(scratch, name, dict(value))  # a hook fills the dict in place: its own copy
+        hook(scratch)
+        for name in _CREDENTIALS:
+            if hasattr(cfg, name):
+                setattr(cfg, name, getattr(scratch, name))
 
     return refresh
 
@@ -71,7 +88,7 @@ class ReplicaClient:
         cfg.connection_pool_maxsize = pool_size
         cfg.retries = False
         if getattr(base, "refresh_api_key_hook", None):
-            cfg.refresh_api_key_hook = _pinned_refresh_hook(base.refresh_api_key_hook, replica.url, server_name)
+            cfg.refresh_api_key_hook = _pinned_refresh_hook(base.refresh_api_key_hook)
         self.replica = replica
         self.timeout = timeout
         self.api = open_api(cfg)
