@@ -14,6 +14,7 @@ path under fire. The ghost (reject) path under hostile node lists is in
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -156,17 +157,20 @@ CHECKS = {"/filter": assert_filter_reply, "/preempt": assert_preempt_reply, "/va
 OVERLOADED = "(the guard's machine is overloaded); retry"
 
 
-def send(guard: GuardProcess, path: str, doc: Any, attempts: int = 5) -> requests.Response:
+def send(guard: GuardProcess, path: str, doc: Any, retry_for: float = 60.0) -> requests.Response:
     """POST ``doc``. A body over OFFLOAD_BYTES is decoded by a helper process (guard.serving.offload): on a loaded
-    machine the helper may miss the call's deadline, and the guard answers 503 "overloaded; retry" (by
-    design: the worker does not decode it itself) and replaces the helper. Such a call is retried, as
-    kube-scheduler would, at most ``attempts`` times; any other answer is returned at once."""
+    machine the helper may miss the call's deadline (or still be starting then), and the guard answers 503
+    "overloaded; retry" within its budget (by design: the worker does not decode it itself) and replaces a
+    late helper. Such a call is retried, as kube-scheduler would, for up to ``retry_for`` seconds; any other
+    answer is returned at once (each try must still answer within the client's 10 s)."""
     body = orjson.dumps(doc)
-    for _ in range(attempts):
+    deadline = time.monotonic() + retry_for
+    while True:
         resp = guard.post(path, body)
         if len(body) <= OFFLOAD_BYTES or not (resp.status_code == 503 and OVERLOADED in resp.text):
-            break
-    return resp
+            return resp
+        if time.monotonic() > deadline:
+            return resp
 
 
 # --- strategies --------------------------------------------------------------
