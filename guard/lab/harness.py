@@ -283,8 +283,9 @@ class GuardProcess:
         self.stop()
 
     def stop(self) -> None:
-        """Stop the process group (SIGTERM, SIGKILL after 10 s); the log files stay readable."""
-        stop_group(self.proc)
+        """Stop the process group (SIGTERM, SIGKILL after 30 s: the manifest's terminationGracePeriodSeconds, above
+        the guard's graceful timeout); the log files stay readable."""
+        stop_group(self.proc, term_timeout=30.0)
         self.session.close()
         self.log.close()
         self.out.close()

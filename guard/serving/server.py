@@ -20,6 +20,10 @@ from gunicorn.app.base import BaseApplication
 from guard.core.names import json_hidden_escaped
 from guard.core.settings import Settings
 
+# Seconds a SIGTERM'd worker has to finish its calls and write what its audit store holds (gunicorn's
+# graceful_timeout; the manifest's terminationGracePeriodSeconds, 30, is above it).
+GRACEFUL_TIMEOUT = 25
+
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line. An access-log record's fields (``extra={"access": {...}}``) are merged in."""
@@ -99,7 +103,10 @@ class GuardServer(BaseApplication):
             # by the worker's event loop before and after a pool thread sees it (guard/serving/connection.py).
             "worker_class": "guard.serving.worker.GuardWorker",
             "timeout": 30,
-            "graceful_timeout": 10,
+            # A SIGTERM'd worker finishes its calls, then writes the audit records it still holds (a rollout
+            # mid-flood: hundreds, guard/audit/ghostpods.py CLOSE_DEADLINE); the manifest's
+            # terminationGracePeriodSeconds (30) is above it.
+            "graceful_timeout": GRACEFUL_TIMEOUT,
             "keepalive": max(1, round(s.keepalive_timeout)),  # unused by GuardWorker (it has its own deadline)
             "worker_connections": 2 * s.max_connections,
             "accesslog": None,
