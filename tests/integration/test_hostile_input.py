@@ -162,19 +162,20 @@ def send(guard: GuardProcess, path: str, doc: Any, retry_for: float = 60.0) -> r
     machine the helper may miss the call's deadline, and the guard answers 503 "overloaded; retry" (by design:
     the worker does not decode it itself) and replaces the helper. The next large call may find the replacement
     still starting and be decoded by the worker, which on a loaded machine can take past the client's 10 s (a
-    6 MiB /preempt once took 10.8 s: a known limit, docs/RELIABILITY.md). Such a large call is retried, as
-    kube-scheduler would, for up to ``retry_for`` seconds; any other answer is returned at once, and a small
-    call is never retried."""
+    6 MiB /preempt once took 10.8 s: a known limit, docs/RELIABILITY.md): a large call is given 30 s, and
+    retried, as kube-scheduler would, for up to ``retry_for`` seconds; any other answer is returned at once,
+    and a small call is never retried."""
     body = orjson.dumps(doc)
     deadline = time.monotonic() + retry_for
+    large = len(body) > OFFLOAD_BYTES
     while True:
         try:
-            resp = guard.post(path, body)
+            resp = guard.post(path, body, timeout=30 if large else 10)  # what is checked here is the answer
         except requests.Timeout:
-            if len(body) <= OFFLOAD_BYTES or time.monotonic() > deadline:
+            if not large or time.monotonic() > deadline:
                 raise
             continue
-        if len(body) <= OFFLOAD_BYTES or not (resp.status_code == 503 and OVERLOADED in resp.text):
+        if not large or not (resp.status_code == 503 and OVERLOADED in resp.text):
             return resp
         if time.monotonic() > deadline:
             return resp
