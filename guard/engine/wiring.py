@@ -142,7 +142,10 @@ def build_guard(settings: Settings, readiness_checks: Sequence[Callable[[], str 
                      "prepare": lambda: prepare_details(preparer)},
                  closers=[cache_health.close, stop_views,
                           *([nodes.close] if nodes is not None else []),
-                          *([healer.close] if healer is not None else [])])
+                          *([healer.close] if healer is not None else []),
+                          # last: a ghost's follow-up still running records its block, and skips its probe round
+                          # quietly (at the interpreter's exit the probe pool is shut under it: an error line)
+                          incidents.close])
 
 
 def ghost_tier(pod: PodRef, incidents: IncidentRecorder, preparer: Preparer | None) -> str:

@@ -38,6 +38,7 @@ def test_a_rollout_of_both_guards_mid_flood_loses_no_record(lab_factory, start_g
     blocked: set[tuple[str, str]] = set()
     unanswered: list[int] = []
     backlogs: list[float] = []  # records waiting in each old guard when it was stopped
+    stopped = []
     session = requests.Session()
 
     def send(i: int) -> None:
@@ -70,6 +71,7 @@ def test_a_rollout_of_both_guards_mid_flood_loses_no_record(lab_factory, start_g
             old.stop()  # SIGTERM: the old guard writes what it has pending, then exits
             with lock:
                 backlogs.append(backlog)
+                stopped.append(old)
             new = start_guard(args(10 + k))
             with lock:
                 guards.insert(k, new)
@@ -102,4 +104,8 @@ def test_a_rollout_of_both_guards_mid_flood_loses_no_record(lab_factory, start_g
               f"{time.monotonic() - t0:.1f}s")
     assert all(b > 0 for b in backlogs), backlogs  # the rollout really came with records still to write
     assert lost == set()
+    # Stopped mid-flood, each old guard logged no error (its ghosts' follow-ups in flight at the exit included).
+    for old in stopped:
+        errors = [line for line in old.logs(tail=None).splitlines() if '"level":"error"' in line]
+        assert not errors, errors[:3]
     session.close()
