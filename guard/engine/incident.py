@@ -72,6 +72,11 @@ def announce_new_ghost(record: AuditRecord) -> None:
         log.warning("cannot write new-ghost line: %s", e)
 
 
+# A replica whose cache probe got no answer (a timeout on a loaded machine, a replica restarting) is asked again
+# this many times, this many seconds apart; then the ghost's next sighting past --reprobe-interval asks it.
+PROBE_RETRIES = 3
+PROBE_RETRY_DELAY = 1.0
+
 class IncidentRecorder:
     """Every piece of incident state is keyed by the ghost's identity (a PodRef: namespace, name, UID).
 
@@ -194,9 +199,11 @@ class IncidentRecorder:
             return None
         return self._probe_round(pod, confirm=confirm)
 
-    def _probe_round(self, pod: PodRef, *, confirm: bool) -> list[ReplicaObservation]:
-        """One parallel probe of every replica, for a ghost etcd was just asked about."""
-        clients = self.pool.clients()
+    def _probe_round(self, pod: PodRef, *, confirm: bool, clients: list[ReplicaClient] | None = None,
+                     attempt: int = 0) -> list[ReplicaObservation]:
+        """One parallel probe of every replica (or of ``clients``), for a ghost etcd was just asked about. A
+        replica that gave no answer is asked again, PROBE_RETRIES times at most, PROBE_RETRY_DELAY apart."""
+        clients = self.pool.clients() if clients is None else clients
         now = time.time()
         try:
             observations = list(self._probes.map(lambda c: c.probe(pod.namespace, pod.name, pod.uid, at=now), clients))
@@ -218,9 +225,19 @@ class IncidentRecorder:
         serving = [(c, o) for c, o in zip(clients, observations) if o.serves_ghost]
         if serving and confirm:
             self._later(self.settings.stale_confirm_delay, self._confirm, pod, serving)
+        unanswered = [c for c, o in zip(clients, observations) if o.serves_ghost is None]
+        if unanswered and attempt < PROBE_RETRIES:
+            self._later(PROBE_RETRY_DELAY, self._retry_round, pod, unanswered, attempt + 1, confirm)
         return observations
 
-    def _confirm(self, pod: PodRef, first: list[tuple[ReplicaClient, ReplicaObservation]]) -> None:
+    def _retry_round(self, pod: PodRef, clients: list[ReplicaClient], attempt: int, confirm: bool) -> None:
+        """The replicas that gave no answer, asked again (etcd first, as every round): those still known."""
+        known = {c.replica.address for c in self.pool.clients()}
+        clients = [c for c in clients if c.replica.address in known]
+        if clients and self.truth(pod):
+            self._probe_round(pod, confirm=confirm, clients=clients, attempt=attempt)
+
+    def _confirm(self, pod: PodRef, first: list[tuple[ReplicaClient, ReplicaObservation]], attempt: int = 0) -> None:
         if not self.truth(pod):  # etcd again: the verdict may have been withdrawn meanwhile
             return
         for client, before in first:
@@ -229,6 +246,9 @@ class IncidentRecorder:
             self._record_probe(pod, after)
             if after.serves_ghost is False:
                 self._healed(pod, after.replica)
+                continue
+            if after.serves_ghost is None and attempt < PROBE_RETRIES:  # no answer: this confirmation again
+                self._later(PROBE_RETRY_DELAY, self._confirm, pod, [(client, before)], attempt + 1)
                 continue
             if after.serves_ghost:
                 advanced = attribution.missed_delete(before.cache_resource_version, after.cache_resource_version, True)

@@ -242,6 +242,7 @@ class ReplicaModel:
         self.events: deque = deque()
         etcd.watchers.append(self.events)
         self.cache: dict[str, dict] = {}  # name -> object as this replica serves it
+        self.unanswered = 0  # the next this many cache probes get no answer (a timeout)
 
     def deliver(self) -> dict | None:
         if not self.events:
@@ -276,6 +277,9 @@ class ReplicaModel:
 
     # the ReplicaClient surface the incident recorder uses
     def probe(self, namespace: str, name: str, uid: str, *, at: float) -> ReplicaObservation:
+        if self.unanswered > 0:
+            self.unanswered -= 1
+            return ReplicaObservation(self.replica.address, None, None, "timeout: after 0.5s", at)
         obj = self.cache.get(name)
         return ReplicaObservation(self.replica.address, shows_pending([obj] if obj else [], uid),
                                   str(len(self.cache)), None, at)

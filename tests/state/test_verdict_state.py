@@ -16,7 +16,7 @@ from scripted import (Call, Etcd, EtcdKube, FakeClock, NS, Pool, ReplicaModel, S
 
 from guard.audit.sqlite import AuditStore
 from guard.engine.checker import Checker, CheckerEvents, Events
-from guard.engine.incident import IncidentRecorder
+from guard.engine.incident import PROBE_RETRIES, PROBE_RETRY_DELAY, IncidentRecorder
 from guard.engine.prepare import Preparer
 from guard.engine.replica_views import ReplicaView
 from guard.core.verdict import Decision, Verdict
@@ -313,6 +313,56 @@ def test_a_replica_serving_the_live_pod_is_never_blamed(world, audit):
     assert record.evidence["quorum_get"] == {"outcome": "found", "http_status": 200, "uid": b, "node_name": None,
                                              "deletion_timestamp": None, "resource_version": str(etcd.revision)}
     assert check(checker, pod("web-0", b)).verdict is Verdict.ALIVE
+
+
+def run_due(delays: list) -> list[str]:
+    """Run the timers asked for so far, in order (and any they ask for); the names of what ran."""
+    ran = []
+    while delays:
+        _, fn, args = delays.pop(0)
+        ran.append(args[0].__name__ if fn.__name__ == "_run_safely" else fn.__name__)
+        fn(*args)
+    return ran
+
+
+@pytest.mark.parametrize("unanswered,at", [(1, "round"), (3, "round"), (1, "confirmation"), (3, "confirmation")])
+def test_a_probe_with_no_answer_is_asked_again_and_the_stale_replica_named(world, audit, unanswered, at):
+    """A probe that times out (a loaded machine) does not leave the ghost unattributed until its next sighting
+    past --reprobe-interval: the replica is asked again, PROBE_RETRIES times at most."""
+    etcd, gets, clock, checker = world
+    stale, healthy = ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)
+    a = etcd.create("web-0")
+    stale.deliver(), healthy.deliver()
+    etcd.delete("web-0")
+    healthy.deliver()  # the stale replica lost the DELETE
+    rec, delays = recorder(checker, etcd, [stale, healthy], audit)
+    if at == "round":
+        stale.unanswered = unanswered
+        assert check(checker, pod("web-0", a)).verdict is Verdict.GHOST_DELETED
+    else:
+        assert check(checker, pod("web-0", a)).verdict is Verdict.GHOST_DELETED
+        stale.unanswered = unanswered
+    assert delays and all(d in (checker.settings.stale_confirm_delay, PROBE_RETRY_DELAY) for d, _, _ in delays)
+    ran = run_due(delays)
+    assert ran.count("_retry_round" if at == "round" else "_confirm") == unanswered + (at == "confirmation")
+    (record,) = audit.records()
+    assert record.stale_replicas == ["10.0.0.1:6443"]
+
+
+def test_a_replica_that_never_answers_is_asked_a_bounded_number_of_times_and_never_named(world, audit):
+    etcd, gets, clock, checker = world
+    stale, silent = ReplicaModel("10.0.0.1:6443", etcd), ReplicaModel("10.0.0.2:6443", etcd)
+    a = etcd.create("web-0")
+    stale.deliver(), silent.deliver()
+    etcd.delete("web-0")
+    silent.deliver()
+    silent.unanswered = 100
+    rec, delays = recorder(checker, etcd, [stale, silent], audit)
+    assert check(checker, pod("web-0", a)).verdict is Verdict.GHOST_DELETED
+    ran = run_due(delays)
+    assert ran.count("_retry_round") == PROBE_RETRIES and silent.unanswered == 100 - 1 - PROBE_RETRIES
+    (record,) = audit.records()
+    assert record.stale_replicas == ["10.0.0.1:6443"]  # the silent one is not blamed
 
 
 def test_a_probe_round_that_runs_into_the_close_is_skipped_quietly(world, audit, caplog):
