@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 
 from guard import metrics
 from guard.core import attribution
@@ -207,8 +207,8 @@ class IncidentRecorder:
         now = time.time()
         try:
             observations = list(self._probes.map(lambda c: c.probe(pod.namespace, pod.name, pod.uid, at=now), clients))
-        except RuntimeError:  # "cannot schedule new futures after shutdown": a follow-up that ran into the close
-            if not self._closed:
+        except (RuntimeError, CancelledError):  # a follow-up that ran into the close: "cannot schedule new futures
+            if not self._closed:                 # after shutdown", or its probes cancelled by it
                 raise
             log.debug("probe round for %s/%s skipped: the guard is stopping", pod.namespace, pod.name)
             return []

@@ -202,7 +202,7 @@ def test_200_recreates_under_the_same_names_block_no_live_pod_and_blame_no_repli
             life.racing = True
             before = stat(sched.stats(), key).unschedulable
             delete(life)
-            answered = eventually(lambda: stat(sched.stats(), key).unschedulable > before and time.time(), 5,
+            answered = eventually(lambda: stat(sched.stats(), key).unschedulable > before and time.time(), 30,
                                   what=f"the late /filter for {key} rejected", interval=0.002)
             make(name)
             late_calls.append(current[name].created - answered)

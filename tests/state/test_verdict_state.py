@@ -9,6 +9,7 @@ event arrives before which.
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 from scripted import (Call, Etcd, EtcdKube, FakeClock, NS, Pool, ReplicaModel, ScriptedGets, answer_prepared, check,
@@ -379,6 +380,39 @@ def test_a_probe_round_that_runs_into_the_close_is_skipped_quietly(world, audit,
         assert rec.probe(pod("web-0", a)) == []
     assert not [r for r in caplog.records if r.levelno >= 30], caplog.text
     assert delays == [] and audit.records() == []
+
+
+def test_a_probe_round_whose_probes_the_close_cancels_is_skipped_quietly(world, audit, caplog):
+    """At the worker's exit the recorder is closed while a round is in flight: its probe pool's queued probes are
+    cancelled (CancelledError in the round): no error line, nobody blamed. More replicas than the pool's 8
+    threads, each probe held until the close, so some probes are still queued when it comes."""
+    etcd, gets, clock, checker = world
+    a = etcd.create("web-0")
+    held, started = threading.Event(), threading.Semaphore(0)
+
+    class Held(ReplicaModel):
+        def probe(self, namespace, name, uid, *, at):
+            started.release()
+            held.wait(10)
+            return super().probe(namespace, name, uid, at=at)
+
+    replicas = [Held(f"10.0.0.{i}:6443", etcd) for i in range(1, 11)]
+    for r in replicas:
+        r.deliver()
+    etcd.delete("web-0")
+    rec, delays = recorder(checker, etcd, replicas, audit)
+    out: list = []
+    with caplog.at_level("DEBUG"):
+        t = threading.Thread(target=lambda: out.append(rec.probe(pod("web-0", a))))
+        t.start()
+        for _ in range(8):  # every pool thread holds a probe; the other two wait in the queue
+            assert started.acquire(timeout=10)
+        rec.close()
+        held.set()
+        t.join(10)
+    assert out == [[]]
+    assert not [r for r in caplog.records if r.levelno >= 30], caplog.text
+    assert delays == [] and [rec_.stale_replicas for rec_ in audit.records()] == []
 
 
 def test_a_ghost_verdict_contradicted_by_etcd_is_withdrawn_and_nobody_is_blamed(world, audit):
