@@ -77,9 +77,11 @@ class NoFaultProxy:
                            f"or guard.lab.real.etcdproxy is missing): no faults.{name}")
 
 
-def _tail(path: str | Path, lines: int = 30) -> str:
+def _tail(path: str | Path, lines: int = 30, offset: int = 0) -> str:
+    """The last ``lines`` lines of the file from byte ``offset`` on ("" if it cannot be read)."""
     try:
         with open(path, "rb") as f:
+            f.seek(offset)
             return b"".join(f.readlines()[-lines:]).decode(errors="replace")
     except OSError:
         return ""
@@ -138,12 +140,7 @@ class _Process:
 
     def tail_of_launch(self, lines: int = 30) -> str:
         """The last lines this launch wrote (not an earlier launch's)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self.log_offset)
-                return b"".join(f.readlines()[-lines:]).decode(errors="replace")
-        except OSError:
-            return ""
+        return _tail(self.log_path, lines, self.log_offset)
 
 
 class RealReplica:
