@@ -15,15 +15,15 @@ import threading
 
 import pytest
 
-from guard.core.settings import Replica
+from guard.core.settings import Replica, parse_replicas
 from guard.kube.config import load_configuration
 from guard.kube.watch import ReplicaClient
 from guard.lab.harness import pod_manifest
 
 
 def replica(lab, i: int) -> Replica:
-    url = lab.urls[i]
-    return Replica(url.removeprefix("https://"), url)
+    (one,) = parse_replicas(lab.urls[i])  # as --apiserver-replicas makes it
+    return one
 
 
 @pytest.fixture
