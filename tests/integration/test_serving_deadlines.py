@@ -238,7 +238,9 @@ def test_100_hostile_connections_never_hold_a_thread(scheme, shared_lab, live_po
           f"p50 {statistics.median(latencies) * 1000:.1f} ms, p99 {measured * 1000:.1f} ms, "
           f"max {max(latencies) * 1000:.1f} ms; closed by the guard: {closed}, the last of each kind after "
           f"{attack.last_closed()} s")
-    assert len(latencies) >= 20
+    # Each call is a check of its own (one behind a held thread waits >= HANDSHAKE); how many fit in the 1.8 s is
+    # the machine's load (15 on a loaded 2-core run, where the old floor of 20 failed): a few suffice.
+    assert len(latencies) >= 3
     assert max(latencies) < HELD_BOUND, f"a call waited {max(latencies) * 1000:.1f} ms: behind a held thread?"
     assert closed == MIX, f"hostile connections still open past their deadlines: {closed} of {MIX}"
 
