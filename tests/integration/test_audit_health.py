@@ -85,8 +85,18 @@ class Verdicts:
 
     def check(self) -> None:
         self.n += 1
-        ghost = self.g.post("/filter", pod(self.namespace, f"ghost-{self.n}", str(uuid.uuid4())))
-        assert ghost.status_code == 200 and rejected(ghost.json()), ghost.text
+        name, uid = f"ghost-{self.n}", str(uuid.uuid4())
+
+        def blocked() -> bool:
+            ghost = self.g.post("/filter", pod(self.namespace, name, uid))
+            assert ghost.status_code == 200, ghost.text
+            return rejected(ghost.json())
+
+        # The ghost's quorum GET may time out on a loaded machine (seen once: the answer fails open, as designed,
+        # and kube-scheduler asks again): asked again; a pass is only ever that fail-open, never a verdict.
+        eventually(blocked, 30, what=f"ghost {name} rejected", interval=0.1, process=self.g)
+        verdicts = {r.get("verdict") for r in self.g.log_records("guard.access") if r.get("uid") == uid}
+        assert verdicts <= {"unknown", "ghost-deleted"}, verdicts
         live = self.g.post("/filter", pod(self.namespace, "live", self.live.metadata.uid))
         assert live.status_code == 200 and live.json()["NodeNames"] == NAMES, live.text
 
