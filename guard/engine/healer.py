@@ -36,6 +36,7 @@ from guard.core.verdict import QuorumRead, ReadStatus, pending_in_etcd
 log = logging.getLogger("guard.heal")
 
 REFUSED_STATUSES = (400, 403, 422)  # admission (webhooks, Pod Security, quota), policy, validation
+UNREADABLE_READS = 3  # failed reads in a row before a heal's wait gives up on a replica (its own read timeout each)
 
 
 class _Replan(Exception):
@@ -86,14 +87,20 @@ class Healer:
 
     def _wait(self, clients: Sequence[ReplicaClient], namespace: str, name: str, done: Callable[[CacheView], bool],
               deadline: float, since: float, first_ok: dict[str, float]) -> list[CacheView]:
-        """Poll every replica until each reachable one is ``done`` or ``deadline``; note when each first was."""
+        """Poll every replica until each is ``done`` or ``deadline``; note when each first was.
+
+        A replica whose read fails is read again: it is given up on (left unreadable in the answer) only after
+        ``UNREADABLE_READS`` failed reads in a row, so one read timing out under load does not fail a heal that
+        every replica followed."""
+        failed: dict[str, int] = {}
         while True:
             views = self._observe(clients, namespace, name)
             now = time.monotonic()
             for v in views:
                 if done(v):
                     first_ok.setdefault(v.replica, now - since)
-            if all(done(v) for v in views if v.reachable) or now >= deadline:
+                failed[v.replica] = 0 if v.reachable else failed.get(v.replica, 0) + 1
+            if all(done(v) if v.reachable else failed[v.replica] >= UNREADABLE_READS for v in views) or now >= deadline:
                 return views
             time.sleep(min(self.poll, max(0.0, deadline - now)))
 
