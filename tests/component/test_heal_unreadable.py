@@ -18,11 +18,6 @@ from guard.lab.harness import eventually, make_ghost
 PODS = "/api/v1/namespaces/default/pods"
 
 
-def cached(lab, replica: int, name: str) -> list[str]:
-    return [p.metadata.uid for p in lab.core_v1(replica).list_namespaced_pod(
-        "default", field_selector=f"metadata.name={name}", resource_version="0", _request_timeout=5).items]
-
-
 def heal_with_replica_2_failing(lab, count: int | None):
     """Heal a ghost of replica 1; once replicas 0 and 1 have dropped it after the placeholder's delete, replica 2's
     cache reads of the name answer 503 (``count`` of them, or all): the wait's first round sees 0 and 1 done and 2
@@ -36,8 +31,8 @@ def heal_with_replica_2_failing(lab, count: int | None):
 
     def progress(line: str) -> None:
         if "placeholder deleted" in line:
-            eventually(lambda: not cached(lab, 0, "web-0") and not cached(lab, 1, "web-0"), 10,
-                       what="replicas 0 and 1 dropping the ghost")
+            eventually(lambda: lab.cached_pod(0, "default", "web-0") is None
+                       and lab.cached_pod(1, "default", "web-0") is None, 10, what="replicas 0 and 1 dropping the ghost")
             rules.append(lab.replicas[2].faults.add("status", method="GET", path=PODS, status=503, count=count,
                                                     query=".*resourceVersion=0.*"))
 
