@@ -273,6 +273,12 @@ class GuardProcess:
                 found.append(record)
         return found
 
+    def verdicts(self, uid: str, *, since: float = 0.0) -> list[str]:
+        """The verdicts of the calls about pod ``uid`` (its access log lines after ``since``, epoch seconds), in
+        order; ``unknown`` is an answer the guard failed open on."""
+        return [r["verdict"] for r in self.log_records("guard.access")
+                if r.get("uid") == uid and "verdict" in r and r.get("time", 0) > since]
+
     def stdout(self) -> str:
         return self._flushed(self.out).read_text(errors="replace")
 

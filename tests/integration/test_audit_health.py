@@ -95,7 +95,7 @@ class Verdicts:
         # The ghost's quorum GET may time out on a loaded machine (seen once: the answer fails open, as designed,
         # and kube-scheduler asks again): asked again; a pass is only ever that fail-open, never a verdict.
         eventually(blocked, 30, what=f"ghost {name} rejected", interval=0.1, process=self.g)
-        verdicts = {r.get("verdict") for r in self.g.log_records("guard.access") if r.get("uid") == uid}
+        verdicts = set(self.g.verdicts(uid))
         assert verdicts <= {"unknown", "ghost-deleted"}, verdicts
         live = self.g.post("/filter", pod(self.namespace, "live", self.live.metadata.uid))
         assert live.status_code == 200 and live.json()["NodeNames"] == NAMES, live.text

@@ -289,8 +289,7 @@ def test_worker_killed_mid_request(lab, guard, ns):
     seconds_until("the cached ghost rejected by the new worker", lambda: assert_rejected(
         filter_once(guard, ns, "cached", s.cached_uid, "after worker SIGKILL"), ns, "cached") is None,
         deadline=WORKER_BOOT_DEADLINE)
-    verdicts = {e.get("verdict") for e in guard.log_records()
-                if e.get("uid") == s.cached_uid and e.get("time", 0) > killed}
+    verdicts = set(guard.verdicts(s.cached_uid, since=killed))
     assert verdicts <= {"unknown", "ghost-deleted"}, verdicts
     s.recovered("worker SIGKILL")
 
